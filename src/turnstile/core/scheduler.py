@@ -1,0 +1,338 @@
+"""The scheduler core: the turn state machine, driven by events, asking policies for decisions.
+
+    PENDING ──parents done──► READY ──release policy──► RELEASED ──engine──► RUNNING
+                                                                              │
+                      DONE ◄──tool returns── TOOL ◄──finished, has tools──────┤
+                       ▲                                                      │
+                       └──────────────finished, no tools──────────────────────┘
+
+The core never reads a clock: every event carries its time, supplied by the driver (the
+simulator's virtual clock or the gateway's wall clock). Each event method returns the actions
+the driver must carry out (:class:`Release`, :class:`Retain`). Both drivers call the same
+methods with the same policy objects; that is what makes "simulate, then deploy" true.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, TurnState, WorkflowRecord
+from turnstile.policies import PolicySet
+from turnstile.policies.base import RetentionDecision
+from turnstile.workload.model import Turn, Workflow
+
+
+class SchedulerError(RuntimeError):
+    """An event that contradicts the state machine (a driver bug), with the turn it concerns."""
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Send ``turn`` to ``engine`` with admission ``priority`` (lower runs first)."""
+
+    turn: TurnRecord
+    engine: str
+    priority: float
+
+
+@dataclass(frozen=True, slots=True)
+class Retain:
+    """Keep (or offload, or drop) ``turn``'s session KV on ``engine`` during its tool call."""
+
+    turn: TurnRecord
+    engine: str
+    decision: RetentionDecision
+
+
+Action = Release | Retain
+_NO_ACTIONS: list[Action] = []
+
+
+class Scheduler:
+    """Turn state machine plus policy calls. One instance per driver run.
+
+    ``on_workflow_done`` is called once per finished workflow (for streaming metrics); with
+    ``forget_finished`` the records are then dropped so memory stays bounded on long runs.
+    """
+
+    def __init__(
+        self,
+        policies: PolicySet,
+        engines: Sequence[EngineLoad | str],
+        *,
+        on_workflow_done: Callable[[WorkflowRecord], None] | None = None,
+        forget_finished: bool = False,
+        prior_output_tokens: float = 256.0,
+    ) -> None:
+        if not engines:
+            raise ValueError("a scheduler needs at least one engine")
+        self.policies = policies
+        self.release = policies.release
+        self.routing = policies.routing
+        self.admission = policies.admission
+        self.retention = policies.retention
+        self.view = ClusterView(
+            [e if isinstance(e, EngineLoad) else EngineLoad(e) for e in engines]
+        )
+        self.workflows: dict[str, WorkflowRecord] = {}
+        self.on_workflow_done = on_workflow_done
+        self.forget_finished = forget_finished
+        self.active_workflows = 0
+        self.finished_workflows = 0
+        self.released_total = 0
+        # running mean of observed output lengths: the core's only work estimate, learned online
+        self._out_sum = prior_output_tokens
+        self._out_n = 1
+
+    # ------------------------------------------------------------------ events
+    def workflow_arrived(self, now: float, workflow: Workflow) -> list[Action]:
+        """A workflow whose turns are known (simulator, replay): its root turns become READY."""
+        wf = self._new_workflow(workflow.id, now, workflow.tenant, workflow)
+        n = len(workflow.turns)
+        wf.turns = [TurnRecord(wf, i, t) for i, t in enumerate(workflow.turns)]
+        wf.remaining = n
+        if not workflow.is_chain:
+            wf.children = [[] for _ in range(n)]
+            wf.pending_parents = [0] * n
+            for i in range(n):
+                for p in workflow.parents_of(i):
+                    wf.children[p].append(i)
+                    wf.pending_parents[i] += 1
+        for rec in wf.turns:
+            if rec.index == 0 or (wf.children is not None and wf.pending_parents[rec.index] == 0):
+                self._make_ready(rec, now)
+        return self._release(now)
+
+    def open_session(self, now: float, session_id: str, tenant: str = "default") -> None:
+        """An open-ended session (gateway): turns are added with :meth:`turn_ready`."""
+        self._new_workflow(session_id, now, tenant, None)
+
+    def turn_ready(
+        self, now: float, session_id: str, turn: Turn
+    ) -> tuple[TurnRecord, list[Action]]:
+        """The next turn of an open session arrived; the previous turn's tool call has ended."""
+        wf = self._get(session_id)
+        if wf.source is not None:
+            raise SchedulerError(f"workflow {session_id!r} has known turns; use tool_finished")
+        if wf.done:
+            raise SchedulerError(f"session {session_id!r} is closed")
+        if wf.turns:
+            prev = wf.turns[-1]
+            if prev.state == TurnState.TOOL:
+                self._tool_done(prev, now)
+            elif prev.state != TurnState.DONE:
+                raise SchedulerError(f"{prev!r}: a session runs one turn at a time")
+        rec = TurnRecord(wf, len(wf.turns), turn)
+        wf.turns.append(rec)
+        wf.remaining += 1
+        self._make_ready(rec, now)
+        return rec, self._release(now)
+
+    def close_session(self, now: float, session_id: str) -> list[Action]:
+        """An open session will send no more turns; it finishes when its last turn does."""
+        wf = self._get(session_id)
+        wf.closed = True
+        if wf.turns and wf.turns[-1].state == TurnState.TOOL:
+            # the last turn's tool result never came back as a new turn
+            return self.tool_finished(now, session_id, wf.turns[-1].index)
+        if wf.remaining == 0 and not wf.done:
+            self._workflow_done(wf, now)
+        return _NO_ACTIONS
+
+    def turn_started(self, now: float, workflow_id: str, index: int) -> None:
+        rec = self._turn(workflow_id, index)
+        if rec.state != TurnState.RELEASED:
+            raise SchedulerError(f"{rec!r} started but was not released")
+        rec.state = TurnState.RUNNING
+        rec.started_s = now
+
+    def turn_first_token(self, now: float, workflow_id: str, index: int) -> None:
+        rec = self._turn(workflow_id, index)
+        if rec.state not in (TurnState.RELEASED, TurnState.RUNNING):
+            raise SchedulerError(f"{rec!r} produced a token but is not running")
+        if rec.first_token_s < 0:
+            rec.first_token_s = now
+
+    def turn_finished(
+        self, now: float, workflow_id: str, index: int, output_tokens: int | None = None
+    ) -> list[Action]:
+        """The engine finished the turn (the driver may pass the real output length)."""
+        rec = self._turn(workflow_id, index)
+        if rec.state == TurnState.RELEASED:  # a driver that does not report starts
+            rec.state = TurnState.RUNNING
+            rec.started_s = now
+        if rec.state != TurnState.RUNNING:
+            raise SchedulerError(f"{rec!r} finished but was not running")
+        if output_tokens is not None:
+            rec.output_tokens = output_tokens
+        rec.finished_s = now
+        if rec.first_token_s < 0:
+            rec.first_token_s = now
+        engine = self.view[rec.engine]  # type: ignore[index]
+        charged = rec.charged_tokens
+        engine.outstanding_turns -= 1
+        engine.outstanding_tokens -= charged
+        self.view.released_turns -= 1
+        self.view.released_tokens -= charged
+        wf = rec.workflow
+        wf.attained_tokens += rec.prompt_tokens + rec.output_tokens
+        wf.last_engine = engine.id
+        self._out_sum += rec.output_tokens
+        self._out_n += 1
+        self.release.on_finished(rec, now)
+        actions: list[Action] = []
+        if rec.turn.tools or wf.source is None:
+            # open sessions: the client may be running a tool; the next request tells
+            rec.state = TurnState.TOOL
+            if wf.paused_engine is not None:  # a DAG with several turns in tool calls
+                self._resume(wf)
+            wf.paused_engine = engine.id
+            wf.paused_tokens = rec.prompt_tokens + rec.output_tokens
+            engine.paused_context_tokens += wf.paused_tokens
+            engine.cached_sessions.add(wf.id)
+            decision = self.retention.on_tool_start(rec, engine, now)
+            actions.append(Retain(rec, engine.id, decision))
+        else:
+            self._turn_done(rec, now)
+        actions.extend(self._release(now))
+        return actions
+
+    def tool_finished(self, now: float, workflow_id: str, index: int) -> list[Action]:
+        """The tool calls after turn ``index`` returned: dependent turns may become READY."""
+        rec = self._turn(workflow_id, index)
+        if rec.state != TurnState.TOOL:
+            raise SchedulerError(f"{rec!r} is not in a tool call")
+        self._tool_done(rec, now)
+        return self._release(now)
+
+    def engine_stats(
+        self,
+        now: float,
+        engine_id: str,
+        *,
+        queue_len: int | None = None,
+        running: int | None = None,
+        kv_used_frac: float | None = None,
+        healthy: bool | None = None,
+    ) -> list[Action]:
+        """Stats reported by an engine; a recovered engine may unblock held turns."""
+        e = self.view[engine_id]
+        if queue_len is not None:
+            e.queue_len = queue_len
+        if running is not None:
+            e.running = running
+        if kv_used_frac is not None:
+            e.kv_used_frac = kv_used_frac
+        if healthy is not None:
+            e.healthy = healthy
+        return self._release(now)
+
+    def tick(self, now: float) -> list[Action]:
+        """No event, but a policy timer (see :meth:`next_wakeup`) expired."""
+        return self._release(now)
+
+    def next_wakeup(self, now: float) -> float | None:
+        return self.release.next_wakeup(now)
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def held_turns(self) -> int:
+        return len(self.release)
+
+    @property
+    def mean_output_tokens(self) -> float:
+        return self._out_sum / self._out_n
+
+    # --------------------------------------------------------------- internals
+    def _new_workflow(
+        self, wf_id: str, now: float, tenant: str, source: Workflow | None
+    ) -> WorkflowRecord:
+        if wf_id in self.workflows:
+            raise SchedulerError(f"workflow {wf_id!r} arrived twice")
+        wf = WorkflowRecord(wf_id, now, tenant, source)
+        self.workflows[wf_id] = wf
+        self.active_workflows += 1
+        return wf
+
+    def _get(self, wf_id: str) -> WorkflowRecord:
+        try:
+            return self.workflows[wf_id]
+        except KeyError:
+            raise SchedulerError(f"unknown workflow {wf_id!r}") from None
+
+    def _turn(self, wf_id: str, index: int) -> TurnRecord:
+        wf = self._get(wf_id)
+        if not 0 <= index < len(wf.turns):
+            raise SchedulerError(f"workflow {wf_id!r} has no turn {index}")
+        return wf.turns[index]
+
+    def _make_ready(self, rec: TurnRecord, now: float) -> None:
+        rec.state = TurnState.READY
+        rec.ready_s = now
+        self.view.ready_turns += 1
+        self.release.add(rec, now)
+
+    def _release(self, now: float) -> list[Action]:
+        if not len(self.release):
+            return _NO_ACTIONS
+        out: list[Action] = []
+        view = self.view
+        for rec in self.release.select(view, now):
+            if rec.state != TurnState.READY:
+                raise SchedulerError(f"release policy returned {rec!r}, which is not READY")
+            engine_id = self.routing.route(rec, view, now)
+            engine = view[engine_id]
+            wf = rec.workflow
+            if wf.paused_engine is not None:
+                self._resume(wf)  # the paused session stops counting as shadow load
+            work = rec.prompt_tokens + int(self._out_sum / self._out_n)
+            rec.charged_tokens = work
+            rec.state = TurnState.RELEASED
+            rec.released_s = now
+            rec.engine = engine_id
+            rec.priority = self.admission.priority(rec, engine, now)
+            engine.outstanding_turns += 1
+            engine.outstanding_tokens += work
+            view.ready_turns -= 1
+            view.released_turns += 1
+            view.released_tokens += work
+            self.released_total += 1
+            out.append(Release(rec, engine_id, rec.priority))
+        return out
+
+    def _resume(self, wf: WorkflowRecord) -> None:
+        engine = self.view[wf.paused_engine]  # type: ignore[index]
+        engine.paused_context_tokens -= wf.paused_tokens
+        engine.cached_sessions.discard(wf.id)
+        wf.paused_engine = None
+        wf.paused_tokens = 0
+
+    def _tool_done(self, rec: TurnRecord, now: float) -> None:
+        self.retention.on_tool_end(rec, now)
+        self._turn_done(rec, now)
+
+    def _turn_done(self, rec: TurnRecord, now: float) -> None:
+        rec.state = TurnState.DONE
+        wf = rec.workflow
+        wf.remaining -= 1
+        if wf.children is not None:
+            for c in wf.children[rec.index]:
+                wf.pending_parents[c] -= 1
+                if wf.pending_parents[c] == 0:
+                    self._make_ready(wf.turns[c], now)
+        elif rec.index + 1 < len(wf.turns) and wf.source is not None:
+            self._make_ready(wf.turns[rec.index + 1], now)
+        if wf.remaining == 0 and wf.closed:
+            self._workflow_done(wf, now)
+
+    def _workflow_done(self, wf: WorkflowRecord, now: float) -> None:
+        wf.finished_s = now
+        if wf.paused_engine is not None:
+            self._resume(wf)
+        self.active_workflows -= 1
+        self.finished_workflows += 1
+        if self.on_workflow_done is not None:
+            self.on_workflow_done(wf)
+        if self.forget_finished:
+            del self.workflows[wf.id]

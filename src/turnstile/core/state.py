@@ -1,0 +1,200 @@
+"""Scheduler state: turn and workflow records, and the read-only cluster view policies see.
+
+Records are mutable and owned by :class:`turnstile.core.scheduler.Scheduler`; policies receive
+them to *read* (attained service, ages, engines) and never write them. Plain ``__slots__``
+classes keep the hot path allocation-light.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from enum import IntEnum
+
+from turnstile.workload.model import Turn, Workflow
+
+
+class TurnState(IntEnum):
+    PENDING = 0  # waiting for its parents (and their tool calls)
+    READY = 1  # could run now; held by the release policy
+    RELEASED = 2  # sent to an engine, queued there
+    RUNNING = 3  # the engine started prefilling it
+    TOOL = 4  # finished; its tool calls are running
+    DONE = 5  # finished, tools returned
+
+
+class TurnRecord:
+    """One turn's life in the scheduler. Times are in the driver's clock (seconds)."""
+
+    __slots__ = (
+        "charged_tokens",
+        "engine",
+        "finished_s",
+        "first_token_s",
+        "index",
+        "key",
+        "output_tokens",
+        "priority",
+        "ready_s",
+        "released_s",
+        "started_s",
+        "state",
+        "turn",
+        "workflow",
+    )
+
+    def __init__(self, workflow: WorkflowRecord, index: int, turn: Turn) -> None:
+        self.workflow = workflow
+        self.index = index
+        self.turn = turn
+        self.state = TurnState.PENDING
+        self.ready_s = -1.0
+        self.released_s = -1.0
+        self.started_s = -1.0
+        self.first_token_s = -1.0
+        self.finished_s = -1.0
+        self.engine: str | None = None
+        self.priority = 0.0
+        #: actual output tokens (from the engine); the trace's value until it finishes
+        self.output_tokens = turn.output_tokens
+        #: work charged to the engine and the released-work counter at release (tokens)
+        self.charged_tokens = 0
+        #: opaque slot a release policy may use to find the turn in its own queue
+        self.key: object = None
+
+    @property
+    def workflow_id(self) -> str:
+        return self.workflow.id
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.turn.prompt_tokens
+
+    def __repr__(self) -> str:
+        return f"<Turn {self.workflow.id}#{self.index} {self.state.name}>"
+
+
+class WorkflowRecord:
+    """One workflow (session) in the scheduler."""
+
+    __slots__ = (
+        "arrival_s",
+        "attained_tokens",
+        "children",
+        "closed",
+        "finished_s",
+        "id",
+        "last_engine",
+        "paused_engine",
+        "paused_tokens",
+        "pending_parents",
+        "remaining",
+        "source",
+        "tenant",
+        "turns",
+    )
+
+    def __init__(self, wf_id: str, arrival_s: float, tenant: str, source: Workflow | None) -> None:
+        self.id = wf_id
+        self.arrival_s = arrival_s
+        self.tenant = tenant
+        #: the full workflow when known in advance (simulator); None for open sessions (gateway)
+        self.source = source
+        self.turns: list[TurnRecord] = []
+        #: per turn, how many parents are not DONE yet (DAG workflows only)
+        self.pending_parents: list[int] = []
+        self.children: list[list[int]] | None = None
+        #: turns not DONE yet (for known workflows); open sessions end when closed
+        self.remaining = 0
+        self.closed = source is not None
+        self.finished_s = -1.0
+        #: tokens of service received so far (prompt + output of finished turns): PLAS's measure
+        self.attained_tokens = 0
+        #: the engine the previous turn ran on (where its KV may still be)
+        self.last_engine: str | None = None
+        #: while a tool call runs: the engine holding this session's KV, and its size (tokens)
+        self.paused_engine: str | None = None
+        self.paused_tokens = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finished_s >= 0.0
+
+    @property
+    def turns_done(self) -> int:
+        return sum(1 for t in self.turns if t.state == TurnState.DONE)
+
+    def __repr__(self) -> str:
+        return f"<Workflow {self.id} {len(self.turns)} turns>"
+
+
+class EngineLoad:
+    """What the scheduler knows about one engine: its own accounting plus reported stats."""
+
+    __slots__ = (
+        "cached_sessions",
+        "capacity_tokens",
+        "healthy",
+        "id",
+        "kv_used_frac",
+        "outstanding_tokens",
+        "outstanding_turns",
+        "paused_context_tokens",
+        "queue_len",
+        "running",
+        "weight",
+    )
+
+    def __init__(self, engine_id: str, capacity_tokens: int = 0, weight: float = 1.0) -> None:
+        self.id = engine_id
+        #: KV capacity in tokens when known (0 = unknown)
+        self.capacity_tokens = capacity_tokens
+        #: relative speed (heterogeneous clusters): loads are compared as load / weight
+        self.weight = weight
+        self.outstanding_turns = 0  # released to this engine and not finished
+        self.outstanding_tokens = 0  # their prompt + expected output tokens
+        #: "shadow load": context tokens of sessions paused in a tool call whose KV lives here
+        self.paused_context_tokens = 0
+        self.cached_sessions: set[str] = set()
+        # reported by the engine (EngineStats); -1 = never reported
+        self.queue_len = -1
+        self.running = -1
+        self.kv_used_frac = -1.0
+        self.healthy = True
+
+    def __repr__(self) -> str:
+        return f"<Engine {self.id} turns={self.outstanding_turns} tokens={self.outstanding_tokens}>"
+
+
+class ClusterView(Mapping[str, EngineLoad]):
+    """Read-only view of the engines and the global released-work counters."""
+
+    __slots__ = ("_engines", "_order", "ready_turns", "released_tokens", "released_turns")
+
+    def __init__(self, engines: list[EngineLoad]) -> None:
+        self._engines = {e.id: e for e in engines}
+        self._order = [e.id for e in engines]
+        self.released_turns = 0
+        self.released_tokens = 0
+        self.ready_turns = 0
+
+    def __getitem__(self, key: str) -> EngineLoad:
+        return self._engines[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    @property
+    def ids(self) -> list[str]:
+        return self._order
+
+    def healthy(self) -> list[EngineLoad]:
+        return [self._engines[i] for i in self._order if self._engines[i].healthy]
+
+    def add(self, engine: EngineLoad) -> None:
+        if engine.id in self._engines:
+            raise ValueError(f"engine {engine.id!r} already registered")
+        self._engines[engine.id] = engine
+        self._order.append(engine.id)

@@ -1,0 +1,94 @@
+"""Policies behind the four core interfaces, registered by CLI name.
+
+A *policy spec* names one configuration: component names joined by ``+`` in any order, e.g.
+``eager`` or ``cvar+kv-affinity+ttl``. Each name is looked up in whichever registry holds it;
+kinds left out take their defaults. ``--policies`` takes several specs separated by commas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# importing the modules registers their policies
+from turnstile.policies import admission, release, retention, routing  # noqa: F401
+from turnstile.policies.base import (
+    ADMISSION,
+    RELEASE,
+    RETENTION,
+    ROUTING,
+    AdmissionPolicy,
+    ReleasePolicy,
+    RetentionDecision,
+    RetentionPolicy,
+    RoutingPolicy,
+)
+
+DEFAULTS = {"release": "eager", "routing": "round-robin", "admission": "fcfs", "retention": "lru"}
+_BY_KIND = {"release": RELEASE, "routing": ROUTING, "admission": ADMISSION, "retention": RETENTION}
+
+
+@dataclass
+class PolicySet:
+    """One configuration: a policy of each kind, freshly constructed (policies hold state)."""
+
+    release: ReleasePolicy
+    routing: RoutingPolicy
+    admission: AdmissionPolicy
+    retention: RetentionPolicy
+    spec: str = ""
+
+    @classmethod
+    def from_spec(cls, spec: str) -> PolicySet:
+        chosen = dict(DEFAULTS)
+        given: dict[str, str] = {}
+        for raw in spec.split("+"):
+            name = raw.strip()
+            kinds = [k for k, reg in _BY_KIND.items() if name in reg]
+            if not kinds:
+                valid = ", ".join(f"{k}: {'/'.join(r.names())}" for k, r in _BY_KIND.items())
+                raise ValueError(f"unknown policy {name!r} in spec {spec!r}; valid names — {valid}")
+            kind = kinds[0]
+            if kind in given:
+                raise ValueError(
+                    f"spec {spec!r} names two {kind} policies: {given[kind]!r} and {name!r}"
+                )
+            given[kind] = name
+            chosen[kind] = name
+        return cls(
+            release=RELEASE.create(chosen["release"]),
+            routing=ROUTING.create(chosen["routing"]),
+            admission=ADMISSION.create(chosen["admission"]),
+            retention=RETENTION.create(chosen["retention"]),
+            spec=spec,
+        )
+
+
+def parse_policy_list(specs: str) -> list[str]:
+    """Split ``--policies a,b+c`` into specs, validating each; raises ValueError on unknowns."""
+    out = [s.strip() for s in specs.split(",") if s.strip()]
+    if not out:
+        raise ValueError("no policy given")
+    for s in out:
+        PolicySet.from_spec(s)
+    return out
+
+
+def all_policy_names() -> dict[str, list[str]]:
+    return {k: r.names() for k, r in _BY_KIND.items()}
+
+
+__all__ = [
+    "ADMISSION",
+    "DEFAULTS",
+    "RELEASE",
+    "RETENTION",
+    "ROUTING",
+    "AdmissionPolicy",
+    "PolicySet",
+    "ReleasePolicy",
+    "RetentionDecision",
+    "RetentionPolicy",
+    "RoutingPolicy",
+    "all_policy_names",
+    "parse_policy_list",
+]

@@ -1,0 +1,36 @@
+"""Release policies: when a READY turn is sent to an engine."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+
+from turnstile.core.state import ClusterView, TurnRecord
+from turnstile.policies.base import RELEASE
+
+
+@RELEASE.register("eager")
+class EagerRelease:
+    """Baseline: release every ready turn at once, first come first served."""
+
+    name = "eager"
+
+    def __init__(self) -> None:
+        self._queue: deque[TurnRecord] = deque()
+
+    def add(self, turn: TurnRecord, now: float) -> None:
+        self._queue.append(turn)
+
+    def select(self, view: ClusterView, now: float) -> Iterator[TurnRecord]:
+        q = self._queue
+        while q:
+            yield q.popleft()
+
+    def on_finished(self, turn: TurnRecord, now: float) -> None:
+        pass
+
+    def next_wakeup(self, now: float) -> float | None:
+        return None
+
+    def __len__(self) -> int:
+        return len(self._queue)
