@@ -16,11 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, TurnState, WorkflowRecord
-from turnstile.policies import PolicySet
 from turnstile.policies.base import RetentionDecision
 from turnstile.workload.model import Turn, Workflow
+
+if TYPE_CHECKING:
+    from turnstile.policies import PolicySet
 
 
 class SchedulerError(RuntimeError):

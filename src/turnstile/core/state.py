@@ -193,6 +193,10 @@ class ClusterView(Mapping[str, EngineLoad]):
     def healthy(self) -> list[EngineLoad]:
         return [self._engines[i] for i in self._order if self._engines[i].healthy]
 
+    def any_idle(self) -> bool:
+        """Some healthy engine has nothing released to it."""
+        return any(e.outstanding_turns == 0 and e.healthy for e in self._engines.values())
+
     def add(self, engine: EngineLoad) -> None:
         if engine.id in self._engines:
             raise ValueError(f"engine {engine.id!r} already registered")

@@ -10,7 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # importing the modules registers their policies
-from turnstile.policies import admission, release, retention, routing  # noqa: F401
+from turnstile.policies import (  # noqa: F401
+    admission,
+    cvar,
+    gated,
+    release,
+    retention,
+    routing,
+)
 from turnstile.policies.base import (
     ADMISSION,
     RELEASE,
@@ -54,10 +61,17 @@ class PolicySet:
                 )
             given[kind] = name
             chosen[kind] = name
+        rel = RELEASE.create(chosen["release"])
+        # a release policy that also orders engine queues (PLAS) is its own admission policy
+        # unless the spec names one
+        adm = (
+            rel if "admission" not in given and isinstance(rel, AdmissionPolicy)
+            else ADMISSION.create(chosen["admission"])
+        )
         return cls(
-            release=RELEASE.create(chosen["release"]),
+            release=rel,
             routing=ROUTING.create(chosen["routing"]),
-            admission=ADMISSION.create(chosen["admission"]),
+            admission=adm,
             retention=RETENTION.create(chosen["retention"]),
             spec=spec,
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from turnstile.core.state import ClusterView, EngineLoad, TurnRecord
 from turnstile.policies.base import ROUTING
 
@@ -47,3 +49,144 @@ class LeastLoadedRouting:
 
     def route(self, turn: TurnRecord, view: ClusterView, now: float) -> str:
         return min(_healthy(view), key=lambda e: e.outstanding_tokens / e.weight).id
+
+
+def _own_paused(turn: TurnRecord, engine: EngineLoad) -> int:
+    """This session's own paused context on ``engine``: it stops being shadow load on release."""
+    wf = turn.workflow
+    return wf.paused_tokens if wf.paused_engine == engine.id else 0
+
+
+def _shadow_load(turn: TurnRecord, engine: EngineLoad, shadow: float) -> float:
+    """Outstanding tokens plus ``shadow`` × other sessions' paused context, per unit of speed."""
+    paused = engine.paused_context_tokens - _own_paused(turn, engine)
+    return (engine.outstanding_tokens + shadow * paused) / engine.weight
+
+
+@ROUTING.register("least-loaded-shadow")
+class LeastLoadedShadowRouting:
+    """Least-loaded, counting the "shadow load" of sessions paused in a tool call.
+
+    Rule: load = (outstanding_tokens + shadow × paused_context_tokens) / weight, where the paused
+    context of the session being routed is left out (it is resumed, not added). The ablation of
+    ``least-loaded`` that isolates shadow load (Coda, 2026: load-based routers see paused
+    sessions as zero load). Ties go to the engine listed first.
+    """
+
+    name = "least-loaded-shadow"
+
+    def __init__(self, *, shadow: float = 1.0) -> None:
+        self.shadow = shadow
+
+    def route(self, turn: TurnRecord, view: ClusterView, now: float) -> str:
+        return min(_healthy(view), key=lambda e: _shadow_load(turn, e, self.shadow)).id
+
+
+@ROUTING.register("kv-affinity")
+class KvAffinityRouting:
+    """SGLang-router style cache affinity with a load-balance guard.
+
+    Rule (SGLang model gateway, cache-aware policy): send a turn to ``workflow.last_engine``
+    (where its KV may still be) when that engine is healthy and the cluster is balanced —
+    ``max − min ≤ balance_abs_tokens`` or ``max ≤ balance_rel × min`` over the healthy engines'
+    outstanding_tokens / weight; otherwise, and for a workflow's first turn, least-loaded.
+    """
+
+    name = "kv-affinity"
+
+    def __init__(
+        self, *, balance_abs_tokens: float = 32_768.0, balance_rel: float = 1.5
+    ) -> None:
+        self.balance_abs_tokens = balance_abs_tokens
+        self.balance_rel = balance_rel
+
+    def balanced(self, engines: list[EngineLoad]) -> bool:
+        loads = [e.outstanding_tokens / e.weight for e in engines]
+        hi, lo = max(loads), min(loads)
+        return hi - lo <= self.balance_abs_tokens or hi <= self.balance_rel * lo
+
+    def route(self, turn: TurnRecord, view: ClusterView, now: float) -> str:
+        engines = _healthy(view)
+        last = turn.workflow.last_engine
+        if last is not None and last in view and view[last].healthy and self.balanced(engines):
+            return last
+        return min(engines, key=lambda e: e.outstanding_tokens / e.weight).id
+
+
+@ROUTING.register("composite")
+class CompositeRouting:
+    """Coda-style routing score: KV residency, load with shadow load, length compatibility.
+
+    Rule (Coda, 2026), highest score wins (ties: the engine listed first)::
+
+        score(e) = w_kv × hit(e) − w_load × load(e) / norm − w_len × |log2 p − ema_e| / k
+
+    ``hit(e)`` is the share of the prompt ``p`` the engine may hold — context_tokens / p when the
+    session's previous turn ran on ``e`` and ``e`` still lists it in ``cached_sessions``, else 0.
+    ``load(e) = (outstanding_tokens + shadow × paused_context_tokens) / weight`` (paused
+    sessions' KV is real memory pressure; the routed session's own paused context is left out),
+    normalized by the cluster's maximum load but at least ``load_floor_tokens`` so that a nearly
+    idle cluster does not look imbalanced. ``ema_e`` is the moving average of log2 prompt
+    lengths routed to ``e`` (none yet: no penalty). ``composite-noshadow`` is the same with
+    ``shadow=0``.
+    """
+
+    name = "composite"
+
+    def __init__(
+        self,
+        *,
+        w_kv: float = 1.0,
+        w_load: float = 1.0,
+        w_len: float = 0.25,
+        len_scale_log2: float = 4.0,
+        shadow: float = 1.0,
+        load_floor_tokens: float = 32_768.0,
+        alpha: float = 0.1,
+    ) -> None:
+        self.w_kv = w_kv
+        self.w_load = w_load
+        self.w_len = w_len
+        self.len_scale_log2 = len_scale_log2
+        self.shadow = shadow
+        self.load_floor_tokens = load_floor_tokens
+        self.alpha = alpha
+        self._ema_log2: dict[str, float] = {}
+
+    def hit(self, turn: TurnRecord, engine: EngineLoad) -> float:
+        wf = turn.workflow
+        if wf.last_engine != engine.id or wf.id not in engine.cached_sessions:
+            return 0.0
+        return min(turn.turn.context_tokens / max(turn.prompt_tokens, 1), 1.0)
+
+    def scores(self, turn: TurnRecord, view: ClusterView) -> dict[str, float]:
+        engines = _healthy(view)
+        loads = [_shadow_load(turn, e, self.shadow) for e in engines]
+        norm = max(*loads, self.load_floor_tokens)
+        x = math.log2(max(turn.prompt_tokens, 1))
+        out: dict[str, float] = {}
+        for e, load in zip(engines, loads, strict=True):
+            ema = self._ema_log2.get(e.id)
+            mismatch = 0.0 if ema is None else abs(x - ema) / self.len_scale_log2
+            out[e.id] = (
+                self.w_kv * self.hit(turn, e) - self.w_load * load / norm - self.w_len * mismatch
+            )
+        return out
+
+    def route(self, turn: TurnRecord, view: ClusterView, now: float) -> str:
+        scores = self.scores(turn, view)
+        best = max(scores, key=scores.__getitem__)  # first maximum: the engine listed first
+        x = math.log2(max(turn.prompt_tokens, 1))
+        ema = self._ema_log2.get(best)
+        self._ema_log2[best] = x if ema is None else ema + self.alpha * (x - ema)
+        return best
+
+
+@ROUTING.register("composite-noshadow")
+class CompositeNoShadowRouting(CompositeRouting):
+    """``composite`` with ``shadow=0``: paused sessions count as zero load (ablation)."""
+
+    name = "composite-noshadow"
+
+    def __init__(self, *, shadow: float = 0.0, **kwargs: float) -> None:
+        super().__init__(shadow=shadow, **kwargs)

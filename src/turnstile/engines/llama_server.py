@@ -1,0 +1,267 @@
+"""Locate and run llama.cpp's C++ ``llama-server`` as a subprocess (standard library only).
+
+The binary comes from ``scripts/build_llama_server.sh`` (``make engine``), which caches it under
+``<repo>/.cache/llama-server/<version>/llama-server``; ``TURNSTILE_LLAMA_SERVER`` overrides that.
+
+    with LlamaServerProcess(model_path, n_parallel=4) as server:
+        urllib.request.urlopen(server.base_url + "/health")
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+__all__ = [
+    "ENV_VAR",
+    "LlamaServerError",
+    "LlamaServerProcess",
+    "find_llama_server",
+    "free_port",
+    "require_llama_server",
+]
+
+ENV_VAR = "TURNSTILE_LLAMA_SERVER"
+BUILD_HINT = "build it with scripts/build_llama_server.sh (make engine) or set " + ENV_VAR
+
+# src/turnstile/engines/llama_server.py -> repository root
+_REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+class LlamaServerError(RuntimeError):
+    """The llama-server binary is missing, or the server failed to start."""
+
+
+def _is_executable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def _version_key(path: Path) -> tuple[tuple[int, ...], str]:
+    name = path.parent.name
+    parts = tuple(int(p) for p in name.split(".") if p.isdigit())
+    return parts, name
+
+
+def find_llama_server(search_roots: Sequence[Path] | None = None) -> Path | None:
+    """Return the llama-server binary to use, or ``None`` when there is none.
+
+    Order: ``$TURNSTILE_LLAMA_SERVER`` (when set it must be executable, else ``None``), then the
+    newest ``.cache/llama-server/*/llama-server`` under the repository root (or ``search_roots``).
+    """
+    override = os.environ.get(ENV_VAR)
+    if override:
+        path = Path(override).expanduser()
+        return path if _is_executable(path) else None
+    roots = list(search_roots) if search_roots is not None else [_REPO_ROOT, Path.cwd()]
+    for root in roots:
+        found = [p for p in root.glob(".cache/llama-server/*/llama-server") if _is_executable(p)]
+        if found:
+            return max(found, key=_version_key)
+    return None
+
+
+def require_llama_server() -> Path:
+    """Like :func:`find_llama_server` but raise :class:`LlamaServerError` when missing."""
+    path = find_llama_server()
+    if path is None:
+        override = os.environ.get(ENV_VAR)
+        if override:
+            raise LlamaServerError(f"{ENV_VAR}={override} is not an executable file")
+        raise LlamaServerError(f"llama-server binary not found; {BUILD_HINT}")
+    return path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """An unused TCP port on ``host`` (free when asked; another process could take it after)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class LlamaServerProcess:
+    """Context manager running ``llama-server`` on 127.0.0.1 until exit.
+
+    Started as ``llama-server -m MODEL -a tiny --host 127.0.0.1 --port P -np N -c CTX -t T
+    --metrics --slots [--slot-save-path DIR] *extra_args``; ``__enter__`` returns once
+    ``GET /health`` answers 200. The model alias is ``tiny`` (the ``model`` field of requests).
+    Process output goes to a log file (``log_path``); its tail is included in start-up errors.
+    """
+
+    HOST = "127.0.0.1"
+    _PORT_ATTEMPTS = 3
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        port: int | None = None,
+        n_parallel: int = 4,
+        ctx: int = 8192,
+        threads: int = 2,
+        slot_save_dir: str | os.PathLike[str] | None = None,
+        extra_args: Sequence[str] = (),
+        *,
+        binary: str | os.PathLike[str] | None = None,
+        alias: str = "tiny",
+        startup_timeout_s: float = 60.0,
+        log_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.model_path = Path(model_path)
+        self.requested_port = port
+        self.n_parallel = n_parallel
+        self.ctx = ctx
+        self.threads = threads
+        self.slot_save_dir = Path(slot_save_dir) if slot_save_dir is not None else None
+        self.extra_args = tuple(extra_args)
+        self.binary = Path(binary) if binary is not None else None
+        self.alias = alias
+        self.startup_timeout_s = startup_timeout_s
+        self._log_path = Path(log_path) if log_path is not None else None
+        self._owns_log = log_path is None
+        self.port: int | None = None
+        self.process: subprocess.Popen[bytes] | None = None
+
+    # -- public -------------------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        if self.port is None:
+            raise LlamaServerError("server not started")
+        return f"http://{self.HOST}:{self.port}"
+
+    @property
+    def log_path(self) -> Path | None:
+        return self._log_path
+
+    def command(self, port: int) -> list[str]:
+        binary = self.binary if self.binary is not None else require_llama_server()
+        cmd = [
+            str(binary),
+            "-m", str(self.model_path),
+            "-a", self.alias,
+            "--host", self.HOST,
+            "--port", str(port),
+            "-np", str(self.n_parallel),
+            "-c", str(self.ctx),
+            "-t", str(self.threads),
+            "--metrics",
+            "--slots",
+        ]  # fmt: skip
+        if self.slot_save_dir is not None:
+            cmd += ["--slot-save-path", str(self.slot_save_dir)]
+        cmd += list(self.extra_args)
+        return cmd
+
+    def start(self) -> LlamaServerProcess:
+        if self.process is not None:
+            raise LlamaServerError("server already started")
+        if not self.model_path.is_file():
+            raise LlamaServerError(f"model file not found: {self.model_path}")
+        if self.slot_save_dir is not None:
+            self.slot_save_dir.mkdir(parents=True, exist_ok=True)
+        if self._log_path is None:
+            fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
+            os.close(fd)
+            self._log_path = Path(name)
+        attempts = 1 if self.requested_port is not None else self._PORT_ATTEMPTS
+        try:
+            for attempt in range(attempts):
+                port = self.requested_port if self.requested_port is not None else free_port()
+                try:
+                    self._launch(port)
+                    return self
+                except LlamaServerError:
+                    # An automatically chosen port may have been taken meanwhile: retry.
+                    if attempt + 1 == attempts or not self._port_conflict():
+                        raise
+        except BaseException:
+            self.stop()  # the error message already carries the log tail
+            raise
+        raise AssertionError("unreachable")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        proc, self.process = self.process, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self._owns_log and self._log_path is not None:
+            self._log_path.unlink(missing_ok=True)
+            self._log_path = None
+
+    def log_tail(self, max_lines: int = 40) -> str:
+        if self._log_path is None or not self._log_path.exists():
+            return ""
+        text = self._log_path.read_text(encoding="utf-8", errors="replace")
+        return "\n".join(text.splitlines()[-max_lines:])
+
+    def __enter__(self) -> LlamaServerProcess:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _launch(self, port: int) -> None:
+        assert self._log_path is not None
+        cmd = self.command(port)
+        with self._log_path.open("wb") as log:
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
+            )
+        self.process = proc
+        self.port = port
+        try:
+            self._wait_healthy(proc, cmd)
+        except BaseException:
+            # Keep the log for the error message; only the process is cleaned up here.
+            self.process = None
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            raise
+
+    def _wait_healthy(self, proc: subprocess.Popen[bytes], cmd: Sequence[str]) -> None:
+        url = f"{self.base_url}/health"
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            code = proc.poll()
+            if code is not None:
+                raise LlamaServerError(
+                    f"llama-server exited with code {code} during start-up\n"
+                    f"command: {shlex.join(cmd)}\n"
+                    f"--- log tail ---\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=2.0) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass  # not listening yet, or 503 while the model loads
+            if time.monotonic() > deadline:
+                raise LlamaServerError(
+                    f"llama-server not healthy after {self.startup_timeout_s:.0f} s at {url}\n"
+                    f"--- log tail ---\n{self.log_tail()}"
+                )
+            time.sleep(0.05)
+
+    def _port_conflict(self) -> bool:
+        tail = self.log_tail(80).lower()
+        return any(s in tail for s in ("address already in use", "couldn't bind", "failed to bind"))

@@ -1,0 +1,122 @@
+"""Decision rules of the release policies, pinned on hand-made cases."""
+
+from __future__ import annotations
+
+from turnstile.core import Release, Scheduler, TurnState
+from turnstile.core.state import WorkflowRecord
+from turnstile.policies import PolicySet
+from turnstile.policies.cvar import CvarRelease
+from turnstile.policies.gated import PlasRelease
+from turnstile.workload import ToolCall, Turn, Workflow
+
+
+def one_turn(wf_id: str, tokens: int, out: int = 10, arrival: float = 0.0) -> Workflow:
+    return Workflow(wf_id, arrival, (Turn(input_tokens=tokens, output_tokens=out),))
+
+
+def released(actions) -> list[str]:
+    return [a.turn.workflow_id for a in actions if isinstance(a, Release)]
+
+
+def cvar_scheduler(budget_per_engine: float, engines: int = 1, **kw) -> Scheduler:
+    ps = PolicySet.from_spec("cvar")
+    ps.release = CvarRelease(budget_per_engine=budget_per_engine, adapt=False, **kw)
+    return Scheduler(ps, [f"e{i}" for i in range(engines)])
+
+
+def test_cvar_holds_when_budget_full_and_releases_when_engine_idles():
+    # γ·prior output = 8·256 = 2048 token-equivalents of decode per turn
+    s = cvar_scheduler(budget_per_engine=5_000)
+    assert released(s.workflow_arrived(0.0, one_turn("a", 2_000))) == ["a"]  # W = 4048
+    # b would push W to 8096 > 5000: held, although it is ready
+    assert released(s.workflow_arrived(0.1, one_turn("b", 2_000))) == []
+    assert s.held_turns == 1
+    assert s.workflows["b"].turns[0].state == TurnState.READY
+    # a finishes: W drops to 0, the engine idles, b goes
+    assert released(s.turn_finished(1.0, "a", 0)) == ["b"]
+
+
+def test_cvar_releases_an_oversized_turn_to_an_idle_engine():
+    s = cvar_scheduler(budget_per_engine=1_000)
+    assert released(s.workflow_arrived(0.0, one_turn("huge", 50_000))) == ["huge"]
+
+
+def test_cvar_orders_by_shortest_work_when_weights_are_equal():
+    s = cvar_scheduler(budget_per_engine=3_000)
+    s.workflow_arrived(0.0, one_turn("first", 900))  # released: engine was idle
+    for name, tokens in [("big", 800), ("small", 10), ("mid", 300)]:
+        assert released(s.workflow_arrived(0.1, one_turn(name, tokens))) == []
+    order = []
+    for i, wf in enumerate(["first", "small", "mid", "big"]):
+        order += released(s.turn_finished(1.0 + i, wf, 0))
+    assert order == ["small", "mid", "big"]
+
+
+def test_cvar_tail_weight_switches_on_past_the_quantile():
+    rel = CvarRelease(alpha=0.95, adapt=False)
+    rel.flow_q.q = 100.0  # pretend the online P95 of flow time is 100 s
+    wf_old = WorkflowRecord("old", 0.0, "default", None)
+    wf_new = WorkflowRecord("new", 50.0, "default", None)
+    assert not rel.is_tail(wf_old, now=99.0)
+    assert rel.is_tail(wf_old, now=101.0)
+    assert not rel.is_tail(wf_new, now=101.0)
+    # a tail turn with 10x the work still outranks a mean turn (weight 1 + 1/(1-α) = 21)
+    s = cvar_scheduler(budget_per_engine=2_100)
+    s.release.flow_q.q = 100.0
+    s.workflow_arrived(0.0, one_turn("blocker", 10))
+    s.workflow_arrived(0.0, one_turn("old", 10_000, arrival=0.0))
+    s.workflow_arrived(95.0, one_turn("young", 1_000, arrival=95.0))
+    # at t=101 'old' (age 101 > q) is tail, 'young' is not: old first despite larger work
+    acts = s.turn_finished(101.0, "blocker", 0)
+    assert released(acts)[0] == "old"
+
+
+def test_cvar_releases_anything_held_longer_than_h():
+    s = cvar_scheduler(budget_per_engine=2_100, hold_limit_s=30.0)
+    s.workflow_arrived(0.0, one_turn("a", 10))
+    assert released(s.workflow_arrived(1.0, one_turn("b", 10))) == []
+    assert s.next_wakeup(1.0) == 31.0
+    assert released(s.tick(31.0)) == ["b"]
+
+
+def test_cvar_learns_output_length_online_never_from_the_trace():
+    s = cvar_scheduler(budget_per_engine=1e9)
+    turns = tuple(Turn(input_tokens=10, output_tokens=999, tools=(ToolCall("Bash", 1.0),))
+                  for _ in range(4))
+    s.workflow_arrived(0.0, Workflow("w", 0.0, turns))
+    est = s.release.outputs
+    rec = s.workflows["w"].turns[0]
+    assert est.expect(rec) == 256.0  # the prior, not the trace's 999
+    s.turn_finished(1.0, "w", 0, output_tokens=40)
+    s.tool_finished(2.0, "w", 0)
+    s.turn_finished(3.0, "w", 1, output_tokens=60)
+    assert est.expect(s.workflows["w"].turns[2]) == 50.0  # the workflow's own mean
+
+
+def test_cvar_budget_shrinks_under_engine_queueing_and_grows_when_clear():
+    rel = CvarRelease(budget_per_engine=20_000, target_wait_s=0.5, target_p95_wait_s=2.0)
+    rel._waits.extend([3.0] * 16)
+    rel._adapt()
+    assert rel.budget_per_engine == 16_000
+    rel._waits.clear()
+    rel._waits.extend([0.01] * 16)
+    rel._n = 1  # turns are held
+    rel._adapt()
+    assert rel.budget_per_engine == 17_600
+
+
+def test_plas_levels_and_engine_priority():
+    p = PlasRelease(thresholds=(100, 1_000))
+    assert [p.level(x) for x in (0, 99, 100, 999, 1_000, 10**9)] == [0, 0, 1, 1, 2, 2]
+    ps = PolicySet.from_spec("plas")
+    assert ps.admission is ps.release  # PLAS orders the engine queue too
+    ps.release.max_inflight_per_engine = 1
+    s = Scheduler(ps, ["e0"])
+    long_turns = tuple(Turn(input_tokens=5_000, output_tokens=10) for _ in range(3))
+    s.workflow_arrived(0.0, Workflow("long", 0.0, long_turns))  # released (idle engine)
+    s.turn_finished(1.0, "long", 0)  # long attained 5010 tokens: level 1; its turn 1 released
+    s.workflow_arrived(1.5, one_turn("short", 50, arrival=1.5))  # level 0, held (cap 1)
+    acts = s.turn_finished(2.0, "long", 1)
+    # short (level 0, arrived later) goes before long's turn 2 (level 1)
+    assert released(acts) == ["short"]
+    assert acts[0].priority == 0.0
