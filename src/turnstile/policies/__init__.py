@@ -44,6 +44,13 @@ class PolicySet:
     retention: RetentionPolicy
     spec: str = ""
 
+    def __post_init__(self) -> None:
+        # policies that depend on the release policy (e.g. budget-keep) are bound to it here
+        for policy in (self.retention, self.admission):
+            bind = getattr(policy, "bind", None)
+            if bind is not None and policy is not self.release:
+                bind(self.release)
+
     @classmethod
     def from_spec(cls, spec: str) -> PolicySet:
         chosen = dict(DEFAULTS)

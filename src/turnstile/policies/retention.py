@@ -1,8 +1,17 @@
-"""Retention policies: how long a session's KV is kept across a tool call."""
+"""Retention policies: how long a session's KV is kept across a tool call.
+
+The learned policies share one online estimator of tool latency, :class:`ToolLatencyEstimator`,
+fed with the real duration of each tool call when it returns (``now − turn.finished_s``); they
+never read a tool's duration from the trace.
+"""
 
 from __future__ import annotations
 
-from turnstile.core.state import EngineLoad, TurnRecord
+import math
+from collections import deque
+from typing import Protocol, runtime_checkable
+
+from turnstile.core.state import EngineLoad, TurnRecord, WorkflowRecord
 from turnstile.policies.base import LRU, RETENTION, RetentionDecision
 
 
@@ -17,3 +26,210 @@ class LruRetention:
 
     def on_tool_end(self, turn: TurnRecord, now: float) -> None:
         pass
+
+
+def tool_key(turn: TurnRecord) -> str:
+    """The estimator's key for the tool calls after ``turn``: their names, as the LLM emitted them.
+
+    Several calls run back to back, so their total is one observation keyed by all the names;
+    a turn of an open session (gateway) whose tools are not known is keyed ``""``.
+    """
+    tools = turn.turn.tools
+    if not tools:
+        return ""
+    if len(tools) == 1:
+        return tools[0].name
+    return "+".join(t.name for t in tools)
+
+
+class ToolLatencyEstimator:
+    """Online per-tool latency: the last ``window`` observations of each key (bounded memory)."""
+
+    def __init__(self, window: int = 256) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self._samples: dict[str, deque[float]] = {}
+        self._sorted: dict[str, list[float]] = {}  # cache, dropped on each new observation
+
+    def observe(self, key: str, duration_s: float) -> None:
+        q = self._samples.get(key)
+        if q is None:
+            q = self._samples[key] = deque(maxlen=self.window)
+        q.append(max(duration_s, 0.0))
+        self._sorted.pop(key, None)
+
+    def count(self, key: str) -> int:
+        q = self._samples.get(key)
+        return 0 if q is None else len(q)
+
+    def quantile(self, key: str, q: float) -> float | None:
+        """The ``q`` quantile (nearest rank) of the observations of ``key``; None if unseen."""
+        xs = self._sorted.get(key)
+        if xs is None:
+            samples = self._samples.get(key)
+            if not samples:
+                return None
+            xs = self._sorted[key] = sorted(samples)
+        rank = min(max(math.ceil(q * len(xs)) - 1, 0), len(xs) - 1)
+        return xs[rank]
+
+    def mean(self, key: str) -> float | None:
+        samples = self._samples.get(key)
+        if not samples:
+            return None
+        return sum(samples) / len(samples)
+
+
+@RETENTION.register("ttl")
+class TtlRetention:
+    """Continuum's KV time-to-live across tool calls, from learned tool latency.
+
+    Rule (Continuum, 2025): learn each tool's latency distribution online (last ``window`` calls
+    per tool name); on tool start pin the session's KV for ``quantile_q(tool) × margin``, capped
+    at ``max_ttl_s``. An unseen tool gets ``default_ttl_s``. A tool whose learned quantile is
+    already above ``max_ttl_s`` gets LRU: pinning through a call that long wastes memory.
+    """
+
+    name = "ttl"
+
+    def __init__(
+        self,
+        *,
+        q: float = 0.9,
+        margin: float = 1.2,
+        max_ttl_s: float = 120.0,
+        default_ttl_s: float = 2.0,
+        window: int = 256,
+    ) -> None:
+        if not 0.0 < q <= 1.0:
+            raise ValueError(f"q must be in (0, 1], got {q}")
+        self.q = q
+        self.margin = margin
+        self.max_ttl_s = max_ttl_s
+        self.default_ttl_s = default_ttl_s
+        self.estimator = ToolLatencyEstimator(window)
+
+    def expected_tool_s(self, turn: TurnRecord) -> float | None:
+        """The learned ``q`` quantile of this turn's tool latency; None for an unseen tool."""
+        return self.estimator.quantile(tool_key(turn), self.q)
+
+    def on_tool_start(self, turn: TurnRecord, engine: EngineLoad, now: float) -> RetentionDecision:
+        tool_s = self.expected_tool_s(turn)
+        if tool_s is None:
+            return _pin(min(self.default_ttl_s, self.max_ttl_s))
+        if tool_s > self.max_ttl_s:
+            return LRU
+        return _pin(min(tool_s * self.margin, self.max_ttl_s))
+
+    def on_tool_end(self, turn: TurnRecord, now: float) -> None:
+        self.estimator.observe(tool_key(turn), now - turn.finished_s)
+
+
+def _pin(ttl_s: float) -> RetentionDecision:
+    return RetentionDecision("pin", ttl_s)
+
+
+@runtime_checkable
+class ExpectsHold(Protocol):
+    """A release policy that can say how long a workflow's next ready turn will be held."""
+
+    def expected_hold_s(self, workflow: WorkflowRecord, now: float) -> float: ...
+
+
+@RETENTION.register("budget-keep")
+class BudgetKeepRetention(TtlRetention):
+    """Keep the KV of a session whose next turn will be released soon; tied to the release budget.
+
+    Rule (turnstile; extends Continuum's TTL to release control as in "Decoupling Readiness from
+    Release", 2026): a held turn's KV must survive the tool call *and* the time the release
+    policy keeps the next turn waiting. Pin for ``quantile_q(tool) × margin + expected hold``,
+    where the hold comes from the bound release policy's ``expected_hold_s(workflow, now)``
+    (PolicySet calls :meth:`bind`; without one the hold is 0 and this is ``ttl``). If that total
+    exceeds ``max_ttl_s`` the session is not worth the memory: LRU.
+    """
+
+    name = "budget-keep"
+
+    #: the bound release policy (see :meth:`bind`); None: no hold
+    release: ExpectsHold | None = None
+
+    def bind(self, release: object) -> None:
+        """Use ``release.expected_hold_s`` when the release policy has it."""
+        self.release = release if isinstance(release, ExpectsHold) else None
+
+    def hold_s(self, turn: TurnRecord, now: float) -> float:
+        if self.release is None:
+            return 0.0
+        return max(self.release.expected_hold_s(turn.workflow, now), 0.0)
+
+    def on_tool_start(self, turn: TurnRecord, engine: EngineLoad, now: float) -> RetentionDecision:
+        tool_s = self.expected_tool_s(turn)
+        base = self.default_ttl_s if tool_s is None else tool_s * self.margin
+        ttl = base + self.hold_s(turn, now)
+        return LRU if ttl > self.max_ttl_s else _pin(ttl)
+
+
+@RETENTION.register("infercept")
+class InferceptRetention:
+    """InferCept's preserve / swap / discard choice by memory×time waste (token·seconds).
+
+    Rule (InferCept, 2024): with ``T`` the expected tool time (learned mean per tool, else
+    ``default_tool_s``) and ``C`` = prompt + output tokens of the finished turn::
+
+        preserve = C × T                                   (KV held idle through the call)
+        swap     = C × 2 × (swap_overhead_s + C × kv_bytes_per_token / swap_bw_bytes_per_s)
+                                                           (KV held while copied out and back)
+        discard  = C / prefill_tokens_per_s × max(outstanding_tokens, C)
+                                                           (recompute stalls the running batch)
+
+    The cheapest wins (ties in that order): pin for ``1.5 T``, offload for ``3 T``, or discard.
+    ``swap_overhead_s`` is the fixed per-transfer cost of moving a paged KV (many small block
+    copies plus bookkeeping); without it a pure-bandwidth swap beats recomputing at any size,
+    and InferCept's observation that short contexts are best discarded would be lost.
+    """
+
+    name = "infercept"
+
+    def __init__(
+        self,
+        *,
+        default_tool_s: float = 2.0,
+        kv_bytes_per_token: float = 131_072.0,
+        swap_bw_bytes_per_s: float = 25e9,
+        swap_overhead_s: float = 0.005,
+        prefill_tokens_per_s: float = 10_000.0,
+        window: int = 256,
+    ) -> None:
+        self.default_tool_s = default_tool_s
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.swap_bw_bytes_per_s = swap_bw_bytes_per_s
+        self.swap_overhead_s = swap_overhead_s
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.estimator = ToolLatencyEstimator(window)
+
+    def expected_tool_s(self, turn: TurnRecord) -> float:
+        mean = self.estimator.mean(tool_key(turn))
+        return self.default_tool_s if mean is None else mean
+
+    def wastes(self, turn: TurnRecord, engine: EngineLoad) -> tuple[float, float, float]:
+        """(preserve, swap, discard) waste in token·seconds for this tool call."""
+        tool_s = self.expected_tool_s(turn)
+        c = float(turn.prompt_tokens + turn.output_tokens)
+        preserve = c * tool_s
+        transfer_s = self.swap_overhead_s + c * self.kv_bytes_per_token / self.swap_bw_bytes_per_s
+        swap = c * 2.0 * transfer_s
+        discard = c / self.prefill_tokens_per_s * max(float(engine.outstanding_tokens), c)
+        return preserve, swap, discard
+
+    def on_tool_start(self, turn: TurnRecord, engine: EngineLoad, now: float) -> RetentionDecision:
+        preserve, swap, discard = self.wastes(turn, engine)
+        tool_s = self.expected_tool_s(turn)
+        if preserve <= swap and preserve <= discard:
+            return _pin(1.5 * tool_s)
+        if swap <= discard:
+            return RetentionDecision("offload", 3.0 * tool_s)
+        return RetentionDecision("discard")
+
+    def on_tool_end(self, turn: TurnRecord, now: float) -> None:
+        self.estimator.observe(tool_key(turn), now - turn.finished_s)

@@ -1,0 +1,188 @@
+"""Contract: every registered routing, admission and retention policy keeps the core invariants.
+
+Each combination drives a small multi-workflow run (chains and a DAG, tools of several kinds,
+an open gateway-style session, an engine that goes down and comes back) through a fake driver
+whose engines admit queued turns by the policy's priority, two at a time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+
+import pytest
+
+from turnstile.core import Release, Retain, Scheduler, TurnState
+from turnstile.core.state import EngineLoad, TurnRecord
+from turnstile.policies import ADMISSION, RELEASE, RETENTION, ROUTING, PolicySet
+from turnstile.workload import ToolCall, Turn, Workflow
+
+TOOLS = (("Bash", 0.5), ("Read", 0.05), ("Build", 20.0), ("Train", 300.0))
+ACTIONS = {"lru", "pin", "offload", "discard"}
+SLOTS = 2  # turns an engine runs at once
+
+
+def workload(seed: int) -> list[Workflow]:
+    rng = random.Random(seed)
+    out = []
+    for w in range(8):
+        n = rng.randint(1, 4)
+        turns, context = [], 0
+        for i in range(n):
+            name, scale = TOOLS[rng.randrange(len(TOOLS))]
+            tools = (ToolCall(name, scale * rng.uniform(0.5, 1.5), "ok"),) if i < n - 1 else ()
+            inp, out_tokens = rng.choice((50, 800, 6_000)), rng.randint(1, 300)
+            turns.append(Turn(input_tokens=inp, output_tokens=out_tokens,
+                              context_tokens=context, tools=tools))
+            context += inp + out_tokens
+        out.append(Workflow(f"w{w}", rng.uniform(0.0, 5.0), tuple(turns)))
+    dag = (
+        Turn(input_tokens=100, output_tokens=5, tools=(ToolCall("Bash", 0.3),)),
+        Turn(input_tokens=100, output_tokens=5, parents=()),
+        Turn(input_tokens=100, output_tokens=5, parents=(0, 1)),
+    )
+    out.append(Workflow("dag", 1.0, dag))
+    return out
+
+
+class FakeCluster:
+    """Virtual-time driver: engines admit by (priority, release order), ``SLOTS`` at a time."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.queues: dict[str, list[tuple[float, int, TurnRecord]]] = {e: [] for e in sched.view}
+        self.running: dict[str, int] = dict.fromkeys(sched.view, 0)
+        self.events: list[tuple[float, int, str, object]] = []
+        self.seq = itertools.count()
+        self.down: set[str] = set()
+        self.tick_at: float | None = None  # the pending policy timer, if any
+
+    def at(self, t: float, kind: str, payload: object) -> None:
+        heapq.heappush(self.events, (t, next(self.seq), kind, payload))
+
+    def apply(self, now: float, actions: list) -> None:
+        for a in actions:
+            if isinstance(a, Release):
+                assert a.engine in self.sched.view and a.engine not in self.down
+                assert isinstance(a.priority, float | int) and math.isfinite(a.priority)
+                heapq.heappush(self.queues[a.engine], (a.priority, next(self.seq), a.turn))
+            else:
+                assert isinstance(a, Retain)
+                assert a.decision.action in ACTIONS
+                assert math.isfinite(a.decision.ttl_s) and a.decision.ttl_s >= 0.0
+                rec = a.turn
+                if rec.turn.tools:
+                    self.at(now + rec.turn.tool_duration_s, "tool", rec)
+        for engine, q in self.queues.items():
+            while q and self.running[engine] < SLOTS:
+                _, _, rec = heapq.heappop(q)
+                self.running[engine] += 1
+                self.sched.turn_started(now, rec.workflow_id, rec.index)
+                work = rec.prompt_tokens + rec.turn.output_tokens
+                self.at(now + 0.01 + work / 20_000, "finish", rec)
+
+    def run(self, workflows: list[Workflow]) -> None:
+        for wf in workflows:
+            self.at(wf.arrival_s, "arrive", wf)
+        self.at(0.5, "open", "sess")
+        self.at(2.0, "health", ("e1", False))
+        self.at(6.0, "health", ("e1", True))
+        steps = 0
+        while self.events:
+            steps += 1
+            assert steps < 10_000, "driver did not converge"
+            now, _, kind, payload = heapq.heappop(self.events)
+            s = self.sched
+            if kind == "arrive":
+                assert isinstance(payload, Workflow)
+                self.apply(now, s.workflow_arrived(now, payload))
+            elif kind == "finish":
+                assert isinstance(payload, TurnRecord)
+                self.running[payload.engine] -= 1  # type: ignore[index]
+                self.apply(now, s.turn_finished(now, payload.workflow_id, payload.index))
+                if payload.workflow.source is None:  # the open session's client runs a tool
+                    self.at(now + 1.0, "next", payload)
+            elif kind == "tool":
+                assert isinstance(payload, TurnRecord)
+                self.apply(now, s.tool_finished(now, payload.workflow_id, payload.index))
+            elif kind == "health":
+                engine, healthy = payload  # type: ignore[misc]
+                (self.down.discard if healthy else self.down.add)(engine)
+                self.apply(now, s.engine_stats(now, engine, healthy=healthy))
+            elif kind == "open":
+                s.open_session(now, "sess")
+                self.at(now, "next", None)
+            elif kind == "next":
+                done = 0 if payload is None else len(s.workflows["sess"].turns)
+                if done < 3:
+                    turn = Turn(input_tokens=200, output_tokens=20, context_tokens=220 * done)
+                    _, actions = s.turn_ready(now, "sess", turn)
+                    self.apply(now, actions)
+                else:
+                    self.apply(now, s.close_session(now, "sess"))
+            elif kind == "tick":
+                self.tick_at = None
+                self.apply(now, s.tick(now))
+            wake = s.next_wakeup(now)
+            if s.held_turns and wake is not None:
+                wake = max(wake, now + 1e-3)
+                if self.tick_at is None or wake < self.tick_at:
+                    self.tick_at = wake
+                    self.at(wake, "tick", None)
+
+
+COMBOS = [
+    (r, a, x)
+    for r in ROUTING.names()
+    for a in ADMISSION.names()
+    for x in RETENTION.names()
+]
+
+
+def run_and_check(ps: PolicySet, seed: int) -> None:
+    done: list[str] = []
+    engines = [EngineLoad("e0"), EngineLoad("e1"), EngineLoad("e2", weight=2.0)]
+    sched = Scheduler(ps, engines, on_workflow_done=lambda wf: done.append(wf.id))
+    wfs = workload(seed)
+    FakeCluster(sched).run(wfs)
+
+    assert sorted(done) == sorted([w.id for w in wfs] + ["sess"])
+    for wf in sched.workflows.values():
+        assert wf.done and all(t.state == TurnState.DONE for t in wf.turns)
+    view = sched.view
+    assert view.released_turns == 0 and view.released_tokens == 0 and view.ready_turns == 0
+    for e in view.values():
+        assert e.outstanding_turns == 0 and e.outstanding_tokens == 0
+        assert e.paused_context_tokens == 0 and not e.cached_sessions
+    assert sched.active_workflows == 0 and sched.held_turns == 0
+    assert len(sched.workflows["sess"].turns) == 3
+
+
+@pytest.mark.parametrize(("routing", "admission", "retention"), COMBOS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_every_policy_keeps_the_core_invariants(routing, admission, retention, seed):
+    ps = PolicySet(
+        release=RELEASE.create("eager"),
+        routing=ROUTING.create(routing),
+        admission=ADMISSION.create(admission),
+        retention=RETENTION.create(retention),
+    )
+    run_and_check(ps, seed)
+
+
+@pytest.mark.parametrize("release", RELEASE.names())
+@pytest.mark.parametrize("retention", RETENTION.names())
+def test_retention_bound_to_every_release_policy(release, retention):
+    """Retention policies that bind to the release policy (budget-keep) work with each one."""
+    ps = PolicySet(
+        release=RELEASE.create(release),
+        routing=ROUTING.create("composite"),
+        admission=ADMISSION.create("tiered-aging"),
+        retention=RETENTION.create(retention),
+    )
+    if retention == "budget-keep":
+        bound = getattr(ps.retention, "release", None)
+        assert (bound is ps.release) == hasattr(ps.release, "expected_hold_s")
+    run_and_check(ps, 0)

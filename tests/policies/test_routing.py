@@ -1,0 +1,76 @@
+"""Routing policies: kv-affinity, composite (with and without shadow load), least-loaded-shadow."""
+
+from __future__ import annotations
+
+from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, WorkflowRecord
+from turnstile.policies import ROUTING
+from turnstile.workload import Turn
+
+
+def view_of(*loads: int) -> ClusterView:
+    engines = []
+    for i, load in enumerate(loads):
+        e = EngineLoad(f"e{i}")
+        e.outstanding_tokens = load
+        engines.append(e)
+    return ClusterView(engines)
+
+
+def turn_of(wf_id: str = "w", *, input_tokens: int = 1_000, context_tokens: int = 0,
+            last_engine: str | None = None) -> TurnRecord:
+    wf = WorkflowRecord(wf_id, 0.0, "default", None)
+    wf.last_engine = last_engine
+    return TurnRecord(wf, 0, Turn(input_tokens=input_tokens, output_tokens=10,
+                                  context_tokens=context_tokens))
+
+
+def test_kv_affinity_sticks_when_balanced_and_leaves_when_not():
+    pol = ROUTING.create("kv-affinity")
+    sticky = turn_of(last_engine="e1", context_tokens=20_000)
+    assert pol.route(sticky, view_of(0, 10_000), 0.0) == "e1"  # within balance_abs_tokens
+    assert pol.route(sticky, view_of(100_000, 140_000), 0.0) == "e1"  # within balance_rel
+    assert pol.route(sticky, view_of(0, 100_000), 0.0) == "e0"  # imbalanced: least-loaded
+    assert pol.route(turn_of(), view_of(5_000, 0), 0.0) == "e1"  # first turn: least-loaded
+
+
+def test_kv_affinity_leaves_an_unhealthy_engine():
+    pol = ROUTING.create("kv-affinity")
+    view = view_of(0, 0, 5)
+    view["e2"].healthy = False
+    view["e0"].outstanding_tokens = 10
+    assert pol.route(turn_of(last_engine="e2"), view, 0.0) == "e1"
+
+
+def test_shadow_load_steers_composite_and_least_loaded_shadow():
+    view = view_of(0, 0)
+    view["e0"].paused_context_tokens = 200_000  # sessions paused in tool calls with KV on e0
+    first = turn_of()
+    assert ROUTING.create("composite").route(first, view, 0.0) == "e1"
+    assert ROUTING.create("composite-noshadow").route(first, view, 0.0) == "e0"
+    assert ROUTING.create("least-loaded-shadow").route(first, view, 0.0) == "e1"
+    assert ROUTING.create("least-loaded").route(first, view, 0.0) == "e0"
+
+
+def test_composite_follows_the_kv_and_ignores_its_own_shadow():
+    view = view_of(0, 0)
+    rec = turn_of("w", input_tokens=1_000, context_tokens=50_000, last_engine="e1")
+    wf = rec.workflow
+    # the session itself is paused on e1: its own context is not load against e1
+    view["e1"].cached_sessions.add("w")
+    view["e1"].paused_context_tokens = 51_000
+    wf.paused_engine, wf.paused_tokens = "e1", 51_000
+    pol = ROUTING.create("composite")
+    assert pol.route(rec, view, 0.0) == "e1"
+    # a heavily loaded e1 outweighs the cache hit
+    view["e1"].outstanding_tokens = 400_000
+    assert pol.route(rec, view, 0.0) == "e0"
+
+
+def test_composite_groups_compatible_lengths():
+    pol = ROUTING.create("composite")
+    view = view_of(0, 0)
+    assert pol.route(turn_of("a", input_tokens=100), view, 0.0) == "e0"  # tie: listed first
+    # e0 now serves ~100-token prompts; a 100k-token prompt fits the unused e1 better
+    assert pol.route(turn_of("b", input_tokens=100_000), view, 0.0) == "e1"
+    assert pol.route(turn_of("c", input_tokens=120), view, 0.0) == "e0"
+    assert pol.route(turn_of("d", input_tokens=90_000), view, 0.0) == "e1"
