@@ -1,0 +1,229 @@
+"""The ``turnstile`` command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(
+    help="turnstile: a workflow-aware scheduler for agentic LLM workloads.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+)
+traces_app = typer.Typer(
+    help="Load, inspect, convert and synthesize workloads.", no_args_is_help=True
+)
+app.add_typer(traces_app, name="traces")
+
+console = Console()
+err_console = Console(stderr=True, soft_wrap=True)
+
+
+def _fail(message: str) -> typer.Exit:
+    err_console.print(f"[bold red]error:[/] {message}")
+    return typer.Exit(2)
+
+
+def _load(path: Path, subset: str | None, progress: bool):  # -> LoadedTrace
+    from turnstile.traces import load_trace
+
+    if not path.exists():
+        raise _fail(f"{path} does not exist")
+    kw = {"progress": progress}
+    if subset:
+        kw["subset"] = subset
+    try:
+        return load_trace(path, **kw)
+    except (ValueError, OSError) as e:
+        raise _fail(str(e)) from None
+
+
+def _fmt(v: float | None) -> str:
+    if v is None:
+        return "-"
+    if abs(v) >= 100:
+        return f"{v:,.0f}"
+    return f"{v:.3g}"
+
+
+@traces_app.command("info")
+def traces_info(
+    path: Annotated[Path, typer.Argument(help="A trace directory or file, or a workload .jsonl")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table")] = False,
+    subset: Annotated[str | None, typer.Option(help="agentcgroup subset (haiku, ...)")] = None,
+) -> None:
+    """Summarize a trace: workflows, turns, token and tool-latency percentiles."""
+    from turnstile.workload.stats import summarize
+
+    loaded = _load(path, subset, progress=not json_out)
+    summary = summarize(loaded.workflows)
+    out = {"trace": loaded.name, "source": str(path), **summary,
+           "counts": loaded.counts, "notes": loaded.notes}
+    if json_out:
+        print(json.dumps(out, indent=2, default=float))
+        return
+    console.print(f"[bold]{loaded.name}[/]  ({path})")
+    console.print(
+        f"workflows {summary['workflows']:,}   turns {summary['turns']:,}   "
+        f"tool calls {summary['tool_calls']:,}"
+    )
+    table = Table("quantity", "mean", "p50", "p90", "p95", "p99", "max")
+    for key in ("turns_per_workflow", "prompt_tokens", "input_tokens", "context_tokens",
+                "output_tokens", "tool_latency_s"):
+        d = summary.get(key) or {}
+        table.add_row(key, *(_fmt(d.get(k)) for k in ("mean", "p50", "p90", "p95", "p99", "max")))
+    console.print(table)
+    for note in loaded.notes:
+        console.print(f"[dim]note:[/] {note}")
+
+
+@traces_app.command("convert")
+def traces_convert(
+    path: Annotated[Path, typer.Argument(help="A trace directory or file")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Output workload .jsonl")],
+    subset: Annotated[str | None, typer.Option(help="agentcgroup subset (haiku, ...)")] = None,
+) -> None:
+    """Convert a real trace to turnstile's JSONL workload format."""
+    from turnstile.workload.jsonl import write_workload
+
+    loaded = _load(path, subset, progress=True)
+    n = write_workload(out, loaded.workflows,
+                       meta={"source": str(path), "trace": loaded.name, "notes": loaded.notes})
+    console.print(f"wrote {n:,} workflows to {out}")
+
+
+@traces_app.command("synth")
+def traces_synth(
+    out: Annotated[Path, typer.Option("-o", "--out", help="Output workload .jsonl")],
+    workflows: Annotated[int, typer.Option("-n", "--workflows", min=1)] = 100,
+    rate: Annotated[float, typer.Option(help="Poisson arrival rate, workflows/s")] = 0.5,
+    seed: Annotated[int, typer.Option()] = 0,
+    fit: Annotated[
+        Path | None, typer.Option(help="Fit the generator to this trace instead of the default")
+    ] = None,
+) -> None:
+    """Generate a synthetic agentic workload (seeded, reproducible)."""
+    from turnstile.workload import synth
+    from turnstile.workload.jsonl import write_workload
+
+    if rate <= 0:
+        raise _fail("--rate must be > 0")
+    spec = synth.DEFAULT_SPEC if fit is None else synth.fit_spec(_load(fit, None, True).workflows)
+    arrivals = synth.poisson_arrivals(rate, workflows, seed)
+    wfs = synth.generate(spec, workflows, seed, arrivals=arrivals)
+    write_workload(out, wfs, meta={"generator": "turnstile.synth", "seed": seed, "rate": rate,
+                                   "fit": str(fit) if fit else "default"})
+    console.print(f"wrote {len(wfs):,} synthetic workflows to {out}")
+
+
+@app.command("bench")
+def bench(
+    trace: Annotated[
+        str | None, typer.Option(help="Trace dir/file; omit for the built-in synthetic generator")
+    ] = None,
+    policies: Annotated[
+        str, typer.Option(help="Comma-separated policy specs, e.g. eager,cvar+kv-affinity+ttl")
+    ] = "eager",
+    engines: Annotated[int, typer.Option(min=1, help="Number of simulated engines")] = 2,
+    gpu: Annotated[str, typer.Option(help="GPU name (A100-80G, H100-SXM, H200, L40S)")] = "H100",
+    model: Annotated[str, typer.Option(help="Model name, e.g. llama-3.1-8b")] = "llama-3.1-8b",
+    tp: Annotated[int, typer.Option(min=1, help="Tensor parallelism per engine")] = 1,
+    load: Annotated[
+        str, typer.Option(help="Offered load: light/medium/high/overload or a fraction of the "
+                          "estimated capacity")
+    ] = "medium",
+    rate: Annotated[
+        float | None, typer.Option(help="Arrival rate in workflows/s (overrides --load)")
+    ] = None,
+    workflows: Annotated[int, typer.Option(help="Workflows to simulate")] = 200,
+    arrivals: Annotated[str, typer.Option(help="poisson or trace")] = "poisson",
+    kv_tokens: Annotated[
+        int | None, typer.Option(help="KV capacity per engine in tokens (default: from GPU)")
+    ] = None,
+    profile: Annotated[
+        Path | None, typer.Option(help="Fitted performance profile (default: roofline)")
+    ] = None,
+    subset: Annotated[str | None, typer.Option(help="agentcgroup subset")] = None,
+    seed: Annotated[int, typer.Option()] = 0,
+    out: Annotated[Path | None, typer.Option(help="Write results.json and plots here")] = None,
+) -> None:
+    """Simulate every policy on the same workload and compare them side by side (simulated)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from turnstile.bench import runner
+    from turnstile.bench.report import render_table, write_results
+    from turnstile.policies import parse_policy_list
+    from turnstile.sim.cluster import EngineGroup
+
+    try:
+        specs = parse_policy_list(policies)
+        load_frac = runner.parse_load(load)
+        runner.model_check(gpu, model)
+    except (ValueError, KeyError) as e:
+        raise _fail(str(e)) from None
+    perf = None
+    if profile is not None:
+        from turnstile.sim.perf import FittedPerf
+
+        perf = FittedPerf.from_profile(profile)
+    groups = [EngineGroup(gpu=gpu, model=model, tp=tp, count=engines, kv_tokens=kv_tokens,
+                          perf=perf)]
+    wspec = runner.WorkloadSpec(trace=trace, workflows=workflows, rate=rate, load=load_frac,
+                                arrivals=arrivals, seed=seed, subset=subset)
+    try:
+        wfs, trace_info = runner.build_workload(wspec, groups)
+    except (ValueError, OSError) as e:
+        raise _fail(str(e)) from None
+    rate_txt = f"{trace_info['rate']:.3g}/s" if trace_info.get("rate") else "trace times"
+    console.print(
+        f"[bold]simulated[/] {len(wfs)} workflows from {trace_info['name']} "
+        f"({rate_txt}, {trace_info['arrivals']}) on {engines}x {gpu} {model} TP{tp}"
+    )
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err_console, transient=True) as bar:
+        task = bar.add_task("", total=len(wfs))
+
+        def start(spec: str) -> None:
+            bar.update(task, description=spec, completed=0)
+
+        results = runner.run_bench(
+            wfs, specs, groups, on_policy_start=start,
+            on_progress=lambda n: bar.update(task, completed=n),
+        )
+    render_table(results, console)
+    if out is not None:
+        config = runner.bench_config(
+            wspec, groups, specs, workload_sha256=runner.workload_digest(wfs)
+        )
+        path = write_results(out, results, config, trace_info)
+        from turnstile.bench.plots import plot_flow_cdf
+
+        plot_flow_cdf(results, out / "flow_cdf.png",
+                      title=f"Workflow flow time (simulated), {trace_info['name']}")
+        console.print(f"wrote {path} and {out / 'flow_cdf.png'}")
+
+
+@app.command("policies")
+def list_policies() -> None:
+    """List the registered policies by kind."""
+    from turnstile.policies import DEFAULTS, all_policy_names
+
+    for kind, names in all_policy_names().items():
+        console.print(f"[bold]{kind}[/] (default {DEFAULTS[kind]}): {', '.join(names)}")
+
+
+@app.command("version")
+def version() -> None:
+    """Print the version."""
+    from turnstile import __version__
+
+    console.print(__version__)
+
+
+def main() -> None:  # pragma: no cover
+    app()

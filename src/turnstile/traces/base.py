@@ -1,0 +1,97 @@
+"""What every trace loader returns, and small helpers the loaders share."""
+
+from __future__ import annotations
+
+import gzip
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO
+
+from turnstile.workload.model import Workflow
+
+#: environment variable that points at the shared traces folder (``shared/traces``)
+TRACES_ENV = "TURNSTILE_TRACES"
+
+
+@dataclass
+class LoadedTrace:
+    """Workflows read from one real trace, with every caveat the loader handled.
+
+    ``notes`` are human-readable sentences (one per caveat: placeholders replaced, files missing,
+    inferred structure); ``counts`` holds raw counts (``llm_calls``, ``sessions``,
+    ``tool_calls``, ``skipped``, ...) so that tests and reports can check them against the trace's
+    SOURCE.md.
+    """
+
+    name: str
+    source: str
+    workflows: list[Workflow]
+    notes: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def n_turns(self) -> int:
+        return sum(len(wf.turns) for wf in self.workflows)
+
+    def __len__(self) -> int:
+        return len(self.workflows)
+
+
+def open_text(path: str | Path) -> IO[str]:
+    """Open a text file, transparently gunzipping ``*.gz``."""
+    p = str(path)
+    if p.endswith(".gz"):
+        return gzip.open(p, "rt", encoding="utf-8")
+    return open(p, encoding="utf-8")
+
+
+def find_variant(folder: Path, name: str) -> Path | None:
+    """``folder/name.gz`` or ``folder/name``, whichever exists (gzip preferred)."""
+    for cand in (folder / f"{name}.gz", folder / name):
+        if cand.is_file():
+            return cand
+    return None
+
+
+def parse_utc(ts: str) -> float:
+    """ISO-8601 timestamp (``...Z`` or with an offset; naive means UTC) → Unix seconds."""
+    s = ts.strip()
+    if s.endswith("Z"):
+        s = s[:-1] + "+00:00"
+    dt = datetime.fromisoformat(s)
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)
+    return dt.timestamp()
+
+
+def tokens_from_chars(chars: int) -> int:
+    """The usual ≈4 characters per token estimate (at least 1)."""
+    return max(1, chars // 4)
+
+
+def default_traces_dir() -> Path | None:
+    """``$TURNSTILE_TRACES`` if set, else ``shared/traces`` next to the repository, if present."""
+    env = os.environ.get(TRACES_ENV)
+    if env:
+        p = Path(env)
+        return p if p.is_dir() else None
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        cand = parent / "shared" / "traces"
+        if cand.is_dir():
+            return cand
+    return None
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
+
+
+def join_names(items: Iterable[str], limit: int = 5) -> str:
+    xs = list(items)
+    if len(xs) <= limit:
+        return ", ".join(xs)
+    return ", ".join(xs[:limit]) + f", … ({len(xs) - limit} more)"
