@@ -20,7 +20,8 @@ traces_app = typer.Typer(
 )
 app.add_typer(traces_app, name="traces")
 
-console = Console()
+# wide enough for the bench table when output is not a terminal (CI logs, pipes)
+console = Console(width=None if Console().is_terminal else 160)
 err_console = Console(stderr=True, soft_wrap=True)
 
 
@@ -194,6 +195,7 @@ def bench(
         results = runner.run_bench(
             wfs, specs, groups, on_policy_start=start,
             on_progress=lambda n: bar.update(task, completed=n),
+            hash_block_tokens=trace_info.get("hash_block_tokens", 0),
         )
     render_table(results, console)
     if out is not None:

@@ -1,0 +1,43 @@
+"""``make demo``: the main job, a side-by-side simulated bench on a real shared trace.
+
+Runs on the agentcgroup Claude Code sessions when ``../shared/traces`` is present, else on the
+built-in synthetic generator (fitted to the same trace), so it works on any fresh machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from turnstile.cli import app
+
+# the policies to compare, in order, when they are registered (the first is the baseline)
+PREFERRED = ["eager", "plas", "cvar", "cvar+composite+ttl"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--traces", default="../shared/traces")
+    p.add_argument("--out", default="out/demo")
+    args = p.parse_args(argv)
+    trace = Path(args.traces) / "agentcgroup_swerebench_claude_code" / "glm47flash_local"
+    specs = [s for s in PREFERRED if all(_registered(part) for part in s.split("+"))]
+    cmd = ["bench", "--policies", ",".join(specs), "--engines", "4", "--gpu", "H100",
+           "--model", "llama-3.1-8b", "--load", "high", "--workflows", "300", "--seed", "0",
+           "--out", args.out]
+    if trace.exists():
+        cmd += ["--trace", str(trace)]
+    else:
+        print(f"{trace} not found: using the built-in synthetic workload")
+    print("turnstile " + " ".join(cmd))
+    app(cmd, standalone_mode=True)
+
+
+def _registered(name: str) -> bool:
+    from turnstile.policies.base import REGISTRIES
+
+    return any(name in r for r in REGISTRIES)
+
+
+if __name__ == "__main__":
+    main()

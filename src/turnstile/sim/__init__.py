@@ -1,0 +1,1 @@
+"""The simulator: event kernel, engine model, performance models, cluster driver."""

@@ -1,0 +1,243 @@
+"""The simulator driver: workflows → scheduler core → engine models, on a virtual clock.
+
+The driver feeds the core the same events the gateway does (arrivals, starts, first tokens,
+finishes, tool returns, engine stats) and carries out its actions (release to an engine with a
+priority, retain a session's KV during a tool call). It owns the only clock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from turnstile.core.scheduler import Release, Scheduler
+from turnstile.core.state import EngineLoad, TurnRecord, TurnState, WorkflowRecord
+from turnstile.policies import PolicySet
+from turnstile.sim.engine import EngineConfig, EngineModel, SimRequest
+from turnstile.sim.kernel import EventQueue
+from turnstile.sim.perf import PerfModel, RooflinePerf, kv_capacity_tokens, load_gpu, load_model
+from turnstile.workload.model import Workflow
+
+# event kinds (ints: cheap to compare)
+_ARRIVE, _STEP_END, _TOOL_END, _KICK, _WAKE = range(5)
+
+
+@dataclass
+class EngineGroup:
+    """``count`` identical engines: one GPU type and model at tensor parallelism ``tp``."""
+
+    gpu: str = "H100-SXM"
+    model: str = "llama-3.1-8b"
+    tp: int = 1
+    count: int = 1
+    gpu_mem_util: float = 0.9
+    #: KV capacity override in tokens (None = from GPU memory and the model)
+    kv_tokens: int | None = None
+    cpu_offload_tokens: int = 0
+    max_num_seqs: int = 256
+    max_batched_tokens: int = 8192
+    perf: PerfModel | None = None  # a fitted model overrides the roofline
+
+    def build_perf(self) -> PerfModel:
+        if self.perf is not None:
+            return self.perf
+        return RooflinePerf(load_gpu(self.gpu), load_model(self.model), tp=self.tp)
+
+    def build_config(self, block_size: int = 16, hash_block_tokens: int = 0) -> EngineConfig:
+        kv = self.kv_tokens
+        if kv is None:
+            kv = kv_capacity_tokens(load_gpu(self.gpu), load_model(self.model), self.tp,
+                                    self.gpu_mem_util)
+        return EngineConfig(
+            block_size=block_size,
+            num_gpu_blocks=max(1, kv // block_size),
+            num_cpu_blocks=self.cpu_offload_tokens // block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_batched_tokens=self.max_batched_tokens,
+            hash_block_tokens=hash_block_tokens,
+        )
+
+
+@dataclass
+class SimResult:
+    """What one simulated run produced (the bench room turns it into metrics)."""
+
+    policy: str
+    workflows: list[WorkflowRecord]
+    engine_stats: dict[str, dict[str, Any]]
+    makespan_s: float
+    wall_s: float
+    iterations: int
+    events: int
+    num_gpus: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class ClusterSim:
+    """Runs one policy configuration over one workload on a simulated cluster."""
+
+    def __init__(
+        self,
+        workflows: Sequence[Workflow],
+        policies: PolicySet,
+        groups: Sequence[EngineGroup],
+        *,
+        block_size: int = 16,
+        hash_block_tokens: int = 0,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> None:
+        self.workflows = sorted(workflows, key=lambda w: w.arrival_s)
+        self.policies = policies
+        self.engines: list[EngineModel] = []
+        loads: list[EngineLoad] = []
+        self.num_gpus = 0
+        # shared across engines: a session re-prefilled on another engine counts as recomputed
+        session_marks: dict = {}
+        for g in groups:
+            perf = g.build_perf()
+            for _ in range(g.count):
+                eid = f"e{len(self.engines)}"
+                cfg = g.build_config(block_size, hash_block_tokens)
+                self.engines.append(EngineModel(eid, cfg, perf, session_marks=session_marks))
+                # relative speed: decode throughput scales with TP (heterogeneous routing)
+                loads.append(EngineLoad(eid, cfg.num_gpu_blocks * block_size, weight=float(g.tp)))
+                self.num_gpus += g.tp
+        self._by_id = {e.engine_id: i for i, e in enumerate(self.engines)}
+        self.finished: list[WorkflowRecord] = []
+        self.scheduler = Scheduler(
+            policies, loads, on_workflow_done=self.finished.append, forget_finished=True
+        )
+        self.queue = EventQueue()
+        self._busy = [False] * len(self.engines)
+        self._kicked = [False] * len(self.engines)
+        self._wake_at = -1.0
+        self._on_progress = on_progress
+        self.iterations = 0
+        self.events = 0
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> SimResult:
+        t0 = time.perf_counter()
+        q = self.queue
+        for wf in self.workflows:
+            q.push(wf.arrival_s, _ARRIVE, wf)
+        sched = self.scheduler
+        engines = self.engines
+        busy = self._busy
+        progress = self._on_progress
+        done_reported = 0
+        now = 0.0
+        while q:
+            now, kind, payload = q.pop()
+            self.events += 1
+            if kind == _STEP_END:
+                i, outcome = payload
+                self._apply_outcome(now, i, outcome)
+                self._step(now, i)
+            elif kind == _ARRIVE:
+                self._act(now, sched.workflow_arrived(now, payload))
+            elif kind == _TOOL_END:
+                rec: TurnRecord = payload
+                self._act(now, sched.tool_finished(now, rec.workflow.id, rec.index))
+            elif kind == _KICK:
+                self._kicked[payload] = False
+                if not busy[payload]:
+                    self._step(now, payload)
+            else:  # _WAKE
+                if now >= self._wake_at:
+                    self._wake_at = -1.0
+                    self._act(now, sched.tick(now))
+            wake = sched.next_wakeup(now)
+            if wake is not None and wake > now and (self._wake_at < 0 or wake < self._wake_at):
+                self._wake_at = wake
+                q.push(wake, _WAKE, None, priority=2)
+            if progress is not None and len(self.finished) != done_reported:
+                done_reported = len(self.finished)
+                progress(done_reported)
+        lost = sched.active_workflows
+        if lost:
+            raise RuntimeError(
+                f"simulation ended with {lost} unfinished workflows "
+                f"({sched.held_turns} turns still held by the release policy)"
+            )
+        stats = {e.engine_id: e.stats() for e in engines}
+        return SimResult(
+            policy=self.policies.spec,
+            workflows=self.finished,
+            engine_stats=stats,
+            makespan_s=now,
+            wall_s=time.perf_counter() - t0,
+            iterations=self.iterations,
+            events=self.events,
+            num_gpus=self.num_gpus,
+        )
+
+    # ------------------------------------------------------------ internals
+    def _act(self, now: float, actions: list) -> None:
+        for a in actions:
+            i = self._by_id[a.engine]
+            if type(a) is Release:
+                rec = a.turn
+                turn = rec.turn
+                req = SimRequest(
+                    rid=rec,
+                    session=rec.workflow.id,
+                    prompt_tokens=turn.prompt_tokens,
+                    output_tokens=turn.output_tokens,
+                    priority=a.priority,
+                    block_hashes=turn.block_hashes,
+                    arrival_s=now,
+                )
+                self.engines[i].submit(req, now)
+                if not self._busy[i] and not self._kicked[i]:
+                    # step after every same-time release has landed (priority 1 > 0)
+                    self._kicked[i] = True
+                    self.queue.push(now, _KICK, i, priority=1)
+            else:  # Retain
+                self.engines[i].retain(a.turn.workflow.id, a.decision, now)
+
+    def _step(self, now: float, i: int) -> None:
+        engine = self.engines[i]
+        outcome = engine.step(now)
+        if outcome is None:
+            self._busy[i] = False
+            load = self.scheduler.view[engine.engine_id]
+            load.queue_len = 0
+            self._act(now, self.scheduler.engine_stats(now, engine.engine_id, running=0))
+            return
+        self._busy[i] = True
+        self.iterations += 1
+        sched = self.scheduler
+        for req in outcome.started:
+            rec = req.rid
+            if rec.state == TurnState.RELEASED:
+                sched.turn_started(now, rec.workflow.id, rec.index)
+        self.queue.push(now + outcome.duration_s, _STEP_END, (i, outcome))
+
+    def _apply_outcome(self, now: float, i: int, outcome: Any) -> None:
+        sched = self.scheduler
+        for req in outcome.first_token:
+            rec = req.rid
+            sched.turn_first_token(now, rec.workflow.id, rec.index)
+        for req in outcome.finished:
+            rec = req.rid
+            wf = rec.workflow
+            self._act(now, sched.turn_finished(now, wf.id, rec.index, req.output_tokens))
+            if rec.state == TurnState.TOOL:
+                delay = rec.turn.tool_duration_s
+                nxt = rec.index + 1
+                if wf.source is not None and nxt < len(wf.turns):
+                    delay += wf.turns[nxt].turn.think_s
+                self.queue.push(now + delay, _TOOL_END, rec)
+
+
+def run_sim(
+    workflows: Sequence[Workflow],
+    spec: str,
+    groups: Sequence[EngineGroup],
+    **kw: Any,
+) -> SimResult:
+    """Convenience: build a fresh policy set from ``spec`` and run."""
+    return ClusterSim(workflows, PolicySet.from_spec(spec), groups, **kw).run()

@@ -1,0 +1,242 @@
+"""Performance models: data files, roofline arithmetic by hand, fitted profiles and NNLS."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+
+from turnstile.core.registry import UnknownNameError
+from turnstile.sim.perf import (
+    FittedPerf,
+    PerfModel,
+    RooflinePerf,
+    fit_profile,
+    gpu_names,
+    kv_capacity_tokens,
+    load_gpu,
+    load_model,
+    model_names,
+    nnls,
+)
+
+# --- data files -------------------------------------------------------------------------------
+
+
+def test_gpu_table_matches_the_design_constants() -> None:
+    expect = {
+        "A100-80G": (312, 2.039, 80),
+        "H100-SXM": (989, 3.35, 80),
+        "H200": (989, 4.8, 141),
+        "L40S": (362, 0.864, 48),
+    }
+    assert set(expect) <= set(gpu_names())
+    for name, (tflops, tbps, gb) in expect.items():
+        g = load_gpu(name)
+        assert (g.peak_tflops, g.hbm_tbps, g.memory_gb) == (tflops, tbps, gb)
+        assert g.price_per_hour > 0 and g.power_w > 0 and g.interconnect_gbps > 0
+        assert "datasheet" in g.source and "http" in g.source
+
+
+@pytest.mark.parametrize(
+    ("alias", "canonical"),
+    [("H100", "H100-SXM"), ("h100-sxm", "H100-SXM"), ("a100", "A100-80G"), ("l40s", "L40S")],
+)
+def test_gpu_aliases_are_case_insensitive(alias: str, canonical: str) -> None:
+    assert load_gpu(alias).name == canonical
+
+
+def test_unknown_names_list_the_valid_ones() -> None:
+    with pytest.raises(UnknownNameError, match=r"valid names: A100-80G, H100-SXM, H200, L40S"):
+        load_gpu("B200")
+    with pytest.raises(KeyError, match=r"llama-3\.1-8b"):
+        load_model("gpt-5")
+
+
+def test_models_have_sources_and_consistent_shapes() -> None:
+    assert set(model_names()) == {
+        "llama-3.1-8b",
+        "llama-3.1-70b",
+        "qwen3-8b",
+        "qwen3-32b",
+        "qwen3-30b-a3b",
+    }
+    for name in model_names():
+        m = load_model(name)
+        assert "huggingface.co" in m.source and "config.json" in m.source
+        total, active = m.shape_params()
+        assert total == pytest.approx(m.params, rel=0.02), name
+        assert active == pytest.approx(m.active_params, rel=0.02), name
+    assert load_model("Qwen/Qwen3-30B-A3B").is_moe
+    assert load_model("QWEN3-32B").attention_width == 64 * 128  # wider than hidden (5120)
+
+
+def test_kv_bytes_per_token_by_hand() -> None:
+    m = load_model("llama-3.1-8b")
+    assert m.kv_bytes_per_token() == 2 * 32 * 8 * 128 * 2 == 131072
+    assert m.kv_bytes_per_token(tp=2) == 2 * 32 * 4 * 128 * 2
+    # more GPUs than KV heads: each keeps a replica of one head
+    assert m.kv_bytes_per_token(tp=16) == 2 * 32 * 1 * 128 * 2
+    moe = load_model("qwen3-30b-a3b")
+    assert moe.kv_bytes_per_token() == 2 * 48 * 4 * 128 * 2
+
+
+def test_kv_capacity_tokens_by_hand() -> None:
+    # H100 80 GB at 0.9 minus 16.06 GB of llama-3.1-8b weights minus 1 GB reserve
+    free = 80e9 * 0.9 - 8.03e9 * 2 - 1e9
+    assert kv_capacity_tokens("H100", "llama-3.1-8b") == int(free // 131072)
+    # 70B on 4x H100: weights split four ways, KV heads 8/4 = 2 per GPU
+    free = 80e9 * 0.9 - 70.6e9 * 2 / 4 - 1e9
+    assert kv_capacity_tokens("H100", "llama-3.1-70b", tp=4) == int(free // (2 * 80 * 2 * 128 * 2))
+    with pytest.raises(ValueError, match="does not fit"):
+        kv_capacity_tokens("L40S", "llama-3.1-70b")
+
+
+# --- roofline ---------------------------------------------------------------------------------
+
+
+def test_roofline_prefill_is_compute_bound_by_hand() -> None:
+    perf = RooflinePerf("H100-SXM", "llama-3.1-8b")
+    p = 1000
+    attn2 = p * (p + 1) / 2
+    flops = 2 * 8.03e9 * p + 4 * 32 * 4096 * attn2
+    compute = flops / (989e12 * 0.65)
+    memory = 8.03e9 * 2 / (3.35e12 * 0.85)
+    assert compute > memory
+    assert perf.step_time(p, 0, 0, attn2) == pytest.approx(compute + 0.002, rel=1e-12)
+
+
+def test_roofline_decode_is_memory_bound_by_hand() -> None:
+    perf = RooflinePerf("H100-SXM", "llama-3.1-8b")
+    seqs, ctx = 8, 8 * 2000
+    compute = (2 * 8.03e9 * seqs + 4 * 32 * 4096 * ctx) / (989e12 * 0.65)
+    memory = (8.03e9 * 2 + ctx * 131072) / (3.35e12 * 0.85)
+    assert memory > compute
+    assert perf.step_time(0, seqs, ctx) == pytest.approx(memory + 0.002, rel=1e-12)
+    # a wider HBM makes the same decode step faster
+    assert RooflinePerf("H200", "llama-3.1-8b").step_time(0, seqs, ctx) < perf.step_time(
+        0, seqs, ctx
+    )
+
+
+def test_roofline_tensor_parallel_term_by_hand() -> None:
+    perf = RooflinePerf("H100-SXM", "llama-3.1-70b", tp=4, overhead_s=0.0)
+    tokens = 64
+    compute = (2 * 70.6e9 * tokens + 4 * 80 * 8192 * 0) / (989e12 * 4 * 0.65)
+    memory = 70.6e9 * 2 / 4 / (3.35e12 * 0.85)
+    allreduce = 2 * 80 * (5e-6 + 2 * 3 / 4 * tokens * 8192 * 2 / 900e9)
+    expect = max(compute, memory) + allreduce
+    assert perf.step_time(0, tokens, 0) == pytest.approx(expect, rel=1e-12)
+
+
+def test_roofline_moe_uses_active_flops_and_total_bytes() -> None:
+    perf = RooflinePerf("H100-SXM", "qwen3-30b-a3b", overhead_s=0.0)
+    big = 8192
+    compute = (2 * 3.3e9 * big + 0) / (989e12 * 0.65)
+    memory = 30.5e9 * 2 / (3.35e12 * 0.85)
+    assert perf.step_time(big, 0, 0) == pytest.approx(max(compute, memory), rel=1e-12)
+    assert isinstance(perf, PerfModel)
+    assert perf.kv_bytes_per_token == 2 * 48 * 4 * 128 * 2
+
+
+# --- fitted -----------------------------------------------------------------------------------
+
+
+def test_fitted_step_time_and_profile_round_trip(tmp_path) -> None:
+    f = FittedPerf(
+        0.01,
+        1e-4,
+        2e-5,
+        3e-8,
+        4e-10,
+        kv_bytes_per_token=4096.0,
+        engine="llama.cpp",
+        model="tiny",
+        measured_at="2026-01-01T00:00:00Z",
+        meta={"host": "ci"},
+    )
+    assert isinstance(f, PerfModel)
+    assert f.step_time(100, 4, 1000, 5000.0) == pytest.approx(
+        0.01 + 1e-4 * 100 + 2e-5 * 4 + 3e-8 * 1000 + 4e-10 * 5000
+    )
+    path = tmp_path / "p.json"
+    f.to_profile(path)
+    doc = json.loads(path.read_text())
+    assert doc["format"] == "turnstile-profile" and doc["version"] == 1
+    assert doc["engine"] == "llama.cpp" and doc["measured_at"].startswith("2026")
+    g = FittedPerf.from_profile(path)
+    assert g.coefficients == f.coefficients
+    assert (g.kv_bytes_per_token, g.engine, g.model, g.meta) == (
+        4096.0,
+        "llama.cpp",
+        "tiny",
+        {"host": "ci"},
+    )
+    assert g.name == "fitted:llama.cpp/tiny"
+
+
+@pytest.mark.parametrize(
+    ("doc", "match"),
+    [
+        ({"format": "other", "version": 1}, "not a turnstile-profile"),
+        ({"format": "turnstile-profile", "version": 2, "coefficients": {"b0_s": 1}}, "version 2"),
+        ({"format": "turnstile-profile", "version": 1, "coefficients": {}}, "b0_s"),
+        (
+            {"format": "turnstile-profile", "version": 1, "coefficients": {"b0_s": -1.0}},
+            "non-negative",
+        ),
+    ],
+)
+def test_bad_profiles_are_rejected(tmp_path, doc: dict, match: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=match):
+        FittedPerf.from_profile(path)
+
+
+def test_fit_recovers_known_coefficients_from_noisy_samples() -> None:
+    rng = random.Random(7)
+    true = (0.004, 6e-5, 1.5e-4, 2e-8, 5e-10)
+    samples = []
+    for _ in range(400):
+        p = rng.choice([0, 0, rng.randint(1, 4096)])
+        d = rng.randint(0 if p else 1, 64)
+        kv = rng.randint(0, 200_000)
+        a2 = p * (rng.randint(0, 30_000) + p / 2)
+        y = true[0] + true[1] * p + true[2] * d + true[3] * kv + true[4] * a2
+        samples.append(((p, d, kv, a2), y * (1 + rng.gauss(0, 0.02))))
+    fit = fit_profile(samples, engine="synthetic", relative=True)
+    # the attention-pair term is the smallest contribution, so the least well determined
+    for got, want, tol in zip(fit.coefficients, true, (0.05,) * 4 + (0.15,), strict=True):
+        assert got == pytest.approx(want, rel=tol)
+    assert fit.meta["fit"]["samples"] == 400 and fit.meta["fit"]["r2"] > 0.99
+    assert fit.meta["fit"]["median_abs_rel_err"] < 0.03
+
+
+def test_fit_keeps_coefficients_non_negative() -> None:
+    # step time does not depend on decode seqs; noise would give it a small negative slope
+    rng = random.Random(3)
+    samples = []
+    for _ in range(200):
+        p = rng.randint(0, 2000)
+        d = rng.randint(0, 32)
+        samples.append(((p, d, 0), 0.01 + 1e-4 * p - 1e-6 * d + rng.gauss(0, 1e-4)))
+    fit = fit_profile(samples)
+    assert all(c >= 0 for c in fit.coefficients)
+    assert fit.b2 == pytest.approx(0.0, abs=1e-6)
+    assert fit.b1 == pytest.approx(1e-4, rel=0.02)
+    with pytest.raises(ValueError, match="at least 2"):
+        fit_profile([((1, 1, 1), 1.0)])
+
+
+def test_nnls_matches_unconstrained_when_the_optimum_is_positive() -> None:
+    rng = np.random.default_rng(0)
+    a = rng.random((50, 4))
+    x = np.array([1.0, 2.0, 0.5, 3.0])
+    got = nnls(a, a @ x)
+    assert np.allclose(got, x)
+    got = nnls(a, a @ np.array([1.0, -2.0, 0.5, 3.0]))
+    assert got.min() >= 0 and math.isclose(got[1], 0.0, abs_tol=1e-12)
