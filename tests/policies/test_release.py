@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from turnstile.core import Release, Scheduler, TurnState
-from turnstile.core.state import WorkflowRecord
+from turnstile.core.state import EngineLoad, WorkflowRecord
 from turnstile.policies import PolicySet
 from turnstile.policies.cvar import CvarRelease
 from turnstile.policies.gated import PlasRelease
@@ -41,15 +41,43 @@ def test_cvar_releases_an_oversized_turn_to_an_idle_engine():
     assert released(s.workflow_arrived(0.0, one_turn("huge", 50_000))) == ["huge"]
 
 
-def test_cvar_orders_by_shortest_work_when_weights_are_equal():
-    s = cvar_scheduler(budget_per_engine=3_000)
-    s.workflow_arrived(0.0, one_turn("first", 900))  # released: engine was idle
-    for name, tokens in [("big", 800), ("small", 10), ("mid", 300)]:
-        assert released(s.workflow_arrived(0.1, one_turn(name, tokens))) == []
-    order = []
-    for i, wf in enumerate(["first", "small", "mid", "big"]):
-        order += released(s.turn_finished(1.0 + i, wf, 0))
-    assert order == ["small", "mid", "big"]
+def two_turns(wf_id: str, second_tokens: int, arrival: float = 0.0) -> Workflow:
+    """A workflow whose second turn (after a tool call) has ``second_tokens`` of new input."""
+    return Workflow(wf_id, arrival, (
+        Turn(input_tokens=10, output_tokens=1, tools=(ToolCall("Bash", 1.0),)),
+        Turn(input_tokens=second_tokens, output_tokens=10, context_tokens=11),
+    ))
+
+
+def start(s: Scheduler, wf: Workflow, now: float) -> None:
+    """Arrive and run the first turn, so the workflow counts as started."""
+    s.workflow_arrived(now, wf)
+    s.turn_finished(now, wf.id, 0, output_tokens=1)
+
+
+def test_cvar_orders_started_workflows_by_shortest_work():
+    # γ = 0: work = new input + 0.1·context, so the arithmetic below is exact
+    s = cvar_scheduler(budget_per_engine=900, gamma=0.0)
+    for name in ("big", "small", "mid"):
+        start(s, two_turns(name, {"big": 800, "small": 10, "mid": 300}[name]), 0.0)
+    s.workflow_arrived(0.5, one_turn("first", 900))  # new workflow; engine idle: released
+    for name in ("big", "small", "mid"):
+        assert released(s.tool_finished(1.0, name, 0)) == []  # held: budget full
+    # first done, W = 0: small (11.1) and mid (301.1) fit in 900; big (801.1) waits for both
+    assert released(s.turn_finished(2.0, "first", 0)) == ["small", "mid"]
+    assert released(s.turn_finished(3.0, "small", 1)) == []
+    assert released(s.turn_finished(4.0, "mid", 1)) == ["big"]
+
+
+def test_cvar_admits_new_workflows_oldest_first_while_kv_has_room():
+    ps = PolicySet.from_spec("cvar")
+    ps.release = CvarRelease(budget_per_engine=1e9, adapt=False, kv_fill=1.0)
+    s = Scheduler(ps, [EngineLoad("e0", capacity_tokens=10_000)])
+    assert released(s.workflow_arrived(0.0, one_turn("a", 6_000))) == ["a"]
+    # 6000 + expected output released on e0: 'b' (5000 tokens) does not fit in 10k
+    assert released(s.workflow_arrived(1.0, one_turn("b", 5_000))) == []
+    assert released(s.workflow_arrived(2.0, one_turn("c", 100))) == []  # FCFS: behind b
+    assert released(s.turn_finished(3.0, "a", 0)) == ["b", "c"]
 
 
 def test_cvar_tail_weight_switches_on_past_the_quantile():
@@ -72,11 +100,16 @@ def test_cvar_tail_weight_switches_on_past_the_quantile():
 
 
 def test_cvar_releases_anything_held_longer_than_h():
-    s = cvar_scheduler(budget_per_engine=2_100, hold_limit_s=30.0)
-    s.workflow_arrived(0.0, one_turn("a", 10))
-    assert released(s.workflow_arrived(1.0, one_turn("b", 10))) == []
+    s = cvar_scheduler(budget_per_engine=15, gamma=0.0, hold_limit_s=30.0,
+                       gate_hold_limit_s=50.0)
+    start(s, two_turns("b", 10), 0.0)
+    s.workflow_arrived(0.0, one_turn("a", 10))  # released (engine idle), fills the budget
+    assert released(s.tool_finished(1.0, "b", 0)) == []  # b's second turn: held
+    assert released(s.workflow_arrived(1.0, one_turn("new", 10))) == []  # at the gate
     assert s.next_wakeup(1.0) == 31.0
     assert released(s.tick(31.0)) == ["b"]
+    assert s.next_wakeup(31.0) == 51.0  # new workflows wait at most the gate limit
+    assert released(s.tick(51.0)) == ["new"]
 
 
 def test_cvar_learns_output_length_online_never_from_the_trace():
@@ -120,3 +153,15 @@ def test_plas_levels_and_engine_priority():
     # short (level 0, arrived later) goes before long's turn 2 (level 1)
     assert released(acts) == ["short"]
     assert acts[0].priority == 0.0
+
+
+def test_cvar_kv_gate_shrinks_when_sessions_lose_their_cache_and_grows_when_kept():
+    rel = CvarRelease(kv_fill=0.5, target_context_miss=0.05)
+    rel._waits.extend([0.01] * 16)
+    rel._miss = [50.0, 100.0]  # half the reused context was recomputed
+    rel._adapt()
+    assert rel.kv_fill == 0.45
+    rel._miss = [1.0, 100.0]
+    rel._gate.append((0, None))  # new workflows are waiting at the gate
+    rel._adapt()
+    assert rel.kv_fill == 0.45 * 1.05

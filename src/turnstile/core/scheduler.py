@@ -84,6 +84,8 @@ class Scheduler:
         self.active_workflows = 0
         self.finished_workflows = 0
         self.released_total = 0
+        # optional hook: a release policy that tracks workflows (flow-time quantiles, KV)
+        self._release_sees_done = hasattr(self.release, "on_workflow_done")
         # running mean of observed output lengths: the core's only work estimate, learned online
         self._out_sum = prior_output_tokens
         self._out_n = 1
@@ -158,9 +160,15 @@ class Scheduler:
             rec.first_token_s = now
 
     def turn_finished(
-        self, now: float, workflow_id: str, index: int, output_tokens: int | None = None
+        self,
+        now: float,
+        workflow_id: str,
+        index: int,
+        output_tokens: int | None = None,
+        cached_tokens: int | None = None,
     ) -> list[Action]:
-        """The engine finished the turn (the driver may pass the real output length)."""
+        """The engine finished the turn (the driver passes the real output length and the
+        prompt tokens served from the prefix cache when the engine reports them)."""
         rec = self._turn(workflow_id, index)
         if rec.state == TurnState.RELEASED:  # a driver that does not report starts
             rec.state = TurnState.RUNNING
@@ -169,6 +177,8 @@ class Scheduler:
             raise SchedulerError(f"{rec!r} finished but was not running")
         if output_tokens is not None:
             rec.output_tokens = output_tokens
+        if cached_tokens is not None:
+            rec.cached_tokens = cached_tokens
         rec.finished_s = now
         if rec.first_token_s < 0:
             rec.first_token_s = now
@@ -335,6 +345,8 @@ class Scheduler:
             self._resume(wf)
         self.active_workflows -= 1
         self.finished_workflows += 1
+        if self._release_sees_done:
+            self.release.on_workflow_done(wf, now)  # type: ignore[attr-defined]
         if self.on_workflow_done is not None:
             self.on_workflow_done(wf)
         if self.forget_finished:

@@ -26,6 +26,7 @@ class TurnRecord:
     """One turn's life in the scheduler. Times are in the driver's clock (seconds)."""
 
     __slots__ = (
+        "cached_tokens",
         "charged_tokens",
         "engine",
         "finished_s",
@@ -56,6 +57,8 @@ class TurnRecord:
         self.priority = 0.0
         #: actual output tokens (from the engine); the trace's value until it finishes
         self.output_tokens = turn.output_tokens
+        #: prompt tokens the engine found in its prefix cache (reported at finish; -1 = unknown)
+        self.cached_tokens = -1
         #: work charged to the engine and the released-work counter at release (tokens)
         self.charged_tokens = 0
         #: opaque slot a release policy may use to find the turn in its own queue

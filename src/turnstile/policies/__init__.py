@@ -30,7 +30,7 @@ from turnstile.policies.base import (
     RoutingPolicy,
 )
 
-DEFAULTS = {"release": "eager", "routing": "round-robin", "admission": "fcfs", "retention": "lru"}
+DEFAULTS = {"release": "eager", "routing": "kv-affinity", "admission": "fcfs", "retention": "lru"}
 _BY_KIND = {"release": RELEASE, "routing": ROUTING, "admission": ADMISSION, "retention": RETENTION}
 
 

@@ -40,6 +40,9 @@ class ReleasePolicy(Protocol):
         """When the policy wants to be asked again with no other event (a hold timer)."""
         ...
 
+    # Optional: ``on_workflow_done(self, workflow: WorkflowRecord, now: float) -> None`` is
+    # called once per finished workflow when the policy defines it.
+
     def __len__(self) -> int: ...
 
 

@@ -17,11 +17,20 @@ Rule, per call to :meth:`CvarRelease.select`:
    while turns are held and the engines keep up.
 4. **Overrides**: a turn is released when some engine is idle even if it exceeds the budget
    (an oversized turn must not wait forever), and any turn held longer than H is released.
+5. **KV gate for new workflows** (turnstile's extension): turns of workflows already started
+   go first; the first turn of a new workflow is admitted, oldest first, only while some
+   engine's KV demand — released work plus the contexts of its sessions paused in tool calls
+   (the core's shadow load) — leaves room for its prompt within ``kv_fill`` × that engine's
+   KV capacity. An agent's context is needed again after every tool call, so admitting more
+   sessions than KV holds makes every session re-prefill its context (measured: eager
+   recomputes most of its prefill at high load). ``kv_fill`` adapts to the context miss
+   rate the engines report (prompt tokens of started workflows not found in the prefix
+   cache): shrink when sessions lose their KV, grow while new workflows wait and they don't.
 
 Ready turns live in two heaps by work (mean-weight and tail-weight turns, since within one
 weight class the index is monotone in work), a heap by workflow arrival to move turns into the
-tail class as they age, and a heap by ready time for the hold limit: every decision is
-O(log n), with lazy deletion.
+tail class as they age, a FIFO of new workflows at the KV gate, and a heap of hold-limit
+expiries: every decision is O(log n) amortized, with lazy deletion.
 """
 
 from __future__ import annotations
@@ -116,7 +125,13 @@ class CvarRelease:
         target_wait_s: float = 0.5,
         target_p95_wait_s: float = 2.0,
         adapt_every: int = 8,
-        hold_limit_s: float = 120.0,
+        hold_limit_s: float = 600.0,
+        gate_hold_limit_s: float = 3600.0,
+        kv_fill: float = 0.5,
+        min_kv_fill: float = 0.2,
+        max_kv_fill: float = 2.0,
+        target_context_miss: float = 0.05,
+        kv_gate: bool = True,
     ) -> None:
         if not 0.0 < alpha < 1.0:
             raise ValueError("alpha must be in (0, 1)")
@@ -132,13 +147,25 @@ class CvarRelease:
         self.target_p95_wait_s = target_p95_wait_s
         self.adapt_every = adapt_every
         self.hold_limit_s = hold_limit_s
+        self.gate_hold_limit_s = gate_hold_limit_s
+        self.kv_fill = kv_fill
+        self.min_kv_fill = min_kv_fill
+        self.max_kv_fill = max_kv_fill
+        self.kv_gate = kv_gate
+        self.target_context_miss = target_context_miss
+        self._miss = [0.0, 0.0]  # context tokens missed / expected in the cache since adapting
+        #: started, unfinished workflows
+        self._active: set[str] = set()
+        self._gate: deque[tuple[int, TurnRecord]] = deque()
         self.outputs = OutputEstimator()
         self.flow_q = QuantileTracker(alpha)
         self.released_work = 0.0  # W: estimated work of released, unfinished turns
         self._mean: list[tuple[float, int, TurnRecord]] = []
         self._tail: list[tuple[float, int, TurnRecord]] = []
         self._by_age: list[tuple[float, int, TurnRecord]] = []
-        self._by_ready: list[tuple[float, int, TurnRecord]] = []
+        #: (time its hold limit expires, seq, turn): H for started workflows' turns, the longer
+        #: gate limit for new workflows (the KV gate is what should hold those)
+        self._expiry: list[tuple[float, int, TurnRecord]] = []
         self._work: dict[int, float] = {}  # seq -> work of a held turn
         self._tail_seqs: set[int] = set()
         self._seq = 0
@@ -159,6 +186,20 @@ class CvarRelease:
     def budget(self, view: ClusterView) -> float:
         return self.budget_per_engine * len(view)
 
+    def kv_room(self, view: ClusterView) -> float:
+        """The most KV (tokens) any healthy engine has left for a new session."""
+        if not self.kv_gate:
+            return float("inf")
+        room = float("-inf")
+        for e in view.values():
+            if not e.healthy:
+                continue
+            if e.capacity_tokens <= 0:
+                return float("inf")  # unknown capacity: no gate
+            free = self.kv_fill * e.capacity_tokens - e.outstanding_tokens - e.paused_context_tokens
+            room = max(room, free)
+        return room
+
     def expected_hold_s(self, workflow: WorkflowRecord, now: float) -> float:
         """How long a next turn of ``workflow`` is expected to be held (for budget-keep)."""
         return 0.0 if self.is_tail(workflow, now) else self._hold_ema
@@ -170,14 +211,18 @@ class CvarRelease:
         turn.key = seq
         w = self.work(turn)
         self._work[seq] = w
+        self._n += 1
+        if turn.workflow.id not in self._active:
+            self._gate.append((seq, turn))  # a new workflow: FCFS at the KV gate
+            heapq.heappush(self._expiry, (now + self.gate_hold_limit_s, seq, turn))
+            return
         if self.is_tail(turn.workflow, now):
             self._tail_seqs.add(seq)
             heapq.heappush(self._tail, (w, seq, turn))
         else:
             heapq.heappush(self._mean, (w, seq, turn))
             heapq.heappush(self._by_age, (turn.workflow.arrival_s, seq, turn))
-        heapq.heappush(self._by_ready, (now, seq, turn))
-        self._n += 1
+        heapq.heappush(self._expiry, (now + self.hold_limit_s, seq, turn))
 
     @staticmethod
     def _valid(seq: int, turn: TurnRecord) -> bool:
@@ -195,6 +240,7 @@ class CvarRelease:
         self.released_work += w
         turn.key = w  # after release, key holds the charged work (see on_finished)
         self._n -= 1
+        self._active.add(turn.workflow.id)
         self._hold_ema += 0.05 * ((now - turn.ready_s) - self._hold_ema)
         return turn
 
@@ -226,21 +272,33 @@ class CvarRelease:
         if not self._n:
             return
         self._promote(now)
-        by_ready = self._by_ready
-        limit = now - self.hold_limit_s
-        while by_ready and (not self._valid(by_ready[0][1], by_ready[0][2])
-                            or by_ready[0][0] <= limit):
-            _, seq, turn = heapq.heappop(by_ready)
+        expiry = self._expiry
+        while expiry and (not self._valid(expiry[0][1], expiry[0][2]) or expiry[0][0] <= now):
+            _, seq, turn = heapq.heappop(expiry)
             if self._valid(seq, turn):
-                yield self._take(seq, turn, now)  # held longer than H
+                yield self._take(seq, turn, now)  # held longer than its hold limit
         budget = self.budget(view)
-        while self._n:
+        while True:  # turns of started workflows, by WSPT index, under the budget
             best = self._best()
             if best is None:
-                return
+                break
             w, seq, turn = best
             if self.released_work + w > budget and not view.any_idle():
                 return
+            yield self._take(seq, turn, now)
+        gate = self._gate
+        while gate:  # new workflows, oldest first, while their KV fits
+            seq, turn = gate[0]
+            if not self._valid(seq, turn):
+                gate.popleft()
+                continue
+            w = self._work[seq]
+            started = turn.workflow.id in self._active  # a DAG's second root
+            if not started and not view.any_idle() and (
+                self.released_work + w > budget or turn.prompt_tokens > self.kv_room(view)
+            ):
+                return
+            gate.popleft()
             yield self._take(seq, turn, now)
 
     def on_finished(self, turn: TurnRecord, now: float) -> None:
@@ -248,10 +306,10 @@ class CvarRelease:
         self.released_work = max(0.0, self.released_work - w)
         turn.key = None
         self.outputs.observe(turn)
-        wf = turn.workflow
-        if wf.source is not None and turn.index == len(wf.turns) - 1:
-            self.flow_q.add(now - wf.arrival_s)
-            self.outputs.forget(wf.id)
+        ctx = turn.turn.context_tokens
+        if ctx > 0 and turn.cached_tokens >= 0:
+            self._miss[0] += max(0, ctx - turn.cached_tokens)
+            self._miss[1] += ctx
         if turn.started_s >= 0:
             self._waits.append(turn.started_s - turn.released_s)
         if self.adapt:
@@ -259,6 +317,11 @@ class CvarRelease:
             if self._finished_since_adapt >= self.adapt_every and len(self._waits) >= 8:
                 self._finished_since_adapt = 0
                 self._adapt()
+
+    def on_workflow_done(self, workflow: WorkflowRecord, now: float) -> None:
+        self.flow_q.add(now - workflow.arrival_s)
+        self.outputs.forget(workflow.id)
+        self._active.discard(workflow.id)
 
     def _adapt(self) -> None:
         waits = np.fromiter(self._waits, float)
@@ -268,15 +331,22 @@ class CvarRelease:
         elif self._n:
             self.budget_per_engine = min(self.max_budget_per_engine,
                                          self.budget_per_engine * 1.1)
+        missed, expected = self._miss
+        if expected > 0:
+            self._miss = [0.0, 0.0]
+            if missed > self.target_context_miss * expected:
+                self.kv_fill = max(self.min_kv_fill, self.kv_fill * 0.9)
+            elif self._gate:
+                self.kv_fill = min(self.max_kv_fill, self.kv_fill * 1.05)
 
     def next_wakeup(self, now: float) -> float | None:
         if not self._n:
             return None
-        while self._by_ready and not self._valid(self._by_ready[0][1], self._by_ready[0][2]):
-            heapq.heappop(self._by_ready)
+        while self._expiry and not self._valid(self._expiry[0][1], self._expiry[0][2]):
+            heapq.heappop(self._expiry)
         times = []
-        if self._by_ready:
-            times.append(self._by_ready[0][0] + self.hold_limit_s)
+        if self._expiry:
+            times.append(self._expiry[0][0])
         while self._by_age and not self._valid(self._by_age[0][1], self._by_age[0][2]):
             heapq.heappop(self._by_age)
         if self._by_age and self.flow_q.q != float("inf"):

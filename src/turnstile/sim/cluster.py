@@ -224,7 +224,8 @@ class ClusterSim:
         for req in outcome.finished:
             rec = req.rid
             wf = rec.workflow
-            self._act(now, sched.turn_finished(now, wf.id, rec.index, req.output_tokens))
+            self._act(now, sched.turn_finished(now, wf.id, rec.index, req.output_tokens,
+                                                req.cached_tokens))
             if rec.state == TurnState.TOOL:
                 delay = rec.turn.tool_duration_s
                 nxt = rec.index + 1
