@@ -1,0 +1,53 @@
+"""`turnstile bench` end to end: the evidence record and the side-by-side table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from turnstile.bench.runner import LOAD_LEVELS, parse_load
+from turnstile.cli import app
+
+runner = CliRunner()
+
+METRIC_KEYS = {"flow_time_s", "ttft_s", "engine_ttft_s", "tpot_s", "e2e_s", "throughput", "slo",
+               "prefix_hit_rate", "recomputed_prefill_tokens", "cost"}
+
+
+def test_bench_on_the_synthetic_workload_writes_an_evidence_record(tmp_path):
+    res = runner.invoke(app, ["bench", "--policies", "eager,cvar", "--workflows", "15",
+                              "--engines", "2", "--load", "0.5", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert "simulated" in res.output and "cvar" in res.output
+    d = json.loads((tmp_path / "results.json").read_text())
+    assert d["simulated"] is True
+    assert [p["policy"] for p in d["policies"]] == ["eager", "cvar"]
+    for p in d["policies"]:
+        assert set(p["metrics"]) >= METRIC_KEYS
+        assert p["metrics"]["workflows"] == 15
+        assert p["metrics"]["cost"]["tokens_per_dollar"] > 0
+    assert d["config"]["workload"]["workflows"] == 15
+    assert d["config"]["workload_sha256"]
+    assert (tmp_path / "flow_cdf.png").stat().st_size > 1000
+
+
+@pytest.mark.traces
+def test_bench_on_the_real_agentcgroup_trace(tmp_path, traces_dir):
+    trace = traces_dir / "agentcgroup_swerebench_claude_code"
+    res = runner.invoke(app, ["bench", "--trace", str(trace), "--policies", "eager",
+                              "--engines", "2", "--workflows", "40", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    d = json.loads((tmp_path / "results.json").read_text())
+    assert d["trace"]["sha256"] and len(d["trace"]["sha256"]) == 64
+    assert "Poisson" in d["trace"]["arrivals"]
+    assert set(d["policies"][0]["metrics"]) >= METRIC_KEYS
+
+
+def test_load_levels():
+    assert parse_load("light") == LOAD_LEVELS["light"]
+    assert parse_load("0.8") == 0.8
+    for bad in ("-1", "0", "heavy-ish"):
+        with pytest.raises(ValueError):
+            parse_load(bad)
