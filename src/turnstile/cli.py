@@ -229,3 +229,13 @@ def version() -> None:
 
 def main() -> None:  # pragma: no cover
     app()
+
+
+def _register_subcommands() -> None:
+    """The drivers' commands live in their rooms; each registers itself here."""
+    from turnstile.rollout.cli import register as register_rollout
+
+    register_rollout(app)
+
+
+_register_subcommands()

@@ -1,0 +1,163 @@
+"""``turnstile rollout sim`` as a function: every policy through the same simulated RL run.
+
+Each policy gets a fresh router and its own planner (or the same static plan), on the same
+seeded batches. The result dict is what ``results.json`` holds; everything in it is simulated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from turnstile.rollout.planner import Plan, PlannerConfig, RLLoop, StepRecord
+from turnstile.rollout.routing import (
+    ROLLOUT_ROUTING,
+    CMLFQRouter,
+    LoadBalanceRouter,
+    RolloutRouter,
+)
+from turnstile.rollout.sim import DrainMode, SimConfig, parse_mix
+from turnstile.rollout.workload import RolloutSpec, RolloutWorkload
+
+__all__ = ["RolloutSimRequest", "make_router", "run_rollout_sim"]
+
+
+def make_router(spec: str) -> RolloutRouter:
+    """A router from a CLI spec: a registry name, optionally ``load-balance:nosticky`` or the
+    ``cmlfq:notree`` / ``cmlfq:nohistory`` / ``cmlfq:nocost`` ablations."""
+    name, _, opt = spec.partition(":")
+    if name not in ROLLOUT_ROUTING:
+        ROLLOUT_ROUTING.create(name)  # raises with the valid names
+    if not opt:
+        return ROLLOUT_ROUTING.create(name)
+    if opt == "nosticky" and name == "load-balance":
+        return LoadBalanceRouter(sticky=False)
+    if name == "cmlfq" and opt in ("notree", "nohistory", "nocost"):
+        kw: dict[str, bool] = {"notree": {"use_tree": False},
+                               "nohistory": {"use_history": False},
+                               "nocost": {"cost_aware": False}}[opt]
+        return CMLFQRouter(**kw)
+    raise ValueError(f"unknown option {opt!r} for policy {name!r}")
+
+
+@dataclass
+class RolloutSimRequest:
+    steps: int = 5
+    gpus: int = 16
+    policies: Sequence[str] = ("load-balance", "cmlfq")
+    prompts: int = 32
+    samples: int = 8
+    seed: int = 0
+    tool_time_scale: float = 1.0
+    gpu: str = "H100"
+    model: str = "qwen3-8b"
+    #: a fixed rollout mix (``tp1x8,tp2x2,tp4x1``); None: the planner chooses every step
+    mix: str | None = None
+    #: training GPUs with a fixed mix (default: the rest of the pool)
+    train_gpus: int | None = None
+    tiered: bool = True
+    mode: str = "off-policy"
+    partial_frac: float = 1.0
+    drain_mode: DrainMode = "finish"
+    replan_every: int = 10
+    spec_overrides: dict[str, Any] = field(default_factory=dict)
+
+    def rollout_spec(self) -> RolloutSpec:
+        return RolloutSpec(n_prompts=self.prompts, group_size=self.samples, seed=self.seed,
+                           tool_time_scale=self.tool_time_scale, **self.spec_overrides)
+
+    def sim_config(self) -> SimConfig:
+        return SimConfig(gpu=self.gpu, model=self.model, drain_mode=self.drain_mode)
+
+    def planner_config(self) -> PlannerConfig:
+        static = None
+        if self.mix is not None:
+            mix = parse_mix(self.mix)
+            rollout = sum(b.gpus for b in mix)
+            train = self.gpus - rollout if self.train_gpus is None else self.train_gpus
+            if train < 0 or rollout + train > self.gpus:
+                raise ValueError(f"mix {self.mix} ({rollout} GPUs) + {train} training GPUs "
+                                 f"exceed --gpus {self.gpus}")
+            static = Plan(mix, train)
+        return PlannerConfig(total_gpus=self.gpus, mode=self.mode,  # type: ignore[arg-type]
+                             tiered=self.tiered, static=static, replan_every=self.replan_every)
+
+
+def run_rollout_sim(
+    req: RolloutSimRequest,
+    on_step: Callable[[str, StepRecord], None] | None = None,
+) -> dict[str, Any]:
+    """Run every policy; returns the ``results.json`` document."""
+    if req.steps < 1:
+        raise ValueError("steps must be >= 1")
+    for p in req.policies:
+        make_router(p)  # validate names before any work
+    workload_spec = req.rollout_spec()
+    planner_cfg = req.planner_config()
+    sim_cfg = req.sim_config()
+    out: dict[str, Any] = {
+        "simulated": True,
+        "generator": "turnstile rollout sim",
+        "config": {
+            **{k: v for k, v in dataclasses.asdict(req).items() if k != "policies"},
+            "policies": list(req.policies),
+            "workload": workload_spec.to_dict(),
+            "sim": sim_cfg.describe(),
+            "planner": {
+                "mode": planner_cfg.mode,
+                "replan_every": planner_cfg.replan_every,
+                "pressure_ratio": planner_cfg.pressure_ratio,
+                "min_gain": planner_cfg.min_gain,
+                "tiered": planner_cfg.tiered,
+                "static": str(planner_cfg.static) if planner_cfg.static else None,
+            },
+            "timing_assumption": (
+                "one-step off-policy: training of step k-1 overlaps rollout of step k on "
+                "disjoint GPU pools; period = max(rollout, train)"
+                if planner_cfg.mode == "off-policy"
+                else "synchronous on-policy, colocated: period = rollout + train + switch"
+            ),
+            "python": platform.python_version(),
+        },
+        "policies": {},
+    }
+    for policy in req.policies:
+        workload = RolloutWorkload(workload_spec)
+        t0 = time.perf_counter()
+        loop = RLLoop(
+            workload,
+            lambda policy=policy: make_router(policy),
+            sim_config=sim_cfg,
+            planner=planner_cfg,
+            partial_frac=req.partial_frac,
+        )
+        res = loop.run(req.steps, on_step=(lambda r, p=policy: on_step(p, r)) if on_step else None)
+        wall = time.perf_counter() - t0
+        makespans = [r.rollout_s for r in res.steps]
+        stats = getattr(loop.router, "stats", None)
+        out["policies"][policy] = {
+            "steps": [r.to_dict() for r in res.steps],
+            "makespan_s": [round(m, 3) for m in makespans],
+            "mean_makespan_s": round(sum(makespans) / len(makespans), 3),
+            "total_s": round(res.total_s, 3),
+            "throughput_trajectories_per_h": round(res.throughput * 3600, 2),
+            "planner_evaluations": res.planner_evals,
+            "router": stats() if callable(stats) else {},
+            "sim": {k: v for k, v in res.sim_stats.items() if k != "busy_s"},
+            "wall_s": round(wall, 3),
+        }
+    pols = out["policies"]
+    base = req.policies[0]
+    out["summary"] = {
+        "mean_makespan_s": {p: pols[p]["mean_makespan_s"] for p in pols},
+        "total_s": {p: pols[p]["total_s"] for p in pols},
+        f"makespan_speedup_vs_{base}": {
+            p: round(pols[base]["mean_makespan_s"] / pols[p]["mean_makespan_s"], 4)
+            for p in pols
+        },
+    }
+    return out

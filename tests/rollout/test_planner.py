@@ -1,0 +1,117 @@
+"""The planner's choice on a case with a known optimum, its acceptance rule, and elastic moves
+that never drop an in-flight trajectory."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from turnstile.rollout.planner import (
+    Plan,
+    Planner,
+    PlannerConfig,
+    RLLoop,
+    accept_plan,
+    candidate_mixes,
+)
+from turnstile.rollout.routing import LoadBalanceRouter
+from turnstile.rollout.sim import Bucket, RolloutSim, SimConfig, parse_mix
+from turnstile.rollout.training import ParallelConfig, TrainModel
+from turnstile.rollout.workload import RolloutSpec, RolloutWorkload, training_tokens
+
+from .conftest import LinearPerf, make_traj, simple_batch
+
+# 1,000 output tokens/s per TP1 engine whatever the batch: rollout time = work / GPUs
+THROUGHPUT_CFG = SimConfig(perf=lambda tp: LinearPerf(tp, per_seq=1e-3, per_prefill=1e-6),
+                           kv_tokens=10**7, engine_start_s=5.0)
+
+
+def test_planner_finds_the_known_optimum() -> None:
+    # 64 one-turn trajectories of 1,000 tokens: rollout on g GPUs takes ceil(64/g) s
+    probe = [make_traj(f"t{i}", [(0, 1000, [])], prompt_id=f"p{i}") for i in range(64)]
+    tokens = training_tokens(probe)
+    # training on n GPUs takes 64/n s: the period max(rollout(g), train(16-g)) is minimal,
+    # uniquely, at g = 8 (8 s; g = 6 gives 11 s, g = 10 gives 10.7 s)
+    peak = 1e12
+    train = TrainModel(params=64 * peak / (6 * tokens), peak_flops=peak, gpu_memory_bytes=1e15,
+                       mfu=1.0, tp_options=(1,), pp_options=(1,), overhead_s=0.0)
+    assert train.step_time(8, tokens)[0] == pytest.approx(8.0)
+    cfg = PlannerConfig(total_gpus=16, tps=(1,), gpu_step=2)
+    planner = Planner(cfg, THROUGHPUT_CFG, train)
+    ranked = planner.search(probe, LoadBalanceRouter())
+    period, rollout_s, train_s, plan = ranked[0]
+    assert plan == Plan((Bucket(1, 8),), 8)
+    assert rollout_s == pytest.approx(8.0, rel=0.01) and train_s == pytest.approx(8.0)
+    assert period == pytest.approx(8.0, rel=0.01)
+    assert planner.evals <= 5  # a binary search, not a sweep
+
+
+def test_acceptance_rule() -> None:
+    assert accept_plan(100.0, 90.0, horizon_steps=10, reconfig_s=50.0)  # 10%, pays 100 > 50
+    assert not accept_plan(100.0, 96.0, horizon_steps=10, reconfig_s=1.0)  # gain < 5%
+    assert not accept_plan(100.0, 90.0, horizon_steps=10, reconfig_s=120.0)  # cost > saving
+    assert not accept_plan(100.0, 101.0, horizon_steps=10, reconfig_s=0.0)
+
+
+def test_candidate_mixes() -> None:
+    for g in (2, 4, 8, 12, 16):
+        mixes = candidate_mixes(g)
+        assert mixes and all(sum(b.gpus for b in m) == g for m in mixes)
+        tiered = candidate_mixes(g, tiered=True)
+        if g >= 4:
+            assert all(len(m) >= 2 for m in tiered)
+    assert (Bucket(1, 8), Bucket(2, 2), Bucket(4, 1)) in candidate_mixes(16)
+
+
+def test_training_model() -> None:
+    m = TrainModel.for_names("H100", "qwen3-8b")
+    assert m.min_gpus() >= 2  # 8B params with Adam do not fit one 80 GB GPU
+    times = [m.step_time(n, 1e7)[0] for n in (4, 8, 16)]
+    assert times[0] > times[1] > times[2]
+    _, cfg = m.step_time(8, 1e7)
+    assert isinstance(cfg, ParallelConfig) and cfg.gpus == 8
+    assert m.step_time(1, 1e7) == (math.inf, None)
+
+
+def test_elastic_move_never_drops_in_flight_trajectories() -> None:
+    batch = simple_batch(24, turns=6, out=200, tool_s=1.0)
+    old, new = Plan(parse_mix("tp1x4"), 4), Plan(parse_mix("tp2x3"), 2)
+    loop = RLLoop(RolloutWorkload(RolloutSpec(n_prompts=2, group_size=2)), "load-balance",
+                  sim_config=THROUGHPUT_CFG, planner=PlannerConfig(total_gpus=8, tps=(1, 2)))
+    sim = RolloutSim(old.mix, loop.router, THROUGHPUT_CFG)
+    sim.on_retire = lambda eng, t: loop._start_pending(sim, t)
+    loop._train_gpus = old.train_gpus
+    res = sim.add_batch(batch, 0.0)
+    sim.run_until(2.0)
+    in_flight = {t.id: t.engine for t in sim.open_trajectories()}
+    assert len(in_flight) == len(batch)
+    moves = loop._apply(sim, old, new, sim.now)
+    assert len(moves["drained"]) == 4
+    assert len(moves["started"]) == 1  # training shrank by 2 GPUs: room for one TP2 engine
+    assert len(moves["waiting_for_gpus"]) == 2
+    sim.run()
+    assert res.done == len(batch)
+    for tr in batch:
+        st = sim.trajectory(tr.id)
+        assert st.turns_done == tr.num_turns
+        assert st.engine == in_flight[tr.id]  # finished where it was (drain mode "finish")
+    tp2 = [e for e in sim.engines if e.info.tp == 2]
+    assert len(tp2) == 3  # the other two started once the drained engines freed their GPUs
+    freed = sorted(t for _, _, t in sim.retired)
+    assert tp2[1].started_s >= freed[1] + THROUGHPUT_CFG.engine_start_s - 1e-9
+
+
+def test_rl_loop_with_partial_rollout_completes_everything() -> None:
+    wl = RolloutWorkload(RolloutSpec(n_prompts=4, group_size=4, tool_time_scale=0.1))
+    loop = RLLoop(wl, "cmlfq", planner=PlannerConfig(total_gpus=8, replan_every=1, min_gain=0.0),
+                  partial_frac=0.75, reconfig_s=0.0)
+    res = loop.run(3)
+    assert loop.sim is not None
+    ids = {t.id for k in range(3) for t in wl.batch(k)}
+    assert set(loop.sim.done_order) == ids and len(loop.sim.done_order) == len(ids)
+    assert sum(s.trajectories_done for s in res.steps) <= len(ids)
+    for s in res.steps:
+        assert s.plan.rollout_gpus + s.plan.train_gpus <= 8
+        assert s.period_s >= s.rollout_s - 1e-9
+    assert res.total_s >= sum(s.period_s for s in res.steps)
