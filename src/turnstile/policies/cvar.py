@@ -129,7 +129,7 @@ class CvarRelease:
         gate_hold_limit_s: float = 3600.0,
         kv_fill: float = 0.5,
         min_kv_fill: float = 0.2,
-        max_kv_fill: float = 2.0,
+        max_kv_fill: float = 0.8,
         target_context_miss: float = 0.05,
         kv_gate: bool = True,
     ) -> None:
