@@ -1,0 +1,322 @@
+"""Gateway overhead: requests through the gateway versus straight to the engine, on loopback.
+
+Targets:
+
+* a zero-cost fake OpenAI engine (:class:`turnstile.gateway.testing.FakeEngine`, no delays,
+  pre-serialized answers): whatever latency the gateway adds is the gateway's own;
+* llama.cpp's ``llama-server`` with the tiny random-weight model (``max_tokens=1``), when the
+  binary is built (``make engine``).
+
+Each target and the gateway run as separate processes (uvicorn); the load generator is a lean
+asyncio HTTP/1.1 client with keep-alive connections in this process. Measured:
+
+* latency, closed loop with one client: P50/P99 direct and through the gateway, and the
+  difference (the gateway's added latency), non-streamed and streamed (time to the last byte);
+* throughput with ``--concurrency`` clients for ``--seconds``: requests/s through the gateway
+  and direct, plus the gateway process's CPU time per request (its one-core capacity is the
+  inverse: on a machine with few cores the load generator and the engine compete with it).
+
+    .venv/bin/python benchmarks/gateway_overhead.py --out benchmarks/results/gateway_overhead
+
+Prints a table and writes ``gateway_overhead.json`` to ``--out``. Goal (DESIGN.md): ≤ 2 ms added
+P50 and ≥ 1,000 requests/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+REPO = Path(__file__).resolve().parents[1]
+CHAT = "/v1/chat/completions"
+
+
+# ----------------------------------------------------------------------------- servers
+def serve_fake(port: int) -> None:
+    import uvicorn
+
+    from turnstile.gateway.testing import FakeEngine
+
+    uvicorn.run(FakeEngine(record=False), host="127.0.0.1", port=port, log_level="warning",
+                access_log=False, lifespan="off", http="h11", loop="asyncio")
+
+
+def serve_gateway(port: int, engine: str, kind: str, policy: str) -> None:
+    import uvicorn
+
+    from turnstile.gateway.app import create_app
+    from turnstile.gateway.config import EngineConfig, GatewayConfig
+
+    cfg = GatewayConfig(engines=[EngineConfig(engine, kind)], policy=policy, port=port,
+                        max_held=100_000)
+    uvicorn.run(create_app(cfg), host="127.0.0.1", port=port, log_level="warning",
+                access_log=False, lifespan="on", http="h11", loop="asyncio")
+
+
+def free_port() -> int:
+    from turnstile.engines.llama_server import free_port as fp
+
+    return fp()
+
+
+class Proc:
+    def __init__(self, args: list[str], port: int) -> None:
+        self.port = port
+        fd, self.log = tempfile.mkstemp(prefix="gw-bench-", suffix=".log")
+        with os.fdopen(fd, "wb") as log:
+            self.p = subprocess.Popen([sys.executable, __file__, *args], stdout=log,
+                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self._wait()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _wait(self) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + 30
+        while True:
+            if self.p.poll() is not None:
+                raise RuntimeError(Path(self.log).read_text()[-2000:])
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no server on {self.port}")
+            time.sleep(0.05)
+
+    def cpu_s(self) -> float:
+        fields = Path(f"/proc/{self.p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGINT)
+            try:
+                self.p.wait(10)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        os.unlink(self.log)
+
+
+# ----------------------------------------------------------------------------- load
+def request_bytes(port: int, stream: bool, max_tokens: int) -> bytes:
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hello"}],
+                       "max_tokens": max_tokens, "stream": stream}).encode()
+    return (f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            ).encode() + body
+
+
+async def read_response(r: asyncio.StreamReader) -> tuple[int, bool]:
+    """Read one response; returns its status and whether the connection stays open."""
+    head = await r.readuntil(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    low = head.lower()
+    keep = b"connection: close" not in low
+    i = low.find(b"content-length:")
+    if i >= 0:
+        await r.readexactly(int(head[i + 15 : head.index(b"\r\n", i)]))
+        return status, keep
+    while True:  # chunked
+        size = int((await r.readuntil(b"\r\n")).split(b";")[0], 16)
+        await r.readexactly(size + 2)
+        if size == 0:
+            return status, keep
+
+
+async def _client(port: int, req: bytes, lat: list[float], stop_at: float, n: int | None
+                  ) -> int:
+    errors = 0
+    done = 0
+    w: asyncio.StreamWriter | None = None
+    try:
+        while time.perf_counter() < stop_at and (n is None or done < n):
+            t = time.perf_counter()
+            fresh = w is None
+            if w is None:
+                r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(req)
+            try:
+                status, keep = await read_response(r)
+            except asyncio.IncompleteReadError as e:
+                # llama-server closes the connection after a streamed answer: send again
+                if fresh or e.partial:
+                    raise
+                w.close()
+                r, w = await asyncio.open_connection("127.0.0.1", port)
+                w.write(req)
+                status, keep = await read_response(r)
+            if status != 200:
+                errors += 1
+            lat.append(time.perf_counter() - t)
+            done += 1
+            if not keep:
+                w.close()
+                w = None
+    finally:
+        if w is not None:
+            w.close()
+    return errors
+
+
+def run_load(port: int, *, concurrency: int, seconds: float, n: int | None = None,
+             stream: bool = False, max_tokens: int = 16, warmup: int = 50) -> dict[str, Any]:
+    req = request_bytes(port, stream, max_tokens)
+
+    async def main() -> tuple[list[float], float, int]:
+        warm: list[float] = []
+        await _client(port, req, warm, time.perf_counter() + 10, warmup)
+        lat: list[float] = []
+        t0 = time.perf_counter()
+        errs = await asyncio.gather(*(_client(port, req, lat, t0 + seconds, n)
+                                      for _ in range(concurrency)))
+        return lat, time.perf_counter() - t0, sum(errs)
+
+    lat, wall, errors = asyncio.run(main())
+    a = np.array(lat) * 1e3
+    return {"requests": len(lat), "errors": errors, "wall_s": wall, "rps": len(lat) / wall,
+            "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)),
+            "mean_ms": float(a.mean())}
+
+
+# ----------------------------------------------------------------------------- benchmark
+def compare(name: str, direct: Proc, gateway: Proc, args: argparse.Namespace,
+            max_tokens: int, n: int) -> list[dict[str, Any]]:
+    rows = []
+    for stream in (False, True):
+        d = run_load(direct.port, concurrency=1, seconds=120, n=n, stream=stream,
+                     max_tokens=max_tokens)
+        g = run_load(gateway.port, concurrency=1, seconds=120, n=n, stream=stream,
+                     max_tokens=max_tokens)
+        rows.append({"target": name, "mode": "stream" if stream else "non-stream",
+                     "direct": d, "gateway": g,
+                     "added_p50_ms": g["p50_ms"] - d["p50_ms"],
+                     "added_p99_ms": g["p99_ms"] - d["p99_ms"]})
+    return rows
+
+
+def throughput(direct: Proc, gateway: Proc, args: argparse.Namespace) -> dict[str, Any]:
+    d = run_load(direct.port, concurrency=args.concurrency, seconds=args.seconds)
+    cpu0 = gateway.cpu_s()
+    g = run_load(gateway.port, concurrency=args.concurrency, seconds=args.seconds)
+    cpu = gateway.cpu_s() - cpu0
+    per_req_ms = 1e3 * cpu / max(g["requests"] + args.concurrency * 0, 1)
+    return {"concurrency": args.concurrency, "direct": d, "gateway": g,
+            "gateway_cpu_ms_per_request": per_req_ms,
+            "gateway_one_core_capacity_rps": 1e3 / per_req_ms if per_req_ms > 0 else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/gateway_overhead")
+    ap.add_argument("--requests", type=int, default=2000, help="latency samples per case")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--policy", default="eager", help="gateway policy spec")
+    ap.add_argument("--no-llama", action="store_true", help="skip the llama.cpp target")
+    ap.add_argument("--serve-fake", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-gateway", nargs=4, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.serve_fake:
+        serve_fake(args.serve_fake)
+        return 0
+    if args.serve_gateway:
+        port, engine, kind, policy = args.serve_gateway
+        serve_gateway(int(port), engine, kind, policy)
+        return 0
+
+    console = Console()
+    out: dict[str, Any] = {"machine": {"python": platform.python_version(),
+                                       "cpus": os.cpu_count(), "platform": platform.platform()},
+                           "policy": args.policy, "latency": [], "throughput": None}
+    procs: list[Proc] = []
+    try:
+        fake = Proc(["--serve-fake", str(p := free_port())], p)
+        procs.append(fake)
+        gw = Proc(["--serve-gateway", str(q := free_port()), fake.url, "openai", args.policy], q)
+        procs.append(gw)
+        console.print(f"zero-cost target {fake.url}, gateway {gw.url} ({args.policy})")
+        out["latency"] += compare("zero-cost", fake, gw, args, 16, args.requests)
+        out["throughput"] = throughput(fake, gw, args)
+        if not args.no_llama:
+            out["latency"] += llama_rows(args, console, procs)
+    finally:
+        for pr in procs:
+            pr.stop()
+
+    table = Table(title="gateway overhead on loopback (milliseconds)", header_style="bold")
+    for col in ("target", "mode", "P50 direct", "P50 gateway", "P50 added", "P99 direct",
+                "P99 gateway", "P99 added"):
+        table.add_column(col, justify="right")
+    for r in out["latency"]:
+        d, g = r["direct"], r["gateway"]
+        table.add_row(r["target"], r["mode"], f"{d['p50_ms']:.3f}", f"{g['p50_ms']:.3f}",
+                      f"{r['added_p50_ms']:+.3f}", f"{d['p99_ms']:.3f}", f"{g['p99_ms']:.3f}",
+                      f"{r['added_p99_ms']:+.3f}")
+    console.print(table)
+    t = out["throughput"]
+    console.print(
+        f"throughput, {t['concurrency']} clients: direct {t['direct']['rps']:,.0f} req/s, "
+        f"through the gateway {t['gateway']['rps']:,.0f} req/s "
+        f"(errors {t['gateway']['errors']}); gateway CPU {t['gateway_cpu_ms_per_request']:.3f} "
+        f"ms/request → one-core capacity ≈ {t['gateway_one_core_capacity_rps']:,.0f} req/s")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "gateway_overhead.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    console.print(f"wrote {path}")
+    return 0
+
+
+def llama_rows(args: argparse.Namespace, console: Console, procs: list[Proc]
+               ) -> list[dict[str, Any]]:
+    from turnstile.engines.llama_server import LlamaServerProcess, find_llama_server
+    from turnstile.engines.tiny_model import write_tiny_gguf
+
+    binary = find_llama_server()
+    if binary is None:
+        console.print("llama-server not built (make engine): skipping the llama.cpp target")
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = write_tiny_gguf(Path(tmp) / "tiny.gguf")
+        with LlamaServerProcess(model, n_parallel=4, ctx=8192, threads=1,
+                                binary=binary) as server:
+            port = server.port
+            assert port is not None
+            gw = Proc(["--serve-gateway", str(q := free_port()), server.base_url, "llama.cpp",
+                       args.policy], q)
+            procs.append(gw)
+
+            class _Direct:  # llama-server is not a Proc, but compare() only needs the port
+                def __init__(self, port: int) -> None:
+                    self.port = port
+
+            console.print(f"llama.cpp target {server.base_url}, gateway {gw.url}")
+            rows = compare("llama.cpp", _Direct(port), gw, args, 1,  # type: ignore[arg-type]
+                           max(args.requests // 4, 200))
+            gw.stop()
+            procs.remove(gw)
+            return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""The gateway's HTTP face: a plain ASGI application (served by uvicorn).
+
+Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (OpenAI schemas, streamed
+as SSE or not, bodies passed through), ``GET /v1/models``, ``GET /health``, ``GET /metrics``
+(Prometheus). Written against ASGI directly rather than a framework: the request path is a
+handful of dict lookups, which keeps the gateway's own latency well under a millisecond, and
+it needs two things frameworks make awkward — choosing the HTTP status only once the engine's
+first event arrived, and noticing a client that disconnects while its turn is held.
+
+Errors are OpenAI-shaped (``{"error": {"message", "type", "code"}}``): 400 malformed JSON or
+fields, 401 bad bearer token, 404 unknown model or route, 405, 409 duplicate in-flight
+``x-request-id``, 413 oversized body, 429 (with ``Retry-After``) when the holding queue is
+full, 502/504 when engines fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from turnstile.gateway.config import GatewayConfig
+from turnstile.gateway.service import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    JSON_CT,
+    Gateway,
+    GatewayError,
+    Outcome,
+    TurnRequest,
+    error_body,
+)
+
+__all__ = ["GatewayApp", "create_app"]
+
+log = logging.getLogger("turnstile.gateway")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class GatewayApp:
+    """ASGI callable around a :class:`Gateway` (its lifespan starts and stops it)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        cfg = gateway.config
+        self._auth = f"Bearer {cfg.auth_token}".encode() if cfg.auth_token else None
+        self._max_body = cfg.max_body_bytes
+        self._count_children: dict[tuple[str, int], Any] = {}
+
+    def _counts(self, path: str, status: int) -> Any:
+        key = (path, status)
+        child = self._count_children.get(key)
+        if child is None:
+            child = self._count_children[key] = self.gateway.metrics.requests.labels(
+                path, str(status))
+        return child
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "lifespan.startup":
+                try:
+                    await self.gateway.start()
+                except Exception as e:  # reported to uvicorn, which exits
+                    log.exception("gateway failed to start")
+                    await send({"type": "lifespan.startup.failed", "message": str(e)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif msg["type"] == "lifespan.shutdown":
+                await self.gateway.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # ------------------------------------------------------------------ routing
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope["path"]
+        method = scope["method"]
+        if path in (CHAT_PATH, COMPLETIONS_PATH):
+            if method != "POST":
+                await _error(send, GatewayError(405, f"{path} takes POST"), path)
+                return
+            await self._completions(scope, receive, send, path)
+            return
+        if method not in ("GET", "HEAD"):
+            await _error(send, GatewayError(405, f"{path} takes GET"), path)
+            return
+        if path == "/health":
+            await self._health(send)
+        elif path == "/metrics":
+            body = self.gateway.metrics.render()
+            await _respond(send, 200, [(b"content-type", b"text/plain; version=0.0.4")], body)
+        elif path == "/v1/models":
+            if not self._authorized(scope):
+                await _error(send, _unauthorized(), path)
+                return
+            await self._models(send)
+        else:
+            await _error(send, GatewayError(404, f"no route {path}", code="not_found"), path)
+
+    def _authorized(self, scope: Scope) -> bool:
+        if self._auth is None:
+            return True
+        for k, v in scope["headers"]:
+            if k == b"authorization":
+                return hmac.compare_digest(v, self._auth)
+        return False
+
+    async def _health(self, send: Send) -> None:
+        gw = self.gateway
+        up = gw.engine_up
+        ok = gw.started and any(up.values())
+        body = json.dumps({
+            "status": "ok" if ok else "unavailable",
+            "policy": gw.policies.spec,
+            "engines": up,
+            "held_turns": gw.scheduler.held_turns,
+            "sessions": len(gw.sessions),
+        }).encode()
+        await _respond(send, 200 if ok else 503, [JSON_CT], body)
+
+    async def _models(self, send: Send) -> None:
+        data = [{"id": m, "object": "model", "owned_by": "turnstile"}
+                for m in self.gateway.models]
+        await _respond(send, 200, [JSON_CT],
+                       json.dumps({"object": "list", "data": data}).encode())
+
+    # ------------------------------------------------------------------ completions
+    async def _completions(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        counts = self._counts
+        try:
+            req = await self._parse(scope, receive, path)
+        except GatewayError as e:
+            counts(path, e.status).inc()
+            await _error(send, e, path)
+            return
+        # One watcher per request: when the client disconnects it cancels this task, wherever
+        # it is (held, waiting for the engine, or streaming), and the clean-up runs from there.
+        me = asyncio.current_task()
+        assert me is not None
+        gone: list[bool] = []
+        watch = asyncio.ensure_future(_watch_disconnect(receive, me, gone))
+        outcome: Outcome | None = None
+        status = 499
+        try:
+            try:
+                outcome = await self.gateway.handle(req)
+            except GatewayError as e:
+                status = e.status
+                await _error(send, e, path)
+                return
+            status = outcome.status
+            if outcome.events is None:
+                assert outcome.body is not None
+                await _respond(send, outcome.status, outcome.headers, outcome.body)
+                return
+            await send({"type": "http.response.start", "status": outcome.status,
+                        "headers": outcome.headers})
+            if outcome.first:
+                await send({"type": "http.response.body", "body": outcome.first,
+                            "more_body": True})
+                async for ev in outcome.events:
+                    await send({"type": "http.response.body", "body": ev, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            me.uncancel()  # the client went away: nothing to answer
+            status = 499
+        finally:
+            watch.cancel()
+            if outcome is not None and outcome.events is not None:
+                with contextlib.suppress(BaseException):
+                    await outcome.events.aclose()
+            if gone and me.cancelling():
+                me.uncancel()
+            counts(path, status).inc()
+
+    async def _parse(self, scope: Scope, receive: Receive, path: str) -> TurnRequest:
+        if not self._authorized(scope):
+            raise _unauthorized()
+        session_id: str | None = None
+        request_id: str | None = None
+        tenant = "default"
+        length = -1
+        for k, v in scope["headers"]:
+            if k == b"x-session-id":
+                session_id = v.decode("latin-1") or None
+            elif k == b"x-request-id":
+                request_id = v.decode("latin-1") or None
+            elif k == b"content-length":
+                with contextlib.suppress(ValueError):
+                    length = int(v)
+            elif k == b"x-tenant-id":
+                tenant = v.decode("latin-1") or "default"
+        if length > self._max_body:
+            raise _too_large(length, self._max_body)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                raise GatewayError(499, "client disconnected")
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self._max_body:
+                raise _too_large(size, self._max_body)
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                break
+        raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise GatewayError(400, f"request body is not valid JSON: {e}",
+                               code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise GatewayError(400, "request body must be a JSON object", code="invalid_json")
+        _validate(path, body)
+        self.gateway.check_model(body)
+        if session_id is None:
+            user = body.get("user")
+            if isinstance(user, str) and user:
+                session_id = user
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise GatewayError(400, "'stream' must be a boolean", code="invalid_value")
+        return TurnRequest(path, body, stream, session_id, request_id, tenant)
+
+
+def _validate(path: str, body: dict[str, Any]) -> None:
+    if path == CHAT_PATH:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise GatewayError(400, "'messages' must be a non-empty array",
+                               code="invalid_messages")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise GatewayError(400, f"messages[{i}] must be an object with a 'role'",
+                                   code="invalid_messages")
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
+            raise GatewayError(400, "'prompt' must be a string or a non-empty array",
+                               code="invalid_prompt")
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = body.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise GatewayError(400, f"'{key}' must be a positive integer", code="invalid_value")
+
+
+def _unauthorized() -> GatewayError:
+    return GatewayError(401, "missing or wrong bearer token", type_="authentication_error",
+                        code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])
+
+
+def _too_large(size: int, limit: int) -> GatewayError:
+    return GatewayError(413, f"request body of {size} bytes exceeds the limit of {limit}",
+                        code="body_too_large")
+
+
+async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], gone: list[bool]
+                            ) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            gone.append(True)
+            task.cancel()
+            return
+
+
+async def _respond(send: Send, status: int, headers: list[tuple[bytes, bytes]],
+                   body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _error(send: Send, e: GatewayError, path: str) -> None:
+    if e.status == 499:
+        return
+    await _respond(send, e.status, [JSON_CT, *e.headers],
+                   error_body(e.message, e.type, e.code))
+
+
+def create_app(config: GatewayConfig | None = None, *, gateway: Gateway | None = None
+               ) -> GatewayApp:
+    """The ASGI app for ``config`` (or around an existing ``gateway``)."""
+    if gateway is None:
+        if config is None:
+            raise ValueError("create_app needs a config or a gateway")
+        gateway = Gateway(config)
+    return GatewayApp(gateway)

@@ -1,0 +1,166 @@
+"""Gateway configuration: a TOML file (``turnstile serve --config gateway.toml``) or flags.
+
+```toml
+[gateway]
+host = "127.0.0.1"          # loopback by default
+port = 8000
+policy = "cvar+kv-affinity+ttl"
+max_held = 1024             # held + session-queued turns before 429
+auth_token = ""             # or auth_token_env = "TURNSTILE_TOKEN"
+db = "gateway.sqlite3"      # persist sessions and held turns (omit: in memory only)
+models = []                 # accepted model names (empty: discovered from the engines)
+
+[policy.release]            # optional constructor arguments, per policy kind
+budget_per_engine = 32768
+
+[[engines]]
+url = "http://127.0.0.1:8081"
+kind = "llama.cpp"          # llama.cpp | vllm | sglang | openai
+name = "llama-0"            # engine id (default: host:port)
+weight = 1.0
+# api_key, priority (vllm/sglang), offload (llama.cpp), slots (llama.cpp)
+```
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from turnstile.policies import ADMISSION, RELEASE, RETENTION, ROUTING, PolicySet
+
+__all__ = ["EngineConfig", "GatewayConfig", "build_policies", "load_config", "parse_engine_flag"]
+
+_POLICY_REGISTRIES = {"release": RELEASE, "routing": ROUTING, "admission": ADMISSION,
+                      "retention": RETENTION}
+
+
+@dataclass
+class EngineConfig:
+    url: str
+    kind: str = "llama.cpp"
+    name: str | None = None
+    weight: float = 1.0
+    api_key: str | None = None
+    #: adapter options (``priority``, ``offload``, ``slots``, ``low_priority_first``)
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class GatewayConfig:
+    engines: list[EngineConfig] = field(default_factory=list)
+    policy: str = "eager"
+    #: constructor arguments per policy kind: {"release": {"budget_per_engine": 32768}}
+    policy_params: dict[str, dict[str, Any]] = field(default_factory=dict)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    #: turns held by the release policy plus turns queued behind their session's running turn
+    max_held: int = 1024
+    auth_token: str | None = None
+    db: str | None = None
+    models: list[str] = field(default_factory=list)
+    max_body_bytes: int = 8 * 1024 * 1024
+    #: an idle session (no turn for this long) is closed: its flow time is recorded
+    session_idle_s: float = 300.0
+    #: forwarding attempts per turn (re-routes after an engine failure)
+    max_attempts: int = 3
+    connect_timeout_s: float = 2.0
+    read_timeout_s: float = 600.0
+    health_interval_s: float = 2.0
+    #: a failed engine is re-checked this often
+    recheck_interval_s: float = 0.5
+    #: scrape engines' /metrics for queue lengths this often (0: never)
+    stats_interval_s: float = 2.0
+    #: results of turns served after a restart (no client attached) are kept this long
+    result_ttl_s: float = 600.0
+    #: prompt tokens estimated from characters (chars / 4, self-calibrated) or asked of the
+    #: engine (``/tokenize``, one extra round trip per request)
+    tokenize: bool = False
+    default_output_tokens: int = 256
+    log_level: str = "warning"
+
+    def validate(self) -> None:
+        if not self.engines:
+            raise ValueError("the gateway needs at least one engine (--engine URL[,kind])")
+        names = [e.name for e in self.engines if e.name]
+        if len(names) != len(set(names)):
+            raise ValueError(f"engine names must be unique, got {names}")
+        if self.max_held < 1:
+            raise ValueError("max_held must be >= 1")
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+        build_policies(self.policy, self.policy_params)
+
+
+def parse_engine_flag(value: str) -> EngineConfig:
+    """``URL[,kind[,name]]`` (``--engine http://127.0.0.1:8081,llama.cpp``)."""
+    parts = [p.strip() for p in value.split(",")]
+    if not parts[0].startswith(("http://", "https://")):
+        raise ValueError(f"--engine {value!r}: expected URL[,kind[,name]] with an http(s) URL")
+    cfg = EngineConfig(url=parts[0])
+    if len(parts) > 1 and parts[1]:
+        cfg.kind = parts[1]
+    if len(parts) > 2 and parts[2]:
+        cfg.name = parts[2]
+    if len(parts) > 3:
+        raise ValueError(f"--engine {value!r}: expected URL[,kind[,name]]")
+    return cfg
+
+
+def build_policies(spec: str, params: dict[str, dict[str, Any]] | None = None) -> PolicySet:
+    """``PolicySet.from_spec(spec)``, with constructor arguments for chosen kinds."""
+    ps = PolicySet.from_spec(spec)
+    if not params:
+        return ps
+    parts: dict[str, Any] = {k: getattr(ps, k) for k in _POLICY_REGISTRIES}
+    for kind, kw in params.items():
+        if kind not in _POLICY_REGISTRIES:
+            valid = ", ".join(_POLICY_REGISTRIES)
+            raise ValueError(f"unknown policy kind {kind!r}; valid: {valid}")
+        name = parts[kind].name
+        try:
+            parts[kind] = _POLICY_REGISTRIES[kind].create(name, **kw)
+        except TypeError as e:
+            raise ValueError(f"bad parameters for {kind} policy {name!r}: {e}") from None
+    if ps.admission is ps.release and "admission" not in params:
+        parts["admission"] = parts["release"]  # PLAS orders its own engine queues
+    return PolicySet(spec=spec, **parts)
+
+
+_ENGINE_KEYS = {f.name for f in fields(EngineConfig)} - {"options"}
+_GATEWAY_KEYS = {f.name for f in fields(GatewayConfig)} - {"engines", "policy_params"}
+
+
+def load_config(path: str | os.PathLike[str]) -> GatewayConfig:
+    """Read a gateway TOML file (see the module docstring); raises ValueError with the key."""
+    p = Path(path)
+    try:
+        doc = tomllib.loads(p.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{p}: {e}") from None
+    cfg = GatewayConfig()
+    section = dict(doc.get("gateway", {}))
+    token_env = section.pop("auth_token_env", None)
+    for key, value in section.items():
+        if key not in _GATEWAY_KEYS:
+            raise ValueError(f"{p}: unknown [gateway] key {key!r}; valid: "
+                             f"{', '.join(sorted(_GATEWAY_KEYS))}")
+        setattr(cfg, key, value)
+    if token_env:
+        cfg.auth_token = os.environ.get(token_env) or cfg.auth_token
+    policy = doc.get("policy", {})
+    if not isinstance(policy, dict):
+        raise ValueError(f"{p}: [policy] must be a table")
+    if "spec" in policy:
+        cfg.policy = str(policy["spec"])
+    cfg.policy_params = {k: dict(v) for k, v in policy.items() if isinstance(v, dict)}
+    for i, raw in enumerate(doc.get("engines", [])):
+        if "url" not in raw:
+            raise ValueError(f"{p}: engines[{i}] needs a url")
+        known = {k: v for k, v in raw.items() if k in _ENGINE_KEYS}
+        options = {k: v for k, v in raw.items() if k not in _ENGINE_KEYS}
+        cfg.engines.append(EngineConfig(**known, options=options))
+    return cfg
