@@ -11,8 +11,9 @@ from pathlib import Path
 
 from turnstile.cli import app
 
-# the policies to compare, in order, when they are registered (the first is the baseline)
-PREFERRED = ["eager", "plas", "cvar", "cvar+composite+ttl"]
+# the release policies compared (the first is the baseline), all with the same routing
+RELEASE = ["eager", "plas", "cvar"]
+ROUTING = "least-loaded-shadow"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -21,9 +22,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="out/demo")
     args = p.parse_args(argv)
     trace = Path(args.traces) / "agentcgroup_swerebench_claude_code" / "glm47flash_local"
-    specs = [s for s in PREFERRED if all(_registered(part) for part in s.split("+"))]
+    specs = [f"{r}+{ROUTING}" for r in RELEASE]
     cmd = ["bench", "--policies", ",".join(specs), "--engines", "4", "--gpu", "H100",
-           "--model", "llama-3.1-8b", "--load", "high", "--workflows", "300", "--seed", "0",
+           "--model", "llama-3.1-8b", "--load", "0.7", "--workflows", "300", "--seed", "0",
            "--out", args.out]
     if trace.exists():
         cmd += ["--trace", str(trace)]
@@ -31,12 +32,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{trace} not found: using the built-in synthetic workload")
     print("turnstile " + " ".join(cmd))
     app(cmd, standalone_mode=True)
-
-
-def _registered(name: str) -> bool:
-    from turnstile.policies.base import REGISTRIES
-
-    return any(name in r for r in REGISTRIES)
 
 
 if __name__ == "__main__":
