@@ -87,7 +87,10 @@ class ClusterSim:
         block_size: int = 16,
         hash_block_tokens: int = 0,
         on_progress: Callable[[int], None] | None = None,
+        fast_forward: bool = True,
     ) -> None:
+        """``fast_forward`` lets an engine run the decode iterations in which nothing observable
+        happens as one event (:meth:`EngineModel.leap`); results are the same either way."""
         self.workflows = sorted(workflows, key=lambda w: w.arrival_s)
         self.policies = policies
         self.engines: list[EngineModel] = []
@@ -114,6 +117,11 @@ class ClusterSim:
         self._kicked = [False] * len(self.engines)
         self._wake_at = -1.0
         self._on_progress = on_progress
+        self._ff = fast_forward
+        #: (engine, outcome) stepped by the current event, pushed once the event is done
+        self._pending: tuple[int, Any] | None = None
+        #: whether the current event called the scheduler (its next wakeup may have moved)
+        self._touched = False
         self.iterations = 0
         self.events = 0
 
@@ -129,18 +137,23 @@ class ClusterSim:
         progress = self._on_progress
         done_reported = 0
         now = 0.0
+        ff = self._ff
         while q:
             now, kind, payload = q.pop()
             self.events += 1
             if kind == _STEP_END:
                 i, outcome = payload
-                self._apply_outcome(now, i, outcome)
+                if outcome.first_token or outcome.finished:
+                    self._apply_outcome(now, i, outcome)
+                    self._touched = True
                 self._step(now, i)
             elif kind == _ARRIVE:
                 self._act(now, sched.workflow_arrived(now, payload))
+                self._touched = True
             elif kind == _TOOL_END:
                 rec: TurnRecord = payload
                 self._act(now, sched.tool_finished(now, rec.workflow.id, rec.index))
+                self._touched = True
             elif kind == _KICK:
                 self._kicked[payload] = False
                 if not busy[payload]:
@@ -149,10 +162,27 @@ class ClusterSim:
                 if now >= self._wake_at:
                     self._wake_at = -1.0
                     self._act(now, sched.tick(now))
-            wake = sched.next_wakeup(now)
-            if wake is not None and wake > now and (self._wake_at < 0 or wake < self._wake_at):
-                self._wake_at = wake
-                q.push(wake, _WAKE, None, priority=2)
+                self._touched = True
+            if self._touched:
+                # the wakeup depends only on the scheduler's state: unchanged unless called
+                self._touched = False
+                wake = sched.next_wakeup(now)
+                if wake is not None and wake > now and (
+                    self._wake_at < 0 or wake < self._wake_at
+                ):
+                    self._wake_at = wake
+                    q.push(wake, _WAKE, None, priority=2)
+            pending = self._pending
+            if pending is not None:
+                # pushed after the wakeup: it never ties with a _WAKE (other priority), and the
+                # leap must see every event this one scheduled
+                self._pending = None
+                i, outcome = pending
+                if ff:
+                    nxt = q.peek_time()
+                    engines[i].leap(outcome, float("inf") if nxt is None else nxt)
+                    self.iterations += outcome.iterations - 1
+                q.push(outcome.end_s, _STEP_END, pending)
             if progress is not None and len(self.finished) != done_reported:
                 done_reported = len(self.finished)
                 progress(done_reported)
@@ -206,15 +236,19 @@ class ClusterSim:
             load = self.scheduler.view[engine.engine_id]
             load.queue_len = 0
             self._act(now, self.scheduler.engine_stats(now, engine.engine_id, running=0))
+            self._touched = True
             return
         self._busy[i] = True
         self.iterations += 1
-        sched = self.scheduler
-        for req in outcome.started:
-            rec = req.rid
-            if rec.state == TurnState.RELEASED:
-                sched.turn_started(now, rec.workflow.id, rec.index)
-        self.queue.push(now + outcome.duration_s, _STEP_END, (i, outcome))
+        if outcome.started:
+            sched = self.scheduler
+            for req in outcome.started:
+                rec = req.rid
+                if rec.state == TurnState.RELEASED:
+                    sched.turn_started(now, rec.workflow.id, rec.index)
+            self._touched = True
+        # at most one engine steps per event (a step end or a kick names one engine)
+        self._pending = (i, outcome)
 
     def _apply_outcome(self, now: float, i: int, outcome: Any) -> None:
         sched = self.scheduler

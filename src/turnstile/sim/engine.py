@@ -19,6 +19,9 @@ Contract with the driver (the cluster event loop):
   no work at all. When requests wait but none can be admitted (KV held by pinned sessions and
   nothing running), it returns an empty outcome (``busy=False``) lasting until the next pin
   expires.
+* ``leap(outcome, until)`` (optional) extends that outcome over the following event-free decode
+  iterations that start before ``until`` (the driver's next event); the driver then calls
+  ``step`` again at ``outcome.end_s``. Results are identical to stepping one at a time.
 * Requests are :class:`SimRequest` objects the driver creates; the engine fills in progress
   fields. ``num_output`` of a *decoding* request is only brought up to date at events
   (preemption, finish); everything else is exact at all times.
@@ -50,7 +53,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turnstile.policies.base import RetentionDecision
-from turnstile.sim.perf import GpuSpec, ModelSpec, PerfModel, as_model, kv_capacity_tokens
+from turnstile.sim.perf import (
+    GpuSpec,
+    ModelSpec,
+    PerfModel,
+    RooflinePerf,
+    as_model,
+    kv_capacity_tokens,
+)
 
 # request states (engine-private)
 _NEW = 0
@@ -232,6 +242,11 @@ class StepOutcome:
     finished: list[SimRequest] = field(default_factory=list)
     #: False for an idle wait (requests queued, KV held by pins, nothing runnable)
     busy: bool = True
+    #: when it ends: ``now + duration_s`` after one iteration; after :meth:`EngineModel.leap`
+    #: the end of the last iteration, summed one iteration at a time as stepping would
+    end_s: float = 0.0
+    #: iterations it covers (more than 1 after :meth:`EngineModel.leap`)
+    iterations: int = 1
 
 
 class _Seg:
@@ -388,13 +403,16 @@ class EngineModel:
         # 2. prefills (continued, then admitted), retrying after a preemption if all stalled
         started: list[SimRequest] = []
         done_prefill: list[SimRequest] = []
-        while True:
-            pre = self._schedule_prefills(n_dec, started, done_prefill, now)
-            if n_dec or pre[0] or not self._running:
-                break
-            # every running request is a prefill stalled on memory: free the least important
-            self._preempt(self._victim(), it, now)
-        prefill_tokens, attn2, ctx_read, reload_blocks = pre
+        if self._prefilling or self._waiting:
+            while True:
+                pre = self._schedule_prefills(n_dec, started, done_prefill, now)
+                if n_dec or pre[0] or not self._running:
+                    break
+                # every running request is a prefill stalled on memory: free the least important
+                self._preempt(self._victim(), it, now)
+            prefill_tokens, attn2, ctx_read, reload_blocks = pre
+        else:  # pure decode (running and not prefilling, so n_dec > 0): nothing to schedule
+            prefill_tokens, attn2, ctx_read, reload_blocks = 0, 0.0, 0, 0
         if not n_dec and not prefill_tokens:
             return self._idle(now)
         # 3. duration
@@ -423,7 +441,117 @@ class EngineModel:
         self._it = it + 1
         self.iterations += 1
         self.busy_s += dur
-        return StepOutcome(dur, started, first_token, finished)
+        return StepOutcome(dur, started, first_token, finished, end_s=end)
+
+    def leap(self, out: StepOutcome, until: float) -> None:
+        """Extend ``out`` (what :meth:`step` just returned) with the following iterations that
+        would start strictly before ``until`` and that nothing observable happens in: pure
+        decode, no admission possible, no pin expiring, no preemption. It stops after the
+        iteration in which a request finishes (``out.finished``), before an iteration that is
+        not such a decode iteration, and once the next one would start at or after ``until``.
+
+        The result is exactly what stepping would give: the same iterations in the same order
+        with the same state changes and the same float sums (each end is the previous end plus
+        that iteration's ``step_time``), so ``out.end_s`` is the time the driver's next ``step``
+        would have been due after the last of them. The driver must pass as ``until`` the time
+        of the next event that could reach this engine (a submit, a retention, or any event of
+        its loop), so that no such event falls inside the leap."""
+        end = out.end_s
+        n_dec = self._n_dec
+        if (
+            end >= until
+            or not n_dec
+            or out.finished
+            or out.first_token
+            or not out.busy
+            or self._prefilling
+        ):
+            return
+        waiting = self._waiting
+        blocked = False
+        if waiting:
+            # admission is impossible for the whole leap: the batch is full, the budget is
+            # spent, or the head request's memo says it does not fit (memory only shrinks here)
+            if len(self._running) >= self._max_seqs or self._max_tokens - n_dec <= 0:
+                pass
+            elif (
+                (waiting[0][2] if self._prio else waiting[0]) is self._blk_req
+                and self._max_tokens - n_dec >= self._blk_budget
+                and self._ver == self._blk_ver
+            ):
+                blocked = True
+            else:
+                return
+        pin_heap = self._pin_heap
+        pin_t = pin_heap[0][0] if pin_heap else float("inf")  # no pin changes in a leap
+        blk_avail = self._blk_avail
+        perf = self.perf
+        step_time = perf.step_time
+        roof = type(perf) is RooflinePerf
+        if roof:
+            c_tok = perf._flop_s * n_dec
+            attn_s = perf._attn_s
+            weights_s = perf._weights_s
+            kv_s = perf._kv_s
+            overhead_s = perf._overhead_s
+            ar_tok = perf._ar_tok_s * n_dec
+        phase = self._phase
+        fin = self._fin
+        bs = self._bs
+        it = self._it
+        kv_sum = self._kv_sum
+        busy_s = self.busy_s
+        total = 0.0
+        k = 0
+        bucket = None
+        while end < until and pin_t > end + _EPS:
+            need = phase[it % bs]
+            free = self._free
+            avail = free + self._n_evict
+            if blocked and avail - need > blk_avail:
+                break  # step() would try the admission again
+            if need:
+                if need > free:
+                    if need > avail:
+                        break  # preemption: left to step()
+                    self._take(need)
+                else:
+                    self._free = free - need
+                self._private += need
+            if roof:  # RooflinePerf.step_time(0, n_dec, kv, 0.0), the same float operations
+                kv = kv_sum + n_dec
+                compute = c_tok + attn_s * kv
+                memory = weights_s + kv_s * kv
+                dur = (compute if compute > memory else memory) + overhead_s + ar_tok
+            else:
+                dur = step_time(0, n_dec, kv_sum + n_dec, 0.0)
+            end += dur
+            busy_s += dur
+            total += dur
+            kv_sum += n_dec
+            k += 1
+            it += 1
+            bucket = fin.pop(it - 1, None)
+            if bucket:
+                break
+        if not k:
+            return
+        self._it = it
+        self._kv_sum = kv_sum
+        self.busy_s = busy_s
+        self.iterations += k
+        self.decode_tokens += n_dec * k
+        out.iterations += k
+        out.duration_s += total
+        out.end_s = end
+        if bucket:
+            finished = out.finished
+            for req in bucket:
+                kv_len = req._n0 + it - req._i0
+                self._kv_sum -= kv_len
+                phase[(req._i0 - req._n0) % bs] -= 1
+                self._n_dec -= 1
+                self._finish(req, kv_len, end, finished)
 
     def retain(self, session: str, decision: RetentionDecision, now: float) -> None:
         """Apply a retention decision to ``session``'s cached blocks (those of its last finished
@@ -765,7 +893,7 @@ class EngineModel:
             )
         dur = max(t - now, 0.0)
         self.idle_wait_s += dur
-        return StepOutcome(dur, busy=False)
+        return StepOutcome(dur, busy=False, end_s=now + dur)
 
     # -- preemption ------------------------------------------------------------------------------
 
