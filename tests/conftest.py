@@ -27,3 +27,18 @@ def traces_dir() -> Path:
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def llama_server_binary() -> Path:
+    """The real llama.cpp ``llama-server`` (``make engine`` builds it). Tests that need it skip
+    where it is missing, except under CI, where a missing engine is a failure."""
+    from turnstile.engines.llama_server import BUILD_HINT, find_llama_server
+
+    binary = find_llama_server()
+    if binary is None:
+        message = f"llama-server binary not found; {BUILD_HINT}"
+        if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
+            pytest.fail(f"{message} (CI is set, so this is an error, not a skip)")
+        pytest.skip(message)
+    return binary

@@ -7,7 +7,6 @@ Build it with ``scripts/build_llama_server.sh`` (``make engine``).
 from __future__ import annotations
 
 import json
-import os
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,9 +16,7 @@ from typing import Any
 import pytest
 
 from turnstile.engines.llama_server import (
-    BUILD_HINT,
     LlamaServerProcess,
-    find_llama_server,
 )
 from turnstile.engines.tiny_model import write_tiny_gguf
 
@@ -28,19 +25,11 @@ pytestmark = pytest.mark.slow
 N_PARALLEL = 4
 
 
-def _binary_or_skip() -> Path:
-    binary = find_llama_server()
-    if binary is None:
-        message = f"llama-server binary not found; {BUILD_HINT}"
-        if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
-            pytest.fail(f"{message} (CI is set, so this is an error, not a skip)")
-        pytest.skip(message)
-    return binary
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServerProcess]:
-    binary = _binary_or_skip()
+def server(
+    tmp_path_factory: pytest.TempPathFactory, llama_server_binary: Path
+) -> Iterator[LlamaServerProcess]:
+    binary = llama_server_binary
     tmp = tmp_path_factory.mktemp("llama")
     model = write_tiny_gguf(tmp / "tiny.gguf")
     with LlamaServerProcess(

@@ -4,13 +4,11 @@ by the same C-MLFQ class the simulator uses. Also the tool sandbox on its own.""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from pathlib import Path
 
 import pytest
 
-from turnstile.engines.llama_server import BUILD_HINT, find_llama_server
 from turnstile.rollout.live import LiveConfig, ToolSandbox, plan_tool, run_live
 from turnstile.rollout.routing import CMLFQRouter, LevelBounds
 from turnstile.workload.model import ToolCall
@@ -45,12 +43,7 @@ def test_planned_tools_fail_exactly_when_the_spec_fails(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_live_batch_through_two_real_engines(tmp_path: Path) -> None:
-    if find_llama_server() is None:
-        message = f"llama-server binary not found; {BUILD_HINT}"
-        if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
-            pytest.fail(f"{message} (CI is set, so this is an error, not a skip)")
-        pytest.skip(message)
+def test_live_batch_through_two_real_engines(tmp_path: Path, llama_server_binary: Path) -> None:
     # a small bound so that C-MLFQ demotes for real within a few short turns
     router = CMLFQRouter(bounds=LevelBounds(bounds=(12.0,)), min_dwell_turns=1, cost_aware=False)
     cfg = LiveConfig(trajectories=8, max_turns=4, max_tokens=16, steps=2, seed=1)
