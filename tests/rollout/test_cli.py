@@ -58,3 +58,20 @@ def test_rollout_sim_fixed_mix_and_errors(tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "valid names" in bad.output
     big = runner.invoke(_app(), ["rollout", "sim", "--gpus", "4", "--mix", "tp4x2"])
     assert big.exit_code == 2
+
+
+def test_rollout_live_goes_through_the_gateway_unless_direct(monkeypatch) -> None:
+    import turnstile.rollout.live as live
+
+    seen = []
+
+    def fake_run_live(cfg, log=None, router=None):  # no engines: only the flag's wiring
+        seen.append(cfg.via_gateway)
+        return {"via_gateway": cfg.via_gateway, "steps": []}
+
+    monkeypatch.setattr(live, "run_live", fake_run_live)
+    runner = CliRunner()
+    assert runner.invoke(_app(), ["rollout", "live"]).exit_code == 0
+    direct = runner.invoke(_app(), ["rollout", "live", "--direct"])
+    assert direct.exit_code == 0, direct.output
+    assert seen == [True, False] and "direct" in direct.output

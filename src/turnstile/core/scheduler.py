@@ -114,9 +114,12 @@ class Scheduler:
         self._new_workflow(session_id, now, tenant, None)
 
     def turn_ready(
-        self, now: float, session_id: str, turn: Turn
+        self, now: float, session_id: str, turn: Turn, *, engine_hint: str | None = None
     ) -> tuple[TurnRecord, list[Action]]:
-        """The next turn of an open session arrived; the previous turn's tool call has ended."""
+        """The next turn of an open session arrived; the previous turn's tool call has ended.
+
+        ``engine_hint`` (an engine id the client asked for) is set on the new record before
+        any release; only routing policies that read it (``hinted``) act on it."""
         wf = self._get(session_id)
         if wf.source is not None:
             raise SchedulerError(f"workflow {session_id!r} has known turns; use tool_finished")
@@ -129,6 +132,7 @@ class Scheduler:
             elif prev.state != TurnState.DONE:
                 raise SchedulerError(f"{prev!r}: a session runs one turn at a time")
         rec = TurnRecord(wf, len(wf.turns), turn)
+        rec.engine_hint = engine_hint
         wf.turns.append(rec)
         wf.remaining += 1
         self._make_ready(rec, now)

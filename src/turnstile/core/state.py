@@ -29,6 +29,7 @@ class TurnRecord:
         "cached_tokens",
         "charged_tokens",
         "engine",
+        "engine_hint",
         "finished_s",
         "first_token_s",
         "index",
@@ -54,6 +55,9 @@ class TurnRecord:
         self.first_token_s = -1.0
         self.finished_s = -1.0
         self.engine: str | None = None
+        #: an engine the driver's client asked for (gateway ``x-turnstile-engine``); only a
+        #: routing policy that reads it (``hinted``) acts on it
+        self.engine_hint: str | None = None
         self.priority = 0.0
         #: actual output tokens (from the engine); the trace's value until it finishes
         self.output_tokens = turn.output_tokens

@@ -196,6 +196,7 @@ class GatewayApp:
         session_id: str | None = None
         request_id: str | None = None
         tenant = "default"
+        engine_hint: str | None = None
         length = -1
         for k, v in scope["headers"]:
             if k == b"x-session-id":
@@ -207,6 +208,8 @@ class GatewayApp:
                     length = int(v)
             elif k == b"x-tenant-id":
                 tenant = v.decode("latin-1") or "default"
+            elif k == b"x-turnstile-engine":
+                engine_hint = v.decode("latin-1").strip() or None
         if length > self._max_body:
             raise _too_large(length, self._max_body)
         chunks: list[bytes] = []
@@ -239,7 +242,7 @@ class GatewayApp:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise GatewayError(400, "'stream' must be a boolean", code="invalid_value")
-        return TurnRequest(path, body, stream, session_id, request_id, tenant)
+        return TurnRequest(path, body, stream, session_id, request_id, tenant, engine_hint)
 
 
 def _validate(path: str, body: dict[str, Any]) -> None:

@@ -99,6 +99,9 @@ class TurnRequest:
     session_id: str | None = None
     request_id: str | None = None
     tenant: str = "default"
+    #: ``x-turnstile-engine``: the engine the client asks for (only the ``hinted`` routing
+    #: policy acts on it)
+    engine_hint: str | None = None
 
 
 @dataclass(slots=True)
@@ -149,9 +152,9 @@ HELD, RELEASED, RUNNING, DONE = "held", "released", "running", "done"
 class _Pending:
     """One accepted request, across its attempts."""
 
-    __slots__ = ("attached", "body", "client_usage", "detached_done", "engine", "keep_result",
-                 "path", "persisted", "priority", "prompt_chars", "rec", "request_id", "session",
-                 "state", "stream", "turn", "waker")
+    __slots__ = ("attached", "body", "client_usage", "detached_done", "engine", "engine_hint",
+                 "keep_result", "path", "persisted", "priority", "prompt_chars", "rec",
+                 "request_id", "session", "state", "stream", "turn", "waker")
 
     def __init__(self, request_id: str, session: _Session, path: str, body: dict[str, Any],
                  stream: bool) -> None:
@@ -165,6 +168,7 @@ class _Pending:
         self.rec: TurnRecord | None = None
         self.state = HELD
         self.engine = ""
+        self.engine_hint: str | None = None
         self.priority = 0.0
         self.attached = True  # a client is waiting for this turn
         self.keep_result = False  # serve and keep the result even with no client (restored)
@@ -377,6 +381,7 @@ class Gateway:
         session = self._session(req, rid, now)
         body = req.body
         p = _Pending(rid, session, req.path, body, req.stream)
+        p.engine_hint = req.engine_hint
         if req.stream:
             opts = body.get("stream_options")
             p.client_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
@@ -493,7 +498,7 @@ class Gateway:
                     wf.last_engine = s.last_engine
         p.state = HELD
         p.waker = asyncio.get_running_loop().create_future()
-        rec, actions = self.scheduler.turn_ready(now, s.id, turn)
+        rec, actions = self.scheduler.turn_ready(now, s.id, turn, engine_hint=p.engine_hint)
         if ready_s is not None:
             rec.ready_s = ready_s
         p.rec = rec

@@ -190,3 +190,31 @@ class CompositeNoShadowRouting(CompositeRouting):
 
     def __init__(self, *, shadow: float = 0.0, **kwargs: float) -> None:
         super().__init__(shadow=shadow, **kwargs)
+
+
+@ROUTING.register("hinted")
+class HintedRouting:
+    """Follow the client's engine choice: an outside router (e.g. a rollout manager's C-MLFQ)
+    picks the engine and the scheduler only holds and orders.
+
+    Rule: route to ``turn.engine_hint`` (the gateway's ``x-turnstile-engine`` request header)
+    when it names an engine in the view that is healthy; otherwise (no hint, an unknown or
+    unhealthy engine) ask the ``fallback`` routing policy (default ``kv-affinity``).
+    """
+
+    name = "hinted"
+
+    def __init__(self, *, fallback: str = "kv-affinity", **fallback_params: object) -> None:
+        if fallback == "hinted":
+            raise ValueError("the hinted routing policy cannot fall back to itself")
+        self.fallback = ROUTING.create(fallback, **fallback_params)
+        self.hinted = 0  # turns routed to their hint
+        self.fell_back = 0  # turns routed by the fallback
+
+    def route(self, turn: TurnRecord, view: ClusterView, now: float) -> str:
+        hint = turn.engine_hint
+        if hint is not None and hint in view and view[hint].healthy:
+            self.hinted += 1
+            return hint
+        self.fell_back += 1
+        return self.fallback.route(turn, view, now)

@@ -179,24 +179,31 @@ def live_cmd(
     ] = None,
     out: Annotated[Path | None, typer.Option(help="Write live.json here")] = None,
     steps: Annotated[int, typer.Option(min=1, help="Batches to run (the router learns)")] = 1,
+    direct: Annotated[
+        bool, typer.Option("--direct", help="Send turns straight to the engines, not through "
+                           "the gateway")
+    ] = False,
 ) -> None:
     """Run tool-calling trajectories against two real llama.cpp engines (two buckets).
 
     Tools are real and deterministic (calculator, file read/write in a temp sandbox,
     sleep-for-N); which tool a turn calls, and whether it fails, follow the trajectory spec
-    (the tiny model's text is not parsed). Engines are driven directly over their
-    OpenAI-compatible HTTP API (the gateway is not used yet).
+    (the tiny model's text is not parsed). Turns go through the turnstile gateway in front of
+    the engines (policy eager+hinted: each request names the engine the router chose in
+    x-turnstile-engine); --direct drives the engines' OpenAI-compatible HTTP API directly.
     """
     from turnstile.engines.llama_server import LlamaServerError
     from turnstile.rollout.live import LiveConfig, run_live
 
     cfg = LiveConfig(trajectories=trajectories, policy=policy, max_turns=max_turns,
-                     max_tokens=max_tokens, seed=seed, model_path=model, steps=steps)
+                     max_tokens=max_tokens, seed=seed, model_path=model, steps=steps,
+                     via_gateway=not direct)
     try:
         result = run_live(cfg, log=lambda m: err_console.print(f"[dim]{m}[/]"))
     except (LlamaServerError, ValueError) as e:
         raise _fail(str(e)) from None
-    table = Table(title=f"Live rollout ({policy}, real llama.cpp engines, not simulated)")
+    via = "through the gateway" if result["via_gateway"] else "direct"
+    table = Table(title=f"Live rollout ({policy}, real llama.cpp engines {via}, not simulated)")
     for col in ("step", "trajectories", "completed", "makespan s", "turns", "tool calls",
                 "tool errors", "moves"):
         table.add_column(col, justify="right")

@@ -13,9 +13,13 @@ runs and how it is called is decided deterministically from the trajectory spec 
 in the spec becomes a call that really fails: division by zero, a missing file, a path outside
 the sandbox; a timeout becomes a sleep longer than the tool timeout).
 
-The engines are driven directly over HTTP with ``httpx``; the gateway is not in the path yet
-(it routes with the core's per-turn routing policies and has no hook for an external rollout
-router to pin a session's next turn).
+By default (``LiveConfig.via_gateway``) every turn goes through the turnstile gateway in front
+of the two engines, run with the policy ``eager+hinted``: the request carries ``x-session-id``
+(the trajectory id) and ``x-turnstile-engine`` (the gateway's id of the engine the router
+chose), the gateway's ``hinted`` routing policy sends the turn there, and the response's
+``x-turnstile-engine`` header tells which engine served it (recorded per turn as
+``served_by``). With ``via_gateway=False`` (``--direct``) the engines are driven directly over
+HTTP with ``httpx``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import math
 import operator
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -194,6 +198,8 @@ class LiveConfig:
     )
     #: how a trajectory's first prompt is scaled down (tokens of the spec / this)
     prompt_divisor: int = 200
+    #: send every turn through the gateway (``eager+hinted``) rather than to the engine directly
+    via_gateway: bool = True
 
 
 class _LiveEngine:
@@ -212,10 +218,20 @@ class LiveDriver:
         engines: Sequence[tuple[EngineInfo, str]],
         sandbox_root: Path,
         cfg: LiveConfig,
+        *,
+        gateway_url: str | None = None,
+        gateway_ids: Mapping[str, str] | None = None,
     ) -> None:
+        """``gateway_url``: send turns there, naming the router's engine through
+        ``gateway_ids`` (router engine id → the gateway's engine id)."""
         self.router = router
         self.cfg = cfg
         self.engines = {info.id: _LiveEngine(info, url) for info, url in engines}
+        self.gateway_url = gateway_url
+        self.gateway_ids = dict(gateway_ids or {})
+        if gateway_url is not None and set(self.gateway_ids) != set(self.engines):
+            raise ValueError("gateway_ids must name a gateway engine for every router engine")
+        self._router_ids = {g: r for r, g in self.gateway_ids.items()}
         self.pool = PoolView([info for info, _ in engines])
         self.sandbox_root = sandbox_root
         self.t0 = time.perf_counter()
@@ -263,6 +279,7 @@ class LiveDriver:
             {"role": "user", "content": task},
         ]
         path: list[str] = []
+        served: list[str] = []  # the engine the gateway reports, as a router engine id
         statuses: list[str] = []
         for j, (max_tokens, tools) in enumerate(self._spec_turns(tr)):
             ready = self.now()
@@ -273,16 +290,25 @@ class LiveDriver:
             eng = self.engines[eid]
             path.append(eid)
             eng.info.running += 1  # in flight at the engine (running or queued there)
+            if self.gateway_url is None:
+                url, headers = f"{eng.base_url}/v1/chat/completions", None
+            else:
+                url = f"{self.gateway_url}/v1/chat/completions"
+                headers = {"x-session-id": tr.id, "x-turnstile-engine": self.gateway_ids[eid]}
             t_send = self.now()
             resp = await client.post(
-                f"{eng.base_url}/v1/chat/completions",
+                url,
                 json={"model": "tiny", "messages": messages, "max_tokens": max_tokens,
                       "temperature": 0.0, "cache_prompt": True},
+                headers=headers,
                 timeout=cfg.request_timeout_s,
             )
             eng.info.running -= 1
             eng.requests += 1
             resp.raise_for_status()
+            if self.gateway_url is not None:
+                gid = resp.headers.get("x-turnstile-engine", "")
+                served.append(self._router_ids.get(gid, gid))
             body = resp.json()
             usage = body.get("usage") or {}
             out_tokens = int(usage.get("completion_tokens", max_tokens))
@@ -320,7 +346,7 @@ class LiveDriver:
             info.open_tokens -= st.context_tokens
             info.open_attained_tokens -= st.attained_output_tokens
         self.router.on_trajectory_done(st, st.done_s)
-        return {
+        rec: dict[str, Any] = {
             "id": tr.id,
             "turns": st.turns_done,
             "output_tokens": st.attained_output_tokens,
@@ -330,6 +356,9 @@ class LiveDriver:
             "tool_keys": list(st.tool_keys),
             "finish_s": round(st.done_s - st.arrival_s, 4),
         }
+        if self.gateway_url is not None:
+            rec["served_by"] = served  # per turn, from the gateway's x-turnstile-engine
+        return rec
 
     async def run_batch(self, batch: Sequence[RolloutTrajectory]) -> dict[str, Any]:
         import httpx
@@ -339,6 +368,10 @@ class LiveDriver:
         async with httpx.AsyncClient(limits=limits) as client:
             recs = await asyncio.gather(*(self.run_trajectory(client, t) for t in batch))
         return {"makespan_s": self.now() - t0, "trajectories": list(recs)}
+
+
+#: the gateway's policy in live mode: release at once, route where the rollout router says
+GATEWAY_POLICY = "eager+hinted"
 
 
 def _start_engines(cfg: LiveConfig, tmp: Path, log: Callable[[str], None]) -> list[Any]:
@@ -367,8 +400,10 @@ def run_live(
     log: Callable[[str], None] = lambda m: None,
     router: RolloutRouter | None = None,
 ) -> dict[str, Any]:
-    """Start the engines (two llama.cpp servers by default), run ``cfg.steps`` batches with
-    ``router`` (default: ``cfg.policy`` from the registry), stop the engines."""
+    """Start the engines (two llama.cpp servers by default) and, with ``cfg.via_gateway``, the
+    gateway in front of them (``eager+hinted``: the router's choice is the routing); run
+    ``cfg.steps`` batches with ``router`` (default: ``cfg.policy`` from the registry); stop
+    everything."""
     from turnstile.rollout.experiment import make_router
 
     if len(cfg.buckets) < 1:
@@ -381,13 +416,26 @@ def run_live(
     with tempfile.TemporaryDirectory(prefix="turnstile-live-") as tmp_s:
         tmp = Path(tmp_s)
         procs = _start_engines(cfg, tmp, log)
+        gw = None
+        gateway: dict[str, Any] = {}
         try:
             infos = []
             for i, (b, p) in enumerate(zip(cfg.buckets, procs, strict=True)):
                 info = EngineInfo(f"e{i}-{b.name}", b.name, 0, b.tp, capacity_tokens=b.ctx,
                                   idle_tpot_s=0.002, prefill_s_per_token=2e-4)
                 infos.append((info, p.base_url))
-            driver = LiveDriver(router, infos, tmp / "sandbox", cfg)
+            if cfg.via_gateway:
+                from turnstile.gateway.testing import start_gateway
+
+                gw = start_gateway([p.base_url for p in procs], policy=GATEWAY_POLICY,
+                                   read_timeout_s=cfg.request_timeout_s)
+                # the gateway's engine ids (host:port) in the order of the URLs given
+                ids = dict(zip((info.id for info, _ in infos), gw.gateway.adapters, strict=True))
+                log(f"gateway {gw.url} ({GATEWAY_POLICY}): {ids}")
+                driver = LiveDriver(router, infos, tmp / "sandbox", cfg, gateway_url=gw.url,
+                                    gateway_ids=ids)
+            else:
+                driver = LiveDriver(router, infos, tmp / "sandbox", cfg)
             steps = []
             for k in range(cfg.steps):
                 batch = workload.batch(k)[: cfg.trajectories]
@@ -405,15 +453,26 @@ def run_live(
                     "migrations": sum(t["migrations"] for t in trajs),
                     "per_trajectory": trajs,
                 })
+                if cfg.via_gateway:  # turns the gateway ran elsewhere than the router placed
+                    steps[-1]["placement_mismatches"] = sum(
+                        a != b for t in trajs
+                        for a, b in zip(t["engines"], t["served_by"], strict=True))
                 log(f"step {k}: {len(trajs)} trajectories in {res['makespan_s']:.2f} s")
             requests = {e.info.id: e.requests for e in driver.engines.values()}
+            if gw is not None:
+                gateway = _gateway_summary(gw, driver.gateway_ids)
         finally:
+            if gw is not None:
+                gw.stop()
             for p in procs:
                 p.stop()
     stats = getattr(router, "stats", None)
-    return {
+    out: dict[str, Any] = {
         "simulated": False,
-        "driver": "direct HTTP to llama-server (OpenAI-compatible), not through the gateway",
+        "via_gateway": cfg.via_gateway,
+        "driver": (f"through the turnstile gateway ({GATEWAY_POLICY}: x-turnstile-engine = "
+                   "the router's engine) to llama-server" if cfg.via_gateway else
+                   "direct HTTP to llama-server (OpenAI-compatible), not through the gateway"),
         "config": {
             "trajectories": cfg.trajectories, "policy": cfg.policy, "max_turns": cfg.max_turns,
             "max_tokens": cfg.max_tokens, "seed": cfg.seed, "steps": cfg.steps,
@@ -424,4 +483,28 @@ def run_live(
         "requests_per_engine": requests,
         "router": stats() if callable(stats) else {},
         "router_name": getattr(router, "name", type(router).__name__),
+    }
+    if gateway:
+        out["gateway"] = gateway
+    return out
+
+
+def _gateway_summary(gw: Any, ids: Mapping[str, str]) -> dict[str, Any]:
+    """The gateway's own account: turns finished per engine (its metrics, as router engine
+    ids) and how many turns its ``hinted`` routing followed the hint."""
+    by_gateway_id = {g: r for r, g in ids.items()}
+    finished: dict[str, int] = dict.fromkeys(ids, 0)
+    for metric in gw.gateway.metrics.turns_finished.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                eid = sample.labels.get("engine", "")
+                finished[by_gateway_id.get(eid, eid)] = int(sample.value)
+    routing = gw.gateway.policies.routing
+    return {
+        "url": gw.url,
+        "policy": GATEWAY_POLICY,
+        "engine_ids": dict(ids),
+        "turns_per_engine": finished,
+        "hinted_turns": getattr(routing, "hinted", None),
+        "fallback_turns": getattr(routing, "fell_back", None),
     }
