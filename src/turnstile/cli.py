@@ -233,11 +233,13 @@ def main() -> None:  # pragma: no cover
 
 def _register_subcommands() -> None:
     """The drivers' commands live in their rooms; each registers itself here."""
+    from turnstile.calibrate.cli import register as register_calibrate
     from turnstile.gateway.cli import register as register_gateway
     from turnstile.rollout.cli import register as register_rollout
 
     register_gateway(app)
     register_rollout(app)
+    register_calibrate(app)
 
 
 _register_subcommands()

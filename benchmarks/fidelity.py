@@ -1,0 +1,219 @@
+"""Simulator fidelity against real llama.cpp engines on this machine's CPUs.
+
+Starts ``--engines`` llama.cpp ``llama-server`` processes serving a random-weight llama GGUF
+(hidden 768, 8 layers by default: slow enough on a CPU that step times are measurable), profiles
+the first one with ``turnstile profile``'s sweep, then for each arrival rate replays the same
+slice of AgentCgroup sessions (scaled down to fit the engines' context) for real and in the
+simulator (with the fitted profile, and with the roofline model for comparison), and reports the
+median and P90 relative error of per-turn TTFT, per-turn E2E latency and workflow flow time.
+
+    .venv/bin/python benchmarks/fidelity.py --out benchmarks/results/fidelity
+
+Writes ``profile.json``, ``fidelity.json``, ``fidelity.md`` and ``fidelity_scatter.png`` to
+``--out``. Needs the llama-server binary (``make engine``) and ``../shared/traces``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from turnstile.calibrate.fidelity import (
+    SimEngineSpec,
+    TraceScale,
+    plot_scatter,
+    render_markdown,
+    run_fidelity,
+    select_sessions,
+    strip_pairs,
+)
+from turnstile.calibrate.profile import LLAMACPP_BATCH, profile_engine
+from turnstile.engines.llama_server import LlamaServerProcess, require_llama_server
+from turnstile.engines.tiny_model import tiny_vocab, write_tiny_gguf
+from turnstile.sim.perf import FittedPerf, ModelSpec, PerfModel, RooflinePerf
+from turnstile.traces import load_trace
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "agentcgroup_swerebench_claude_code"
+
+
+def tiny_spec(hidden: int, layers: int, ffn: int, heads: int, kv_heads: int) -> ModelSpec:
+    """The GGUF's shape as a :class:`ModelSpec` (for the roofline comparison)."""
+    vocab = len(tiny_vocab()[0])
+    spec = ModelSpec(
+        name=f"tiny-{hidden}x{layers}", params=0.0, active_params=0.0, num_layers=layers,
+        hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=hidden // heads,
+        dtype_bytes=2, intermediate_size=ffn, vocab_size=vocab,
+    )
+    total, active = spec.shape_params()
+    return dataclasses.replace(spec, params=total, active_params=active)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "fidelity")
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--subset", default="glm47flash_local",
+                    help="agentcgroup subset (glm47flash_local has real output-token counts)")
+    ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--n-parallel", type=int, default=4)
+    ap.add_argument("--ctx", type=int, default=8192, help="llama-server -c (all slots)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--sessions", type=int, default=12)
+    ap.add_argument("--rates", default="0.1,0.3,1.0", help="sessions/s, comma-separated")
+    ap.add_argument("--token-div", type=float, default=32.0)
+    ap.add_argument("--output-div", type=float, default=8.0)
+    ap.add_argument("--tool-div", type=float, default=10.0)
+    ap.add_argument("--max-context", type=int, default=1536)
+    ap.add_argument("--max-turns", type=int, default=12)
+    ap.add_argument("--roofline-gpu", default="H100-SXM")
+    ap.add_argument("--profile", type=Path, default=None,
+                    help="use this profile instead of measuring one")
+    ap.add_argument("--quick-profile", action="store_true")
+    ap.add_argument("--profile-repeats", type=int, default=2)
+    ap.add_argument("--profile-once", dest="profile_each_rate", action="store_false",
+                    help="profile once before all rates (default: again right before each "
+                    "rate's replay, so a shared machine's drifting load is measured as it is)")
+    ap.add_argument("--profile-all", action="store_true",
+                    help="profile all engines at once, each under the others' load (default: "
+                    "the first engine, the others idle)")
+    ap.add_argument("--noise-floor", action="store_true",
+                    help="replay each rate twice; report the second real run's error against "
+                    "the first (run-to-run noise of the real system)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    console = Console(stderr=True)
+    require_llama_server()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    heads, kv_heads, ffn = 4, 2, 2 * args.hidden
+    spec = tiny_spec(args.hidden, args.layers, ffn, heads, kv_heads)
+    scale = TraceScale(token_div=args.token_div, output_div=args.output_div,
+                       tool_div=args.tool_div, max_context=args.max_context,
+                       max_turns=args.max_turns)
+    loaded = load_trace(args.trace, subset=args.subset)
+    sessions = select_sessions(loaded.workflows, args.sessions, scale, seed=args.seed)
+    load0 = os.getloadavg()
+    t_start = time.time()
+
+    with tempfile.TemporaryDirectory(prefix="turnstile-fidelity-") as tmp:
+        model = write_tiny_gguf(Path(tmp) / "model.gguf", hidden=args.hidden,
+                                layers=args.layers, ffn=ffn, heads=heads, kv_heads=kv_heads)
+        servers = [
+            LlamaServerProcess(model, n_parallel=args.n_parallel, ctx=args.ctx,
+                               threads=args.threads)
+            for _ in range(args.engines)
+        ]
+        try:
+            for s in servers:
+                s.start()
+            urls = [s.base_url for s in servers]
+            console.print(f"engines: {', '.join(urls)} ({args.hidden}x{args.layers}, "
+                          f"-np {args.n_parallel} -c {args.ctx} -t {args.threads})")
+            with _bar(console) as bar:
+                profiles: dict[str, dict[str, object]] = {}
+
+                def measure(rate: float | None) -> FittedPerf:
+                    """Profile now (the first engine, or all of them)."""
+                    name = "profile.json" if rate is None else f"profile_rate{rate:g}.json"
+                    task = bar.add_task("profile", total=None)
+                    prof = profile_engine(
+                        urls if args.profile_all else urls[:1], out=out / name,
+                        quick=args.quick_profile, repeats=args.profile_repeats,
+                        # the sweep covers the contexts the scaled trace reaches
+                        max_context=args.max_context + 64,
+                        kv_bytes_per_token=spec.kv_bytes_per_token(), seed=args.seed,
+                        on_total=lambda n: bar.update(task, total=n),
+                        on_progress=lambda label: bar.update(task, advance=1,
+                                                             description=f"profile: {label}"),
+                    )
+                    bar.remove_task(task)
+                    perf = prof.perf
+                    fit = perf.meta["fit"]
+                    profiles[name] = {"coefficients": perf.coefficients, "fit": fit,
+                                      "loadavg": perf.meta.get("loadavg"),
+                                      "wall_s": perf.meta.get("profile_wall_s")}
+                    console.print(f"{name}: {fit['samples']} samples, median |rel err| "
+                                  f"{100 * fit['median_abs_rel_err']:.1f}%, "
+                                  f"b={tuple(f'{c:.3g}' for c in perf.coefficients)}")
+                    return perf
+
+                fitted: FittedPerf | Callable[[float], FittedPerf]
+                if args.profile is not None:
+                    fitted = FittedPerf.from_profile(args.profile)
+                elif args.profile_each_rate:
+                    fitted = measure
+                else:
+                    fitted = measure(None)
+                perfs: dict[str, PerfModel | Callable[[float], PerfModel]] = {
+                    "fitted": fitted,
+                    f"roofline ({args.roofline_gpu})": RooflinePerf(args.roofline_gpu, spec),
+                }
+                engine = SimEngineSpec(
+                    kv_tokens=args.ctx,
+                    max_num_seqs=args.n_parallel,
+                    max_batched_tokens=LLAMACPP_BATCH,
+                    # llama.cpp keeps idle slots' prompts in host RAM (--cache-ram, 8 GiB by
+                    # default): modelled as an offload tier far larger than these sessions
+                    cpu_offload_tokens=64 * args.ctx,
+                    # llama.cpp reuses any common token prefix, not whole blocks
+                    block_size=1,
+                )
+                total_turns = sum(len(w.turns) for w in sessions) * len(rates)
+                total_turns *= 2 if args.noise_floor else 1
+                task = bar.add_task("replay", total=total_turns)
+                report = run_fidelity(
+                    sessions, urls, rates, engine, perfs, apis=["llamacpp"] * len(urls),
+                    seed=args.seed, repeat_real=args.noise_floor,
+                    on_turn=lambda _t: bar.update(task, advance=1),
+                    on_rate=lambda r, run: console.print(
+                        f"rate {r:g}/s: {len(run.turns)} turns in {run.wall_s:.0f} s"
+                        + (f", {len(run.errors)} errors" if run.errors else "")),
+                )
+        finally:
+            for s in servers:
+                s.stop()
+
+    report["setup"] = {
+        "engines": args.engines, "n_parallel": args.n_parallel, "ctx": args.ctx,
+        "threads": args.threads, "model": spec.name, "batch": LLAMACPP_BATCH,
+        "trace": str(args.trace), "subset": args.subset, "scale": dataclasses.asdict(scale),
+        "arrivals": "sessions superimposed on Poisson arrivals (seeded)",
+        "loadavg_before": load0, "loadavg_after": os.getloadavg(),
+        "cpus": os.cpu_count(), "machine": platform.machine(),
+        "wall_s": round(time.time() - t_start, 1),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    }
+    report["profiles"] = profiles
+    md = render_markdown(report["rows"])
+    (out / "fidelity.md").write_text(md)
+    (out / "fidelity.json").write_text(json.dumps(strip_pairs(report), indent=2, default=str))
+    plot_scatter(report["rows"], out / "fidelity_scatter.png",
+                 title=f"Simulator vs llama.cpp ({args.engines}x {spec.name}, CPU)")
+    print(md)
+    console.print(f"wrote {out}/fidelity.md, fidelity.json, fidelity_scatter.png, profile.json")
+    return 0
+
+
+def _bar(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=console, transient=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,280 @@
+"""``turnstile profile`` and ``turnstile fidelity``: calibrate the simulator against a real engine.
+
+The lead CLI wires these in with :func:`register`; ``python -m turnstile.calibrate.cli`` runs
+them standalone.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+_err = Console(stderr=True, soft_wrap=True)
+_out = Console()
+
+
+def _fail(message: str) -> typer.Exit:
+    _err.print(f"[bold red]error:[/] {message}")
+    return typer.Exit(2)
+
+
+def _progress() -> Any:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=_err,
+        transient=True,
+    )
+
+
+def profile_cmd(
+    target: Annotated[
+        list[str],
+        typer.Option(
+            "--target",
+            help="Engine base URL (http://host:port); repeat for identical replicas, "
+            "profiled together into one profile",
+        ),
+    ],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Profile JSON to write")] = Path(
+        "profile.json"
+    ),
+    chunk: Annotated[
+        int | None,
+        typer.Option(
+            help="Per-step token budget: llama.cpp -b (default 2048), vLLM "
+            "max_num_batched_tokens (default 8192)"
+        ),
+    ] = None,
+    max_seqs: Annotated[
+        int | None,
+        typer.Option(help="Concurrent sequences to sweep up to (llama.cpp: its slots)"),
+    ] = None,
+    max_context: Annotated[
+        int | None, typer.Option(help="Longest prompt to measure (default: engine limit, ≤4096)")
+    ] = None,
+    repeats: Annotated[int, typer.Option(min=1, help="Measure each configuration N times")] = 1,
+    quick: Annotated[bool, typer.Option(help="A short sweep (smoke tests)")] = False,
+    kv_bytes_per_token: Annotated[
+        float, typer.Option(help="KV bytes per token to record (offload-tier timing)")
+    ] = 0.0,
+    token_low: Annotated[int, typer.Option(help="Prompts use random token ids from here ...")] = 33,
+    token_high: Annotated[int, typer.Option(help="... to here (exclusive)")] = 127,
+    absolute: Annotated[
+        bool, typer.Option(help="Least squares on absolute (not relative) step-time errors")
+    ] = False,
+    seed: Annotated[int, typer.Option()] = 0,
+) -> None:
+    """Measure a real engine's step times through its HTTP API and fit the simulator's
+    performance model to them (a profile for turnstile bench --profile)."""
+    from turnstile.calibrate.client import EngineRequestError
+    from turnstile.calibrate.profile import profile_engine
+
+    with _progress() as bar:
+        task = bar.add_task("profile", total=None)
+        try:
+            res = profile_engine(
+                target,
+                out=out,
+                chunk=chunk,
+                max_seqs=max_seqs,
+                max_context=max_context,
+                quick=quick,
+                repeats=repeats,
+                relative=not absolute,
+                kv_bytes_per_token=kv_bytes_per_token,
+                seed=seed,
+                token_range=(token_low, token_high),
+                on_total=lambda n: bar.update(task, total=n),
+                on_progress=lambda label: bar.update(task, advance=1, description=label),
+            )
+        except (EngineRequestError, RuntimeError, ValueError) as e:
+            raise _fail(str(e)) from None
+    perf = res.perf
+    fit = perf.meta["fit"]
+    _out.print(
+        f"[bold]{res.info.kind}[/] {res.info.model}: {fit['samples']} samples in "
+        f"{res.wall_s:.0f} s, median |rel err| {100 * fit['median_abs_rel_err']:.1f}%, "
+        f"R² {fit['r2']:.3f}"
+    )
+    names = ("b0 s/step", "b1 s/prefill tok", "b2 s/decode seq", "b3 s/kv tok", "b4 s/attn pair")
+    _out.print("  ".join(f"{n} {v:.3g}" for n, v in zip(names, perf.coefficients, strict=True)))
+    _out.print(f"wrote {out}")
+
+
+def fidelity_cmd(
+    target: Annotated[
+        list[str], typer.Option("--target", help="Engine base URL; repeat for several engines")
+    ],
+    profile: Annotated[Path, typer.Option(help="Fitted profile (from turnstile profile)")],
+    trace: Annotated[Path, typer.Option(help="AgentCgroup trace directory")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Report directory")] = Path(
+        "fidelity"
+    ),
+    subset: Annotated[str | None, typer.Option(help="agentcgroup subset")] = "glm47flash_local",
+    sessions: Annotated[int, typer.Option(min=1)] = 12,
+    rates: Annotated[
+        str, typer.Option(help="Session arrival rates per second, comma-separated")
+    ] = "0.2,0.5,1.0",
+    kv_tokens: Annotated[
+        int | None, typer.Option(help="Simulated KV tokens per engine (default: discovered)")
+    ] = None,
+    max_num_seqs: Annotated[
+        int | None, typer.Option(help="Simulated max sequences (default: discovered)")
+    ] = None,
+    chunk: Annotated[
+        int | None, typer.Option(help="Simulated per-step token budget (default: profile's)")
+    ] = None,
+    cpu_offload_tokens: Annotated[
+        int | None,
+        typer.Option(help="Simulated offload tier (default: 64×KV for llama.cpp, 0 otherwise)"),
+    ] = None,
+    token_div: Annotated[float, typer.Option(help="Divide prompt tokens by this")] = 32.0,
+    output_div: Annotated[float, typer.Option(help="Divide output tokens by this")] = 8.0,
+    tool_div: Annotated[float, typer.Option(help="Divide tool seconds by this")] = 10.0,
+    max_context: Annotated[int, typer.Option(help="Cap on a turn's prompt + output")] = 1536,
+    max_turns: Annotated[int, typer.Option(help="Turns kept per session")] = 12,
+    max_output: Annotated[int, typer.Option(help="Cap on a turn's output tokens")] = 48,
+    max_tool_s: Annotated[float, typer.Option(help="Cap on a turn's (scaled) tool time")] = 3.0,
+    roofline_gpu: Annotated[
+        str | None, typer.Option(help="Also simulate the roofline model on this GPU")
+    ] = None,
+    roofline_model: Annotated[
+        str | None,
+        typer.Option(help="... for this model: a models.json name, or a Hugging Face model "
+                     "directory / config.json"),
+    ] = None,
+    token_low: Annotated[int, typer.Option(help="Prompts use random token ids from here ...")] = 33,
+    token_high: Annotated[int, typer.Option(help="... to here (exclusive)")] = 127,
+    noise_floor: Annotated[
+        bool, typer.Option(help="Replay each rate twice and report real-vs-real error too")
+    ] = False,
+    seed: Annotated[int, typer.Option()] = 0,
+) -> None:
+    """Replay a scaled AgentCgroup slice on real engines and in the simulator (same sessions,
+    same arrivals, same engine per session) and report the simulator's relative error."""
+    from turnstile.calibrate.client import discover
+    from turnstile.calibrate.fidelity import (
+        SimEngineSpec,
+        TraceScale,
+        model_spec,
+        plot_scatter,
+        render_markdown,
+        run_fidelity,
+        select_sessions,
+        strip_pairs,
+    )
+    from turnstile.sim.perf import FittedPerf, PerfModel, RooflinePerf
+    from turnstile.traces import load_trace
+
+    try:
+        perf = FittedPerf.from_profile(profile)
+        info = discover(target[0])
+        rate_list = [float(r) for r in rates.split(",") if r.strip()]
+        kw: dict[str, Any] = {"subset": subset} if subset else {}
+        loaded = load_trace(trace, **kw)
+    except (ValueError, OSError, RuntimeError) as e:
+        raise _fail(str(e)) from None
+    scale = TraceScale(
+        token_div=token_div,
+        output_div=output_div,
+        tool_div=tool_div,
+        max_context=max_context,
+        max_turns=max_turns,
+        max_output=max_output,
+        max_tool_s=max_tool_s,
+    )
+    kv = kv_tokens or info.kv_tokens or perf.meta.get("kv_tokens")
+    seqs = max_num_seqs or info.n_parallel or perf.meta.get("max_seqs")
+    if not kv or not seqs:
+        raise _fail("the engine does not report its KV size or max sequences: pass "
+                    "--kv-tokens and --max-num-seqs")
+    step = chunk or int(perf.meta.get("chunk_tokens", 2048))
+    offload = cpu_offload_tokens
+    if offload is None:
+        offload = 64 * int(kv) if info.kind == "llama.cpp" else 0
+    block = 1 if info.kind == "llama.cpp" else int(info.extra.get("block_size", 16))
+    engine = SimEngineSpec(int(kv), int(seqs), step, offload, block_size=block)
+    perfs: dict[str, PerfModel] = {"fitted": perf}
+    if roofline_gpu and roofline_model:
+        try:
+            spec = model_spec(roofline_model)
+            perfs[f"roofline ({roofline_gpu})"] = RooflinePerf(roofline_gpu, spec)
+        except (KeyError, ValueError, OSError) as e:
+            raise _fail(f"roofline: {e}") from None
+    try:
+        wfs = select_sessions(loaded.workflows, sessions, scale, seed=seed)
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    apis = ["llamacpp" if discover(t).kind == "llama.cpp" else "openai" for t in target]
+    models = [discover(t).model for t in target]
+    with _progress() as bar:
+        total = sum(len(w.turns) for w in wfs) * len(rate_list) * (2 if noise_floor else 1)
+        task = bar.add_task("replay", total=total)
+        report = run_fidelity(
+            wfs,
+            target,
+            rate_list,
+            engine,
+            perfs,
+            apis=apis,
+            models=models,
+            seed=seed,
+            repeat_real=noise_floor,
+            token_range=(token_low, token_high),
+            on_turn=lambda _t: bar.update(task, advance=1),
+            on_rate=lambda r, run: _err.print(
+                f"rate {r:g}/s: {len(run.turns)} turns in {run.wall_s:.0f} s"
+                + (f" ({len(run.errors)} errors)" if run.errors else "")
+            ),
+        )
+    report["setup"] = {
+        "targets": list(target),
+        "engine_kind": info.kind,
+        "model": info.model,
+        "profile": str(profile),
+        "trace": str(trace),
+        "subset": subset,
+        "scale": asdict(scale),
+        "arrivals": "sessions superimposed on Poisson arrivals (seeded)",
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    md = render_markdown(report["rows"])
+    (out / "fidelity.md").write_text(md)
+    (out / "fidelity.json").write_text(json.dumps(strip_pairs(report), indent=2, default=str))
+    plot_scatter(report["rows"], out / "fidelity_scatter.png",
+                 title=f"Simulator vs {info.kind} ({info.model})")
+    _out.print(md)
+    _out.print(f"wrote {out}/fidelity.md, fidelity.json, fidelity_scatter.png")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``profile`` and ``fidelity`` to ``app``."""
+    app.command("profile")(profile_cmd)
+    app.command("fidelity")(fidelity_cmd)
+
+
+def main() -> None:  # pragma: no cover
+    app = typer.Typer(help="Calibrate the simulator against a real engine.", no_args_is_help=True,
+                      pretty_exceptions_show_locals=False)
+    register(app)
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,504 @@
+"""Simulator fidelity: replay a trace slice on real engines and in the simulator, compare.
+
+The pieces, each usable on its own:
+
+* :class:`TraceScale` / :func:`scale_workflow` shrink real agent sessions to what a small engine
+  serves (token counts divided, context capped, tool times divided), keeping each session a
+  proper chain (turn ``n+1``'s context is turn ``n``'s prompt plus its output);
+* :func:`select_sessions` picks sessions from a trace, :func:`on_poisson` puts them on arrivals;
+* :func:`simulate` runs the same workflows, with the same static engine assignment as the real
+  replay, through :func:`turnstile.sim.cluster.run_sim` (eager release, one engine group per real
+  engine, configured like it: KV tokens, max sequences, per-step token budget);
+* :func:`compare` pairs turns and workflows and returns relative errors;
+  :func:`render_markdown` and :func:`plot_scatter` report them.
+
+:func:`run_fidelity` ties them together for a list of arrival rates.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from turnstile.calibrate.replay import ReplayRun, assign_round_robin, replay_workflows
+from turnstile.core.state import WorkflowRecord
+from turnstile.sim.cluster import EngineGroup, run_sim
+from turnstile.sim.perf import ModelSpec, PerfModel, load_model
+from turnstile.workload import synth
+from turnstile.workload.model import ToolCall, Turn, Workflow
+
+__all__ = [
+    "REAL_RERUN",
+    "Observed",
+    "SimEngineSpec",
+    "TraceScale",
+    "compare",
+    "model_spec",
+    "observe",
+    "on_poisson",
+    "plot_scatter",
+    "render_markdown",
+    "run_fidelity",
+    "scale_workflow",
+    "select_sessions",
+    "simulate",
+]
+
+
+#: the row comparing a second real run with the first (run-to-run noise)
+REAL_RERUN = "real rerun (noise floor)"
+
+
+@dataclass(frozen=True)
+class TraceScale:
+    """How real sessions are shrunk to fit a small engine."""
+
+    #: prompt (first turn) and new-input token counts are divided by this
+    token_div: float = 32.0
+    #: output token counts are divided by this (less than tokens: keeps decode visible)
+    output_div: float = 8.0
+    max_output: int = 48
+    #: tool and think seconds are divided by this, and a turn's tools capped at ``max_tool_s``
+    tool_div: float = 10.0
+    max_tool_s: float = 3.0
+    #: a session ends before a turn whose prompt + output would exceed this
+    max_context: int = 1536
+    max_turns: int = 12
+
+
+def scale_workflow(wf: Workflow, s: TraceScale) -> Workflow | None:
+    """``wf`` shrunk by ``s`` as a chain whose turns extend each other; ``None`` if not even
+    the first turn fits."""
+    turns: list[Turn] = []
+    prev_prompt = prev_out = 0
+    for i, t in enumerate(wf.turns[: s.max_turns]):
+        out = min(s.max_output, max(1, round(t.output_tokens / s.output_div)))
+        if i == 0:
+            ctx = 0
+            inp = max(1, round(t.prompt_tokens / s.token_div))
+        else:
+            ctx = prev_prompt + prev_out
+            inp = max(1, round(t.input_tokens / s.token_div))
+        if ctx + inp + out > s.max_context:
+            break
+        tool_s = t.tool_duration_s / s.tool_div
+        shrink = min(1.0, s.max_tool_s / tool_s) if tool_s > 0 else 1.0
+        tools = tuple(
+            ToolCall(c.name, c.duration_s / s.tool_div * shrink, c.status, c.result_tokens)
+            for c in t.tools
+        )
+        think = min(t.think_s / s.tool_div, s.max_tool_s)
+        turns.append(Turn(inp, out, ctx, None, tools, None, think if i else 0.0))
+        prev_prompt, prev_out = ctx + inp, out
+    if not turns:
+        return None
+    how = f"tokens/{s.token_div:g} out/{s.output_div:g} tools/{s.tool_div:g}"
+    meta = {**wf.meta, "scaled": how}
+    return Workflow(wf.id, wf.arrival_s, tuple(turns), wf.tenant, meta)
+
+
+def select_sessions(
+    workflows: Sequence[Workflow],
+    n: int,
+    scale: TraceScale,
+    *,
+    seed: int = 0,
+    min_turns: int = 4,
+) -> list[Workflow]:
+    """``n`` chain sessions (seeded choice) that keep at least ``min_turns`` turns once scaled."""
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(workflows))
+    out: list[Workflow] = []
+    for i in order:
+        wf = workflows[int(i)]
+        if not wf.is_chain:
+            continue
+        s = scale_workflow(wf, scale)
+        if s is not None and len(s.turns) >= min_turns:
+            out.append(s)
+            if len(out) == n:
+                break
+    if len(out) < n:
+        raise ValueError(f"only {len(out)} sessions keep {min_turns}+ turns at this scale")
+    return out
+
+
+def on_poisson(sessions: Sequence[Workflow], rate: float, seed: int = 0) -> list[Workflow]:
+    """Each session once, on a Poisson stream of ``rate`` sessions/s (seeded order)."""
+    times = synth.poisson_arrivals(rate, len(sessions), seed)
+    return synth.superimpose(sessions, times, seed=seed)
+
+
+@dataclass
+class SimEngineSpec:
+    """The simulated engine, configured like the real one."""
+
+    kv_tokens: int
+    max_num_seqs: int
+    max_batched_tokens: int
+    #: an offload tier for the engine's host prompt cache (llama.cpp ``--cache-ram``)
+    cpu_offload_tokens: int = 0
+    #: prefix-cache granularity: llama.cpp reuses any common prefix (1 token), vLLM full blocks
+    block_size: int = 16
+    #: client-side time a request spends outside the engine's steps (HTTP, scheduling hop),
+    #: added to every simulated turn; ``None``: the perf model's measured
+    #: ``meta["request_overhead_s"]`` when it has one (llama.cpp: TTFT − ``prompt_ms``), else 0
+    request_overhead_s: float | None = None
+
+    def group(self, perf: PerfModel) -> EngineGroup:
+        return EngineGroup(
+            count=1,
+            kv_tokens=self.kv_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_batched_tokens=max(self.max_batched_tokens, self.max_num_seqs),
+            cpu_offload_tokens=self.cpu_offload_tokens,
+            perf=perf,
+        )
+
+
+@dataclass
+class Observed:
+    """Per-turn and per-workflow latencies of one run (real or simulated)."""
+
+    ttft: dict[tuple[str, int], float] = field(default_factory=dict)
+    e2e: dict[tuple[str, int], float] = field(default_factory=dict)
+    flow: dict[str, float] = field(default_factory=dict)
+
+
+def observe(records: Sequence[WorkflowRecord]) -> Observed:
+    """Latencies from scheduler records (DESIGN.md's definitions: TTFT and E2E from ready)."""
+    o = Observed()
+    for wf in records:
+        last = -1.0
+        complete = bool(wf.turns)
+        for t in wf.turns:
+            if t.finished_s < 0 or t.ready_s < 0:
+                complete = False
+                continue
+            if t.first_token_s >= 0:
+                o.ttft[(wf.id, t.index)] = t.first_token_s - t.ready_s
+            o.e2e[(wf.id, t.index)] = t.finished_s - t.ready_s
+            last = max(last, t.finished_s)
+        if complete:
+            o.flow[wf.id] = last - wf.arrival_s
+    return o
+
+
+def simulate(
+    workflows: Sequence[Workflow],
+    assignment: Mapping[str, int],
+    engine: SimEngineSpec,
+    perf: PerfModel,
+    policy: str = "eager",
+) -> Observed:
+    """Simulate each real engine's share of ``workflows`` on its own engine model.
+
+    The request overhead (see :class:`SimEngineSpec`) is added to every turn's TTFT and E2E
+    and, once per turn, to its workflow's flow time."""
+    parts: dict[int, list[Workflow]] = {}
+    for wf in workflows:
+        parts.setdefault(assignment[wf.id], []).append(wf)
+    records: list[WorkflowRecord] = []
+    for _, wfs in sorted(parts.items()):
+        res = run_sim(wfs, policy, [engine.group(perf)], block_size=engine.block_size)
+        records.extend(res.workflows)
+    obs = observe(records)
+    oh = engine.request_overhead_s
+    if oh is None:
+        meta = getattr(perf, "meta", None)
+        oh = float(meta.get("request_overhead_s", 0.0)) if isinstance(meta, dict) else 0.0
+    if oh:
+        turns = {wf.id: len(wf.turns) for wf in workflows}
+        obs.ttft = {k: v + oh for k, v in obs.ttft.items()}
+        obs.e2e = {k: v + oh for k, v in obs.e2e.items()}
+        obs.flow = {k: v + oh * turns[k] for k, v in obs.flow.items()}
+    return obs
+
+
+def model_spec(name_or_path: str | os.PathLike[str]) -> ModelSpec:
+    """A model by ``models.json`` name, or from a Hugging Face ``config.json`` (a file or a
+    model directory holding one): what the roofline comparison needs for any local model."""
+    p = Path(name_or_path)
+    cfg_path = p / "config.json" if p.is_dir() else p
+    if not cfg_path.is_file():
+        return load_model(str(name_or_path))
+    import json
+
+    c = json.loads(cfg_path.read_text())
+    c = c.get("text_config", c)
+    hidden = int(c["hidden_size"])
+    heads = int(c["num_attention_heads"])
+    spec = ModelSpec(
+        name=str(c.get("_name_or_path") or p.name or "hf-model"),
+        params=0.0,
+        active_params=0.0,
+        num_layers=int(c["num_hidden_layers"]),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=int(c.get("num_key_value_heads", heads)),
+        head_dim=int(c.get("head_dim") or hidden // heads),
+        dtype_bytes=1 if "8" in str(c.get("torch_dtype", "")) else 2,
+        intermediate_size=int(c.get("intermediate_size", 4 * hidden)),
+        vocab_size=int(c.get("vocab_size", 0)),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        num_experts=int(c.get("num_experts", c.get("num_local_experts", 0)) or 0),
+        experts_per_token=int(c.get("num_experts_per_tok", 0) or 0),
+        source=str(cfg_path),
+    )
+    if spec.num_experts and c.get("moe_intermediate_size"):
+        spec = replace(spec, intermediate_size=int(c["moe_intermediate_size"]))
+    total, active = spec.shape_params()
+    return replace(spec, params=total, active_params=active)
+
+
+def _stats(errs: Sequence[float]) -> dict[str, float | int | None]:
+    if not errs:
+        return {"n": 0, "median": None, "p90": None}
+    a = np.asarray(errs)
+    return {"n": int(a.size), "median": float(np.median(a)), "p90": float(np.percentile(a, 90))}
+
+
+def compare(real: Observed, pred: Observed) -> dict[str, Any]:
+    """Relative errors ``|pred − real| / real`` of TTFT, E2E (per turn) and flow time, with the
+    pairs for plots (``pairs[metric] = [(real, pred), ...]``) and the signed median bias."""
+    out: dict[str, Any] = {"pairs": {}}
+    for name in ("ttft", "e2e", "flow"):
+        r: Mapping[Any, float] = getattr(real, name)
+        p: Mapping[Any, float] = getattr(pred, name)
+        keys = [k for k in r if k in p and r[k] > 0]
+        pairs = [(r[k], p[k]) for k in keys]
+        errs = [abs(b - a) / a for a, b in pairs]
+        st = _stats(errs)
+        st["bias"] = float(np.median([(b - a) / a for a, b in pairs])) if pairs else None
+        st["real_p50_s"] = float(np.median([a for a, _ in pairs])) if pairs else None
+        st["pred_p50_s"] = float(np.median([b for _, b in pairs])) if pairs else None
+        out[name] = st
+        out["pairs"][name] = pairs
+    return out
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None or not math.isfinite(v) else f"{100 * v:.1f}%"
+
+
+def _sec(v: float | None) -> str:
+    if v is None or not math.isfinite(v):
+        return "-"
+    return f"{v * 1e3:.0f} ms" if v < 1 else f"{v:.2f} s"
+
+
+def render_markdown(rows: Sequence[Mapping[str, Any]], *, goal: float = 0.10) -> str:
+    """A table: one row per (perf model, rate), median / P90 relative error per metric.
+
+    ``rows`` items: ``{"model": str, "rate": float | "all", "errors": compare(...)}``.
+    """
+    head = (
+        "| perf model | rate (sessions/s) | turns | TTFT med | TTFT P90 | E2E med | E2E P90 "
+        "| workflows | flow med | flow P90 | TTFT p50 real / pred | E2E p50 real / pred |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    )
+    lines = []
+    for row in rows:
+        e = row["errors"]
+        rate = row["rate"]
+        rate_s = rate if isinstance(rate, str) else f"{rate:g}"
+        lines.append(
+            f"| {row['model']} | {rate_s} | {e['ttft']['n']} | {_pct(e['ttft']['median'])} "
+            f"| {_pct(e['ttft']['p90'])} | {_pct(e['e2e']['median'])} | {_pct(e['e2e']['p90'])} "
+            f"| {e['flow']['n']} | {_pct(e['flow']['median'])} | {_pct(e['flow']['p90'])} "
+            f"| {_sec(e['ttft']['real_p50_s'])} / {_sec(e['ttft']['pred_p50_s'])} "
+            f"| {_sec(e['e2e']['real_p50_s'])} / {_sec(e['e2e']['pred_p50_s'])} |"
+        )
+    text = head + "\n".join(lines) + "\n"
+    met = [
+        r
+        for r in rows
+        if r["rate"] == "all"
+        and all(
+            r["errors"][m]["median"] is not None and r["errors"][m]["median"] <= goal
+            for m in ("ttft", "e2e")
+        )
+    ]
+    names = sorted({str(r["model"]) for r in met})
+    verdict = ", ".join(names) if names else "none"
+    text += (
+        f"\nGoal: median TTFT and E2E error ≤ {100 * goal:.0f}% over all rates. "
+        f"Met by: {verdict}.\n"
+    )
+    return text
+
+
+_OTHER_COLORS = ("tab:red", "0.45", "tab:orange")
+
+
+def plot_scatter(
+    results: Sequence[Mapping[str, Any]],
+    path: str | os.PathLike[str],
+    title: str = "Simulator vs real engine",
+) -> Path:
+    """Predicted vs measured, one panel per metric, log-log, one series per (model, rate)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    metrics = (("ttft", "TTFT per turn (s)"), ("e2e", "E2E per turn (s)"),
+               ("flow", "workflow flow time (s)"))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 5))
+    markers = {0: "o", 1: "x", 2: "^", 3: "s"}
+    models = list(dict.fromkeys(str(r["model"]) for r in results))
+    cmap = plt.get_cmap("viridis")
+    rates = sorted({float(r["rate"]) for r in results if not isinstance(r["rate"], str)})
+    for ax, (key, metric_label) in zip(axes, metrics, strict=True):
+        lo, hi = math.inf, 0.0
+        for r in results:
+            if isinstance(r["rate"], str):
+                continue
+            pairs = r["errors"]["pairs"][key]
+            if not pairs:
+                continue
+            a = np.array(pairs, dtype=float)
+            a = a[(a[:, 0] > 0) & (a[:, 1] > 0)]
+            if a.size == 0:
+                continue
+            lo, hi = min(lo, a.min()), max(hi, a.max())
+            m = models.index(str(r["model"]))
+            if m == 0:  # the fitted model: one colour per rate
+                ci = rates.index(float(r["rate"])) / max(1, len(rates) - 1)
+                color, label = cmap(0.85 * ci), f"{r['model']} @ {r['rate']:g}/s"
+            else:  # comparisons: one colour per model, labelled once
+                color = _OTHER_COLORS[(m - 1) % len(_OTHER_COLORS)]
+                label = str(r["model"]) if float(r["rate"]) == rates[0] else None
+            ax.scatter(a[:, 0], a[:, 1], s=14, alpha=0.6, marker=markers.get(m, "o"),
+                       color=color, label=label)
+        if hi > 0:
+            ax.plot([lo, hi], [lo, hi], "k--", lw=1)
+            ax.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], color="0.85",
+                            alpha=0.5, lw=0, label="±10%")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+        ax.set_xlabel(f"measured {metric_label}")
+        ax.set_ylabel(f"simulated {metric_label}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=7, loc="upper left")
+    fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def run_fidelity(
+    sessions: Sequence[Workflow],
+    targets: Sequence[str],
+    rates: Sequence[float],
+    engine: SimEngineSpec,
+    perfs: Mapping[str, PerfModel | Callable[[float], PerfModel]],
+    *,
+    apis: Sequence[str] | None = None,
+    models: Sequence[str | None] | None = None,
+    seed: int = 0,
+    repeat_real: bool = False,
+    token_range: tuple[int, int] = (33, 127),
+    on_rate: Callable[[float, ReplayRun], None] | None = None,
+    on_turn: Callable[[Any], None] | None = None,
+) -> dict[str, Any]:
+    """For each rate: replay ``sessions`` on Poisson arrivals against ``targets`` (for real),
+    simulate the same workflows with each perf model, compare. Returns a JSON-able report with
+    ``rows`` for :func:`render_markdown` / :func:`plot_scatter`.
+
+    A perf model given as a callable is called with the rate just before that rate's replay
+    (e.g. to profile the engine again right then: on a machine whose load drifts, a profile
+    taken minutes earlier describes a different engine).
+
+    With ``repeat_real`` each rate is replayed a second time and compared with the first as if
+    it were a prediction (row ``REAL_RERUN``): the run-to-run noise of the real system, a floor
+    under any simulator's error."""
+    from turnstile.bench.metrics import compute_metrics, public_metrics
+
+    rows: list[dict[str, Any]] = []
+    runs: list[dict[str, Any]] = []
+    names = [*perfs, *([REAL_RERUN] if repeat_real else [])]
+    replays = 0
+    pooled: dict[str, tuple[Observed, Observed]] = {n: (Observed(), Observed()) for n in names}
+    for rate in rates:
+        models_now: dict[str, PerfModel] = {
+            name: p if isinstance(p, PerfModel) else p(rate) for name, p in perfs.items()
+        }
+        wfs = on_poisson(sessions, rate, seed)
+        assignment = assign_round_robin(wfs, len(targets))
+        # fresh prompt tokens for every replay: an engine's prefix cache (llama.cpp keeps idle
+        # prompts in host RAM) must not serve one run's prompts to the next
+        replays += 1
+        run = replay_workflows(wfs, targets, apis=apis, models=models, assignment=assignment,
+                               seed=seed * 7919 + replays, token_range=token_range,
+                               on_turn=on_turn)
+        if on_rate is not None:
+            on_rate(rate, run)
+        real = observe(run.records)
+        metrics = public_metrics(compute_metrics(run.records, makespan_s=run.makespan_s))
+        hits = [t.cached_tokens for t in run.turns if t.cached_tokens is not None]
+        prompts = sum(t.prompt_tokens for t in run.turns if t.cached_tokens is not None)
+        preds: dict[str, Observed] = {
+            name: simulate(wfs, assignment, engine, perf) for name, perf in models_now.items()
+        }
+        if repeat_real:
+            replays += 1
+            again = replay_workflows(wfs, targets, apis=apis, models=models,
+                                     assignment=assignment, seed=seed * 7919 + replays,
+                                     token_range=token_range, on_turn=on_turn)
+            if on_rate is not None:
+                on_rate(rate, again)
+            preds[REAL_RERUN] = observe(again.records)
+        runs.append({
+            "rate": rate,
+            "workflows": len(wfs),
+            "turns": len(run.turns),
+            "errors": run.errors[:20],
+            "wall_s": run.wall_s,
+            "real_metrics": metrics,
+            "engine_prefix_hit_rate": (sum(hits) / prompts) if prompts else None,
+            "coefficients": {
+                name: list(getattr(p, "coefficients", ())) for name, p in models_now.items()
+            },
+            "turn_log": [
+                [t.workflow, t.index, t.engine, round(t.ready_s, 4), round(t.first_token_s, 4),
+                 round(t.finished_s, 4), t.prompt_tokens, t.cached_tokens, t.output_tokens]
+                for t in run.turns
+            ],
+        })
+        for name, pred in preds.items():
+            rows.append({"model": name, "rate": rate, "errors": compare(real, pred)})
+            tag = f"{rate}:"
+            for src, dst in ((real, pooled[name][0]), (pred, pooled[name][1])):
+                dst.ttft.update({(tag + k[0], k[1]): v for k, v in src.ttft.items()})
+                dst.e2e.update({(tag + k[0], k[1]): v for k, v in src.e2e.items()})
+                dst.flow.update({tag + k: v for k, v in src.flow.items()})
+    for name, (real, pred) in pooled.items():
+        rows.append({"model": name, "rate": "all", "errors": compare(real, pred)})
+    rows.sort(key=lambda r: (names.index(r["model"]), r["rate"] == "all"))
+    return {
+        "rows": rows,
+        "runs": runs,
+        "engine": asdict(engine),
+        "sessions": len(sessions),
+        "rates": list(rates),
+    }
+
+
+def strip_pairs(report: Mapping[str, Any]) -> dict[str, Any]:
+    """The report without the per-sample pairs (for a compact JSON file)."""
+    out = dict(report)
+    out["rows"] = [
+        {**r, "errors": {k: v for k, v in r["errors"].items() if k != "pairs"}}
+        for r in report["rows"]
+    ]
+    return out

@@ -1,0 +1,520 @@
+"""Profile a real engine through its HTTP API and fit the simulator's performance model to it.
+
+:func:`profile_engine` sweeps batch composition with token-id prompts (exact lengths, exact
+prefixes) and times the streamed tokens:
+
+* **prefill** (cache miss): one fresh prompt per length; the step time is llama.cpp's own
+  ``timings.prompt_ms`` when the engine reports it, else the TTFT;
+* **cache hit**: a prefix is computed once, then the prefix plus a new suffix is sent; the
+  engine's reported hit (``cached_tokens`` / ``cache_n``) sets the features;
+* **decode**: ``k = 1..N`` concurrent streams over a shared (cached) prefix of a given context;
+  the step time is the token inter-arrival time while all ``k`` decode;
+* **mixed**: ``k`` streams decoding while a new prompt arrives; the decoders' gap that ends with
+  the newcomer's first token is one step holding both.
+
+Each measurement becomes a ``(features, step_time)`` sample (:mod:`turnstile.calibrate.features`)
+and :func:`turnstile.sim.perf.fit_profile` fits ``b0..b4`` to them (relative least squares by
+default: step times span three orders of magnitude). :func:`write_profile` stores the result as
+a ``turnstile-profile`` file with its provenance: engine kind, model, slots, when, the samples and
+the fit's residuals.
+
+Only OpenAI-compatible streaming is required (``POST /v1/completions`` with a token-id prompt),
+so the same sweep runs against vLLM; llama.cpp's extra fields are used when present.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import numpy as np
+
+from turnstile.calibrate.client import (
+    EngineInfo,
+    EngineRequestError,
+    StreamResult,
+    discover,
+    stream_completion,
+)
+from turnstile.calibrate.features import (
+    DecodeStream,
+    Sample,
+    decode_window_sample,
+    mixed_sample,
+    prefill_sample,
+)
+from turnstile.sim.perf import FEATURES, FittedPerf, fit_profile
+
+__all__ = [
+    "Measurement",
+    "ProfilePlan",
+    "ProfileResult",
+    "plan_for",
+    "profile_engine",
+    "write_profile",
+]
+
+#: llama.cpp's default logical batch (``-b``): the most tokens one step computes
+LLAMACPP_BATCH = 2048
+#: vLLM V1's default ``max_num_batched_tokens`` for online serving (pass the real one)
+VLLM_BATCH = 8192
+
+
+@dataclass
+class ProfilePlan:
+    """What to measure. :func:`plan_for` builds one from the engine's limits."""
+
+    #: prompt lengths for cold prefills
+    prefill_lengths: list[int]
+    #: (cached prefix, new suffix) pairs
+    cache_hits: list[tuple[int, int]]
+    #: concurrent decoding streams
+    decode_batches: list[int]
+    #: contexts (prompt tokens) of the decoding streams
+    decode_contexts: list[int]
+    #: (decoders, newcomer prompt) pairs
+    mixed: list[tuple[int, int]]
+    #: context of the decoders in the mixed measurements
+    mixed_context: int = 64
+    #: tokens each decoding stream generates
+    decode_tokens: int = 32
+    #: tokens the prefill and cache-hit probes generate (>= 1)
+    probe_tokens: int = 2
+    #: each measurement this many times
+    repeats: int = 1
+
+    def count(self) -> int:
+        per = (
+            len(self.prefill_lengths)
+            + len(self.cache_hits)
+            + len(self.decode_batches) * len(self.decode_contexts)
+            + len(self.mixed)
+        )
+        return per * self.repeats
+
+
+def _geometric(lo: int, hi: int, n: int) -> list[int]:
+    if hi <= lo:
+        return [max(1, hi)]
+    vals = np.unique(np.round(np.geomspace(lo, hi, n)).astype(int))
+    return [int(v) for v in vals]
+
+
+def plan_for(
+    *,
+    max_context: int,
+    max_seqs: int,
+    chunk: int,
+    quick: bool = False,
+    decode_tokens: int | None = None,
+    repeats: int = 1,
+) -> ProfilePlan:
+    """A sweep that covers an engine with ``max_seqs`` sequences of up to ``max_context``
+    tokens and a per-step budget of ``chunk`` tokens. ``quick`` trims it (tests, smoke runs)."""
+    gen = decode_tokens if decode_tokens is not None else (16 if quick else 32)
+    ctx = max(64, max_context - gen - 8)  # room for the generated tokens
+    n_pre = 4 if quick else 6
+    top = min(ctx, chunk)
+    prefill = _geometric(16, top, n_pre)
+    if quick:
+        hits = [(ctx // 2, 4), (ctx // 2, 64)]
+        contexts = [64, min(ctx, ctx // 2 + 8)]
+    else:
+        # agent turns mostly append a few tokens to a cached context: sample small suffixes
+        hits = [
+            (p, s) for p in (ctx // 4, ctx // 2, (ctx * 4) // 5) for s in (4, 16, 64, 256, 512)
+        ]
+        hits = [(p, s) for p, s in hits if p + s <= ctx]
+        # decode prompts are a cached prefix + 8 tokens: reuse the cache-hit prefixes
+        contexts = [64, min(ctx, ctx // 2 + 8), min(ctx, (ctx * 4) // 5 + 8)]
+    if max_seqs <= 8:
+        batches = list(range(1, max_seqs + 1))
+    else:
+        batches = sorted({*(2**i for i in range(0, 12) if 2**i <= max_seqs), max_seqs})
+    if quick:
+        batches = sorted({1, max_seqs})
+    decoders = sorted({1, max(1, max_seqs - 1)}) if max_seqs > 1 else []
+    news = [64, 256] if quick else [16, 64, 256, 512]
+    mixed = [(k, p) for k in decoders for p in news if p + k <= chunk and p + 8 <= ctx]
+    return ProfilePlan(
+        prefill_lengths=prefill,
+        cache_hits=hits,
+        decode_batches=batches,
+        decode_contexts=sorted(set(contexts)),
+        mixed=mixed,
+        decode_tokens=gen,
+        repeats=repeats,
+    )
+
+
+@dataclass
+class Measurement:
+    """One sample with where it came from."""
+
+    kind: str  # prefill | cache_hit | decode | mixed
+    features: tuple[float, float, float, float]
+    step_s: float
+    steps: int = 1
+    note: dict[str, Any] = field(default_factory=dict)
+
+    def sample(self) -> Sample:
+        return self.features, self.step_s
+
+
+@dataclass
+class ProfileResult:
+    perf: FittedPerf
+    info: EngineInfo
+    measurements: list[Measurement]
+    wall_s: float
+
+
+class _Tokens:
+    """Fresh random token ids (distinct prompts never share a prefix by accident)."""
+
+    def __init__(self, seed: int, lo: int = 33, hi: int = 127) -> None:
+        self._rng = random.Random(seed)
+        self.lo, self.hi = lo, hi
+
+    def take(self, n: int) -> list[int]:
+        r = self._rng
+        return [r.randrange(self.lo, self.hi) for _ in range(n)]
+
+
+class _Prober:
+    def __init__(
+        self,
+        info: EngineInfo,
+        chunk: int,
+        seed: int,
+        token_range: tuple[int, int],
+        timeout: float,
+    ) -> None:
+        self.info = info
+        self.chunk = chunk
+        self.tokens = _Tokens(seed, *token_range)
+        self.timeout = timeout
+        self.overheads: list[float] = []
+        self._prefixes: dict[int, list[int]] = {}
+
+    def _send(self, prompt: list[int], max_tokens: int) -> StreamResult:
+        return stream_completion(
+            self.info.url,
+            prompt,
+            max_tokens,
+            api="openai",
+            model=self.info.model,
+            timeout=self.timeout,
+        )
+
+    def _prompt_time(self, res: StreamResult) -> float:
+        """Prompt processing time: llama.cpp's own measure when present, else the TTFT."""
+        t = res.timings
+        if t and t.get("prompt_ms") is not None and float(t.get("prompt_n", 1)) > 0:
+            self.overheads.append(res.ttft_s - float(t["prompt_ms"]) / 1e3)
+            return float(t["prompt_ms"]) / 1e3
+        return res.ttft_s
+
+    def _cached(self, res: StreamResult, expect: int) -> int:
+        if res.cached_tokens is not None:
+            return res.cached_tokens
+        if res.timings and "prompt_n" in res.timings:
+            return max(0, res.prompt_tokens - int(res.timings["prompt_n"]))
+        return expect
+
+    def prefill(self, n: int, probe: int) -> Measurement:
+        res = self._send(self.tokens.take(n), probe)
+        cached = self._cached(res, 0)
+        secs = self._prompt_time(res)
+        feats, step = prefill_sample(res.prompt_tokens, cached, self.chunk, secs)
+        steps = max(1, round(secs / step))
+        return Measurement("prefill", feats, step, steps, {"prompt": n, "cached": cached})
+
+    def _prefix(self, n: int) -> list[int]:
+        """A prefix of ``n`` tokens, computed (and so cached) once and reused."""
+        got = self._prefixes.get(n)
+        if got is None:
+            got = self._prefixes[n] = self.tokens.take(n)
+            if n > 16:
+                self._send(got, 1)
+        return got
+
+    def cache_hit(self, prefix_len: int, suffix: int, probe: int) -> Measurement:
+        prefix = self._prefix(prefix_len)
+        res = self._send(prefix + self.tokens.take(suffix), probe)
+        # without a reported hit assume the prefix's full KV blocks hit (vLLM caches blocks)
+        block = int(self.info.extra.get("block_size", 1) or 1)
+        cached = self._cached(res, prefix_len // block * block)
+        secs = self._prompt_time(res)
+        feats, step = prefill_sample(res.prompt_tokens, cached, self.chunk, secs)
+        steps = max(1, round(secs / step))
+        note = {"prefix": prefix_len, "suffix": suffix, "cached": cached}
+        return Measurement("cache_hit", feats, step, steps, note)
+
+    def _streams(self, prompts: Sequence[list[int]], max_tokens: int) -> list[StreamResult]:
+        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            futs = [pool.submit(self._send, p, max_tokens) for p in prompts]
+            return [f.result() for f in futs]
+
+    def decode(self, k: int, context: int, gen: int) -> Measurement | None:
+        # a shared prefix (cached once) keeps the set-up cheap; a short unique suffix per stream
+        suffix = min(8, max(1, context // 8))
+        prefix = self._prefix(max(1, context - suffix))
+        prompts = [prefix + self.tokens.take(suffix) for _ in range(k)]
+        results = self._streams(prompts, gen)
+        streams = [DecodeStream(r.prompt_tokens, r.token_times) for r in results]
+        got = decode_window_sample(streams)
+        if got is None:
+            return None
+        feats, step = got
+        return Measurement("decode", feats, step, gen, {"k": k, "context": context})
+
+    def mixed(self, k: int, newcomer: int, context: int) -> Measurement | None:
+        """``k`` decoders (``context``-token prompts) run; once each has a few tokens a fresh
+        ``newcomer``-token prompt is sent; the decoders are cut off after its first token."""
+        prompts = [self.tokens.take(context) for _ in range(k)]
+        fresh = self.tokens.take(newcomer)
+        counts = [0] * k
+        warm = threading.Event()
+        stop = threading.Event()
+        limit = max(64, (self.info.ctx_per_seq or 4096) - context - 8)
+
+        def decoder(i: int) -> StreamResult:
+            def on_token(n: int, _t: float) -> None:
+                counts[i] = n
+                if min(counts) >= 4:
+                    warm.set()
+
+            return stream_completion(
+                self.info.url,
+                prompts[i],
+                limit,
+                api="openai",
+                model=self.info.model,
+                timeout=self.timeout,
+                on_token=on_token,
+                should_stop=stop.is_set,
+            )
+
+        with ThreadPoolExecutor(max_workers=k) as pool:
+            futs = [pool.submit(decoder, i) for i in range(k)]
+            try:
+                if not warm.wait(self.timeout):
+                    return None
+                new = self._send(fresh, 2)
+                time.sleep(0.05)  # let the decoders read the token of the newcomer's step
+            finally:
+                stop.set()
+            results = [f.result() for f in futs]
+        cached = self._cached(new, 0)
+        streams = [DecodeStream(r.prompt_tokens, r.token_times) for r in results]
+        got = mixed_sample(streams, new.prompt_tokens, cached, new.first_token_s, self.chunk)
+        if got is None:
+            return None
+        feats, step = got
+        return Measurement("mixed", feats, step, 1, {"k": k, "prompt": newcomer})
+
+
+def profile_engine(
+    url: str | Sequence[str],
+    *,
+    out: str | Path | None = None,
+    chunk: int | None = None,
+    max_seqs: int | None = None,
+    max_context: int | None = None,
+    quick: bool = False,
+    repeats: int = 1,
+    decode_tokens: int | None = None,
+    relative: bool = True,
+    kv_bytes_per_token: float = 0.0,
+    seed: int = 0,
+    token_range: tuple[int, int] = (33, 127),
+    timeout: float = 600.0,
+    plan: ProfilePlan | None = None,
+    on_progress: Callable[[str], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
+) -> ProfileResult:
+    """Measure the engine at ``url`` and fit a :class:`FittedPerf` to it.
+
+    ``url`` may be a list of identical engines (replicas): they are swept at the same time, each
+    by its own thread, and one profile is fitted to all their measurements (a configuration's
+    step time is the median over engines and repeats). Measuring replicas together also measures
+    them under the contention they see when they all serve (shared CPU cores or host links).
+
+    ``chunk`` is the engine's per-step token budget (llama.cpp ``-b``, default 2048; vLLM
+    ``max_num_batched_tokens``); ``max_seqs`` its concurrent sequences (llama.cpp slots are
+    discovered); ``max_context`` caps prompt lengths (default: the per-sequence context the
+    engine reports, at most 4096). ``on_progress`` is called once per finished measurement with
+    a label, ``on_total`` once with the number planned.
+    """
+    t0 = time.perf_counter()
+    urls = [url] if isinstance(url, str) else list(url)
+    if not urls:
+        raise ValueError("no engine to profile")
+    infos = [discover(u) for u in urls]
+    info = infos[0]
+    if chunk is None:
+        chunk = LLAMACPP_BATCH if info.kind == "llama.cpp" else VLLM_BATCH
+    seqs = max_seqs or info.n_parallel or 8
+    ctx = max_context or min(info.ctx_per_seq or 4096, 4096)
+    if info.ctx_per_seq:
+        ctx = min(ctx, info.ctx_per_seq)
+    if plan is None:
+        plan = plan_for(
+            max_context=ctx,
+            max_seqs=seqs,
+            chunk=chunk,
+            quick=quick,
+            decode_tokens=decode_tokens,
+            repeats=repeats,
+        )
+    if on_total is not None:
+        on_total(plan.count() * len(urls))
+    tick = on_progress or (lambda _label: None)
+    raw: dict[str, list[Measurement]] = {}
+    skipped: list[str] = []
+    lock = threading.Lock()
+    probers: list[_Prober] = []
+
+    def sweep(i: int) -> None:
+        prober = _Prober(infos[i], chunk, seed + 1000 * i, token_range, timeout)
+        probers.append(prober)
+
+        def keep(measure: Callable[[], Measurement | None], label: str) -> None:
+            try:
+                m = measure()
+            except EngineRequestError as e:  # one failed probe does not end the sweep
+                m = None
+                label = f"{label} ({e})"
+            with lock:
+                if m is None:
+                    skipped.append(label)
+                else:
+                    raw.setdefault(label, []).append(m)
+            tick(label)
+
+        # warm-up: the first request pays one-off costs (graph allocation, page faults)
+        prober._send(prober.tokens.take(32), 4)
+        for _ in range(plan.repeats):
+            for n in plan.prefill_lengths:
+                keep(lambda n=n: prober.prefill(n, plan.probe_tokens), f"prefill {n}")
+            for p, s in plan.cache_hits:
+                keep(lambda p=p, s=s: prober.cache_hit(p, s, plan.probe_tokens),
+                     f"cache hit {p}+{s}")
+            for c in plan.decode_contexts:
+                for k in plan.decode_batches:
+                    keep(lambda k=k, c=c: prober.decode(k, c, plan.decode_tokens),
+                         f"decode {k}x{c}")
+            for k, p in plan.mixed:
+                keep(lambda k=k, p=p: prober.mixed(k, p, plan.mixed_context), f"mixed {k}+{p}")
+
+    if len(urls) == 1:
+        sweep(0)
+    else:
+        with ThreadPoolExecutor(max_workers=len(urls)) as pool:
+            for f in [pool.submit(sweep, i) for i in range(len(urls))]:
+                f.result()
+    overheads = [o for p in probers for o in p.overheads]
+    # repeats of one configuration: the median step time (robust to a noisy neighbour)
+    ms = [_combine(group) for group in raw.values()]
+    if len(ms) < 2:
+        raise RuntimeError(f"only {len(ms)} usable measurements (skipped: {skipped})")
+    samples = [m.sample() for m in ms]
+    measured_at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    wall = time.perf_counter() - t0
+    meta: dict[str, Any] = {
+        "target": info.url if len(urls) == 1 else [i.url for i in infos],
+        "engines_profiled": len(urls),
+        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "engine_kind": info.kind,
+        "n_parallel": info.n_parallel if info.n_parallel else seqs,
+        "ctx_per_seq": info.ctx_per_seq,
+        "kv_tokens": info.kv_tokens,
+        "chunk_tokens": chunk,
+        "max_seqs": seqs,
+        "sample_count": len(samples),
+        "skipped": skipped,
+        "plan": asdict(plan),
+        "profile_wall_s": round(wall, 3),
+        "host": platform.node(),
+        "machine": platform.machine(),
+        "engine_extra": {k: v for k, v in info.extra.items() if v is not None},
+    }
+    if overheads:
+        meta["request_overhead_s"] = float(median(overheads))
+    perf = fit_profile(
+        samples,
+        relative=relative,
+        kv_bytes_per_token=kv_bytes_per_token,
+        engine=info.kind,
+        model=info.model,
+        measured_at=measured_at,
+        meta=meta,
+    )
+    perf.meta["fit"]["by_kind"] = _residuals_by_kind(perf, ms)
+    perf.meta["samples"] = [
+        {
+            "kind": m.kind,
+            **{f: round(v, 3) for f, v in zip(FEATURES, m.features, strict=True)},
+            "step_s": m.step_s,
+            "pred_s": perf.step_time(*m.features),  # type: ignore[arg-type]
+            "steps": m.steps,
+            **m.note,
+        }
+        for m in ms
+    ]
+    result = ProfileResult(perf, info, ms, time.perf_counter() - t0)
+    if out is not None:
+        write_profile(result, out)
+    return result
+
+
+def _combine(group: Sequence[Measurement]) -> Measurement:
+    """One measurement from repeats of the same configuration: mean features, median time."""
+    if len(group) == 1:
+        return group[0]
+    feats = tuple(float(np.mean([m.features[i] for m in group])) for i in range(4))
+    times = [m.step_s for m in group]
+    note = {**group[0].note, "repeats": len(group), "spread": float(max(times) / min(times))}
+    return Measurement(
+        group[0].kind,
+        feats,  # type: ignore[arg-type]
+        float(median(times)),
+        group[0].steps,
+        note,
+    )
+
+
+def _residuals_by_kind(perf: FittedPerf, ms: Sequence[Measurement]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for kind in sorted({m.kind for m in ms}):
+        errs = [
+            abs(perf.step_time(*m.features) - m.step_s) / m.step_s  # type: ignore[arg-type]
+            for m in ms
+            if m.kind == kind and m.step_s > 0
+        ]
+        if errs:
+            out[kind] = {
+                "samples": len(errs),
+                "median_abs_rel_err": float(np.median(errs)),
+                "p90_abs_rel_err": float(np.percentile(errs, 90)),
+            }
+    return out
+
+
+def write_profile(result: ProfileResult, path: str | Path) -> Path:
+    """Write the fitted profile (a ``turnstile-profile`` JSON file) to ``path``."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result.perf.to_profile(out)
+    return out

@@ -1,0 +1,168 @@
+"""Fidelity pieces without an engine: trace scaling, the simulated side, comparison, reports."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from turnstile.calibrate.fidelity import (
+    REAL_RERUN,
+    Observed,
+    SimEngineSpec,
+    TraceScale,
+    compare,
+    observe,
+    on_poisson,
+    plot_scatter,
+    render_markdown,
+    scale_workflow,
+    select_sessions,
+    simulate,
+    strip_pairs,
+)
+from turnstile.calibrate.profile import plan_for
+from turnstile.calibrate.replay import assign_round_robin
+from turnstile.sim.perf import FittedPerf
+from turnstile.workload.model import ToolCall, Turn, Workflow
+
+PERF = FittedPerf(0.01, 2e-3, 5e-3, 1e-5, 1e-6, engine="test")
+
+
+def agent(wid: str, turns: int = 6, prompt0: int = 12000) -> Workflow:
+    ts = [Turn(prompt0, 300, 0, tools=(ToolCall("Bash", 4.0),))]
+    ctx = prompt0 + 300
+    for i in range(1, turns):
+        ts.append(Turn(800 + 100 * i, 150 + 10 * i, ctx, tools=(ToolCall("Read", 50.0),
+                                                              ToolCall("Grep", 30.0))))
+        ctx += 800 + 100 * i + 150 + 10 * i
+    return Workflow(wid, 0.0, tuple(ts))
+
+
+def test_scale_workflow_keeps_a_growing_chain_within_the_caps() -> None:
+    s = TraceScale(token_div=32, output_div=8, max_output=48, tool_div=10, max_tool_s=3.0,
+                   max_context=900, max_turns=10)
+    wf = scale_workflow(agent("a", 12), s)
+    assert wf is not None and wf.is_chain
+    t0 = wf.turns[0]
+    assert (t0.context_tokens, t0.input_tokens, t0.output_tokens) == (0, 375, 38)
+    for prev, t in zip(wf.turns, wf.turns[1:], strict=False):
+        assert t.context_tokens == prev.prompt_tokens + prev.output_tokens
+        assert t.prompt_tokens + t.output_tokens <= 900
+        assert 1 <= t.output_tokens <= 48
+        assert t.tool_duration_s <= 3.0 + 1e-9
+    assert wf.turns[0].tool_duration_s == pytest.approx(0.4)
+    assert len(wf.turns) < 10  # the context cap ended it
+    assert scale_workflow(agent("b", 2, prompt0=10**6), s) is None
+
+
+def test_select_sessions_is_seeded_and_skips_dags() -> None:
+    wfs = [agent(f"w{i}", 6) for i in range(10)]
+    dag = Workflow("dag", 0.0, (Turn(100, 10), Turn(10, 10, parents=()), Turn(10, 10)))
+    got = select_sessions([dag, *wfs], 4, TraceScale(max_context=4000), seed=1)
+    assert len(got) == 4 and "dag" not in {w.id for w in got}
+    again = select_sessions([dag, *wfs], 4, TraceScale(max_context=4000), seed=1)
+    assert [w.id for w in got] == [w.id for w in again]
+    with pytest.raises(ValueError):
+        select_sessions(wfs, 20, TraceScale(max_context=4000))
+
+
+def test_simulate_pins_sessions_to_their_engine_and_observes_them() -> None:
+    sessions = select_sessions([agent(f"w{i}", 5) for i in range(6)], 6,
+                               TraceScale(max_context=1500))
+    wfs = on_poisson(sessions, 0.5, seed=0)
+    assignment = assign_round_robin(wfs, 2)
+    assert sorted(assignment.values()) == [0, 0, 0, 1, 1, 1]
+    spec = SimEngineSpec(kv_tokens=8192, max_num_seqs=4, max_batched_tokens=2048,
+                         cpu_offload_tokens=65536)
+    obs = simulate(wfs, assignment, spec, PERF)
+    assert len(obs.flow) == 6 and len(obs.ttft) == sum(len(w.turns) for w in wfs)
+    for key, e2e in obs.e2e.items():
+        assert 0 < obs.ttft[key] <= e2e
+    # a lone first turn: its TTFT is the model's prefill time of that prompt
+    alone = simulate(wfs[:1], assignment, spec, PERF)
+    t0 = wfs[0].turns[0]
+    want = PERF.step_time(t0.prompt_tokens, 0, 0, t0.prompt_tokens * (t0.prompt_tokens + 1) / 2)
+    assert alone.ttft[(wfs[0].id, 0)] == pytest.approx(want)
+
+
+def test_compare_and_reports(tmp_path: Path) -> None:
+    real = Observed({("a", 0): 1.0, ("a", 1): 2.0, ("b", 0): 4.0},
+                    {("a", 0): 2.0, ("a", 1): 4.0, ("b", 0): 8.0}, {"a": 10.0, "b": 20.0})
+    pred = Observed({("a", 0): 1.1, ("a", 1): 1.0, ("b", 0): 4.0},
+                    {("a", 0): 2.0, ("a", 1): 4.4, ("b", 0): 8.0}, {"a": 9.0})
+    e = compare(real, pred)
+    assert e["ttft"]["n"] == 3 and e["ttft"]["median"] == pytest.approx(0.1)
+    assert e["ttft"]["bias"] == pytest.approx(0.0)
+    assert e["e2e"]["median"] == pytest.approx(0.0)
+    assert e["flow"]["n"] == 1 and e["flow"]["median"] == pytest.approx(0.1)
+    assert e["pairs"]["flow"] == [(10.0, 9.0)]
+    rows = [{"model": "fitted", "rate": 0.5, "errors": e},
+            {"model": "fitted", "rate": "all", "errors": e},
+            {"model": REAL_RERUN, "rate": "all", "errors": compare(real, real)}]
+    md = render_markdown(rows)
+    assert "| fitted | 0.5 | 3 | 10.0% |" in md
+    assert md.count("\n|") >= 4
+    png = plot_scatter(rows, tmp_path / "s.png")
+    assert png.stat().st_size > 1000
+    slim = strip_pairs({"rows": rows})
+    assert all("pairs" not in r["errors"] for r in slim["rows"])
+
+
+def test_goal_verdict() -> None:
+    ok = Observed({("a", 0): 1.0}, {("a", 0): 1.0}, {"a": 1.0})
+    near = Observed({("a", 0): 1.05}, {("a", 0): 0.97}, {"a": 1.0})
+    far = Observed({("a", 0): 2.0}, {("a", 0): 1.0}, {"a": 1.0})
+    md = render_markdown([{"model": "good", "rate": "all", "errors": compare(ok, near)},
+                          {"model": "bad", "rate": "all", "errors": compare(ok, far)}])
+    assert "Met by: good." in md
+
+
+def test_observe_skips_unfinished_work() -> None:
+    from turnstile.core.state import TurnRecord, WorkflowRecord
+
+    wf = agent("x", 2)
+    rec = WorkflowRecord("x", 1.0, "t", wf)
+    a, b = TurnRecord(rec, 0, wf.turns[0]), TurnRecord(rec, 1, wf.turns[1])
+    a.ready_s, a.first_token_s, a.finished_s = 1.0, 1.5, 2.0
+    rec.turns = [a, b]
+    o = observe([rec])
+    assert o.ttft == {("x", 0): 0.5} and o.e2e == {("x", 0): 1.0} and o.flow == {}
+
+
+def test_plan_for_fits_the_engine() -> None:
+    p = plan_for(max_context=2048, max_seqs=4, chunk=2048)
+    assert max(p.prefill_lengths) <= 2048 - p.decode_tokens - 8
+    assert p.decode_batches == [1, 2, 3, 4]
+    assert all(k < 4 for k, _ in p.mixed)  # a slot stays free for the newcomer
+    assert all(a + b <= 2048 for a, b in p.cache_hits)
+    big = plan_for(max_context=8192, max_seqs=256, chunk=8192)
+    assert big.decode_batches[-1] == 256 and 64 in big.decode_batches
+    q = plan_for(max_context=1024, max_seqs=4, chunk=512, quick=True)
+    assert q.count() < p.count()
+    assert all(n + k <= 512 for k, n in q.mixed)
+    assert math.isfinite(q.count())
+
+
+def test_simulate_adds_the_request_overhead_and_uses_the_cache_granularity() -> None:
+    wf = Workflow("w", 0.0, (Turn(100, 5, 0), Turn(3, 5, 105), Turn(3, 5, 113)))
+    asg = {"w": 0}
+    base = SimEngineSpec(kv_tokens=4096, max_num_seqs=4, max_batched_tokens=2048)
+    plain = simulate([wf], asg, base, PERF)
+    oh = SimEngineSpec(4096, 4, 2048, request_overhead_s=0.002)
+    shifted = simulate([wf], asg, oh, PERF)
+    for k, v in plain.ttft.items():
+        assert shifted.ttft[k] == pytest.approx(v + 0.002)
+        assert shifted.e2e[k] == pytest.approx(plain.e2e[k] + 0.002)
+    assert shifted.flow["w"] == pytest.approx(plain.flow["w"] + 3 * 0.002)
+    # by default the overhead comes from the profile's measurement
+    measured = FittedPerf(*PERF.coefficients, meta={"request_overhead_s": 0.003})
+    assert simulate([wf], asg, base, measured).ttft[("w", 0)] == pytest.approx(
+        plain.ttft[("w", 0)] + 0.003
+    )
+    # token-granular reuse (llama.cpp) recomputes only the new tokens and the last output
+    fine = simulate([wf], asg, SimEngineSpec(4096, 4, 2048, block_size=1), PERF)
+    assert fine.ttft[("w", 1)] < plain.ttft[("w", 1)]
+    want = PERF.step_time(4, 0, 104, 4 * 104 + 10)  # 3 new + the last output, after 104 cached
+    assert fine.ttft[("w", 1)] == pytest.approx(want)
