@@ -7,17 +7,19 @@ slice of AgentCgroup sessions (scaled down to fit the engines' context) for real
 simulator (with the fitted profile, and with the roofline model for comparison), and reports the
 median and P90 relative error of per-turn TTFT, per-turn E2E latency and workflow flow time.
 
-    .venv/bin/python benchmarks/fidelity.py --out benchmarks/results/fidelity
+    .venv/bin/python benchmarks/fidelity.py --out benchmarks/results/fidelity-llamacpp
 
-Writes ``profile.json``, ``fidelity.json``, ``fidelity.md`` and ``fidelity_scatter.png`` to
-``--out``. Needs the llama-server binary (``make engine``) and ``../shared/traces``.
+The engine is profiled again right before each rate's replay (``profile_rate<r>.json``; with
+``--profile-once`` one ``profile.json``). Writes ``fidelity.md``, ``fidelity.json``,
+``fidelity_pairs.json`` and ``fidelity_scatter.png`` to ``--out``. About 8 minutes with the
+defaults and ``--noise-floor``. Needs the llama-server binary (``make engine``) and
+``../shared/traces``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import sys
@@ -32,11 +34,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from turnstile.calibrate.fidelity import (
     SimEngineSpec,
     TraceScale,
-    plot_scatter,
-    render_markdown,
     run_fidelity,
     select_sessions,
-    strip_pairs,
+    write_report,
 )
 from turnstile.calibrate.profile import LLAMACPP_BATCH, profile_engine
 from turnstile.engines.llama_server import LlamaServerProcess, require_llama_server
@@ -62,7 +62,8 @@ def tiny_spec(hidden: int, layers: int, ffn: int, heads: int, kv_heads: int) -> 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "fidelity")
+    ap.add_argument("--out", type=Path,
+                    default=REPO / "benchmarks" / "results" / "fidelity-llamacpp")
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--subset", default="glm47flash_local",
                     help="agentcgroup subset (glm47flash_local has real output-token counts)")
@@ -200,11 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
     }
     report["profiles"] = profiles
-    md = render_markdown(report["rows"])
-    (out / "fidelity.md").write_text(md)
-    (out / "fidelity.json").write_text(json.dumps(strip_pairs(report), indent=2, default=str))
-    plot_scatter(report["rows"], out / "fidelity_scatter.png",
-                 title=f"Simulator vs llama.cpp ({args.engines}x {spec.name}, CPU)")
+    md = write_report(out, report, f"Simulator vs llama.cpp ({args.engines}x {spec.name}, CPU)")
     print(md)
     console.print(f"wrote {out}/fidelity.md, fidelity.json, fidelity_scatter.png, profile.json")
     return 0

@@ -93,7 +93,7 @@ def llamacpp_native(n: int, prompt: int) -> list[bytes]:
 def vllm(n: int, prompt: int, ids: bool) -> list[bytes]:
     """vLLM's /v1/completions stream: the last token rides with finish_reason, usage comes in a
     final chunk without choices."""
-    out = []
+    out: list[dict[str, Any]] = []
     for i in range(n):
         choice: dict[str, Any] = {"index": 0, "text": "y", "logprobs": None,
                                   "finish_reason": "length" if i == n - 1 else None,
@@ -173,7 +173,9 @@ def test_http_error_is_raised(engine: Callable[[Handler], FakeEngine]) -> None:
 def test_discover_llamacpp(engine: Callable[[Handler], FakeEngine]) -> None:
     def handler(path: str, body: Any) -> tuple[int, str, list[bytes]]:
         if path == "/v1/models":
-            doc = {"data": [{"id": "tiny", "owned_by": "llamacpp", "meta": {"n_vocab": 323}}]}
+            doc: dict[str, Any] = {
+                "data": [{"id": "tiny", "owned_by": "llamacpp", "meta": {"n_vocab": 323}}]
+            }
         elif path == "/props":
             doc = {"total_slots": 4, "default_generation_settings": {"n_ctx": 2048},
                    "model_path": "/m.gguf"}

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +23,7 @@ from turnstile.calibrate.fidelity import (
     select_sessions,
     simulate,
     strip_pairs,
+    write_report,
 )
 from turnstile.calibrate.profile import plan_for
 from turnstile.calibrate.replay import assign_round_robin
@@ -98,7 +101,7 @@ def test_compare_and_reports(tmp_path: Path) -> None:
     assert e["e2e"]["median"] == pytest.approx(0.0)
     assert e["flow"]["n"] == 1 and e["flow"]["median"] == pytest.approx(0.1)
     assert e["pairs"]["flow"] == [(10.0, 9.0)]
-    rows = [{"model": "fitted", "rate": 0.5, "errors": e},
+    rows: list[dict[str, Any]] = [{"model": "fitted", "rate": 0.5, "errors": e},
             {"model": "fitted", "rate": "all", "errors": e},
             {"model": REAL_RERUN, "rate": "all", "errors": compare(real, real)}]
     md = render_markdown(rows)
@@ -108,6 +111,11 @@ def test_compare_and_reports(tmp_path: Path) -> None:
     assert png.stat().st_size > 1000
     slim = strip_pairs({"rows": rows})
     assert all("pairs" not in r["errors"] for r in slim["rows"])
+    assert write_report(tmp_path, {"rows": rows}, "t") == md
+    pairs = json.loads((tmp_path / "fidelity_pairs.json").read_text())
+    assert pairs[0]["pairs"]["flow"] == [[10.0, 9.0]]
+    assert "pairs" not in json.loads((tmp_path / "fidelity.json").read_text())["rows"][0]["errors"]
+    assert (tmp_path / "fidelity_scatter.png").stat().st_size > 1000
 
 
 def test_goal_verdict() -> None:

@@ -210,5 +210,5 @@ def test_emulated_profile_through_profile_records_the_truth_in_a_file(tmp_path) 
     fit.to_profile(path)
     back = FittedPerf.from_profile(path)
     assert back.coefficients == pytest.approx(TRUTH.coefficients, rel=1e-6)
-    pred = sum(back.step_time(*f) for f, _ in samples)  # type: ignore[arg-type]
+    pred = sum(back.step_time(*f) for f, _ in samples)  # type: ignore[arg-type, misc]
     assert pred == pytest.approx(_sum_steps(samples), rel=1e-9)

@@ -6,7 +6,6 @@ them standalone.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any
@@ -173,11 +172,9 @@ def fidelity_cmd(
         SimEngineSpec,
         TraceScale,
         model_spec,
-        plot_scatter,
-        render_markdown,
         run_fidelity,
         select_sessions,
-        strip_pairs,
+        write_report,
     )
     from turnstile.sim.perf import FittedPerf, PerfModel, RooflinePerf
     from turnstile.traces import load_trace
@@ -254,11 +251,7 @@ def fidelity_cmd(
         "arrivals": "sessions superimposed on Poisson arrivals (seeded)",
     }
     out.mkdir(parents=True, exist_ok=True)
-    md = render_markdown(report["rows"])
-    (out / "fidelity.md").write_text(md)
-    (out / "fidelity.json").write_text(json.dumps(strip_pairs(report), indent=2, default=str))
-    plot_scatter(report["rows"], out / "fidelity_scatter.png",
-                 title=f"Simulator vs {info.kind} ({info.model})")
+    md = write_report(out, report, f"Simulator vs {info.kind} ({info.model})")
     _out.print(md)
     _out.print(f"wrote {out}/fidelity.md, fidelity.json, fidelity_scatter.png")
 

@@ -342,7 +342,8 @@ def plot_scatter(
     path: str | os.PathLike[str],
     title: str = "Simulator vs real engine",
 ) -> Path:
-    """Predicted vs measured, one panel per metric, log-log, one series per (model, rate)."""
+    """Predicted vs measured, one panel per metric, log-log: the first model one series per
+    rate, every other model (the roofline, the real rerun) one series."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -369,6 +370,8 @@ def plot_scatter(
                 continue
             lo, hi = min(lo, a.min()), max(hi, a.max())
             m = models.index(str(r["model"]))
+            color: Any
+            label: str | None
             if m == 0:  # the fitted model: one colour per rate
                 ci = rates.index(float(r["rate"])) / max(1, len(rates) - 1)
                 color, label = cmap(0.85 * ci), f"{r['model']} @ {r['rate']:g}/s"
@@ -384,7 +387,7 @@ def plot_scatter(
             ax.set_xscale("log")
             ax.set_yscale("log")
         ax.set_xlabel(f"measured {metric_label}")
-        ax.set_ylabel(f"simulated {metric_label}")
+        ax.set_ylabel(f"predicted {metric_label}")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7, loc="upper left")
     fig.suptitle(title)
@@ -502,3 +505,19 @@ def strip_pairs(report: Mapping[str, Any]) -> dict[str, Any]:
         for r in report["rows"]
     ]
     return out
+
+
+def write_report(out: Path, report: Mapping[str, Any], title: str) -> str:
+    """Write ``fidelity.md``, ``fidelity.json``, ``fidelity_pairs.json`` (every measured /
+    predicted pair, to redraw the plot or recompute other statistics) and the scatter plot into
+    ``out``; returns the markdown table."""
+    import json
+
+    md = render_markdown(report["rows"])
+    (out / "fidelity.md").write_text(md)
+    (out / "fidelity.json").write_text(json.dumps(strip_pairs(report), indent=2, default=str))
+    (out / "fidelity_pairs.json").write_text(json.dumps(
+        [{"model": r["model"], "rate": r["rate"], "pairs": r["errors"]["pairs"]}
+         for r in report["rows"]]))
+    plot_scatter(report["rows"], out / "fidelity_scatter.png", title=title)
+    return md

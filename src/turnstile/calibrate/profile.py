@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -407,16 +408,14 @@ def profile_engine(
         prober._send(prober.tokens.take(32), 4)
         for _ in range(plan.repeats):
             for n in plan.prefill_lengths:
-                keep(lambda n=n: prober.prefill(n, plan.probe_tokens), f"prefill {n}")
+                keep(partial(prober.prefill, n, plan.probe_tokens), f"prefill {n}")
             for p, s in plan.cache_hits:
-                keep(lambda p=p, s=s: prober.cache_hit(p, s, plan.probe_tokens),
-                     f"cache hit {p}+{s}")
+                keep(partial(prober.cache_hit, p, s, plan.probe_tokens), f"cache hit {p}+{s}")
             for c in plan.decode_contexts:
                 for k in plan.decode_batches:
-                    keep(lambda k=k, c=c: prober.decode(k, c, plan.decode_tokens),
-                         f"decode {k}x{c}")
+                    keep(partial(prober.decode, k, c, plan.decode_tokens), f"decode {k}x{c}")
             for k, p in plan.mixed:
-                keep(lambda k=k, p=p: prober.mixed(k, p, plan.mixed_context), f"mixed {k}+{p}")
+                keep(partial(prober.mixed, k, p, plan.mixed_context), f"mixed {k}+{p}")
 
     if len(urls) == 1:
         sweep(0)
