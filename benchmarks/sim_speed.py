@@ -7,7 +7,7 @@ Scenarios (all single-threaded Python, so one core; ``--pin CPU`` pins the proce
 * **engine alone, decode-heavy**: one :class:`~turnstile.sim.engine.EngineModel` driven in a
   tight loop; ``seqs`` requests (512-token prompts, 4,096 output tokens) decode together and
   every finished one is replaced at once, so the batch stays full (as
-  ``tests/sim/bench_engine_speed.py``).
+  ``benchmarks/engine_speed.py``).
 * **full stack, request trace**: :class:`~turnstile.sim.cluster.ClusterSim` (event kernel +
   scheduler core + eager policy + one engine) on independent one-turn requests: the first N rows
   of the Azure LLM 2023 conversation trace (``../shared/traces/azure_llm_2023_conv``; a seeded

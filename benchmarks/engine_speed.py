@@ -1,6 +1,6 @@
 """Engine-model speed: simulated iterations per wall second (a measurement, not a test).
 
-    .venv/bin/python tests/sim/bench_engine_speed.py [--seqs 256] [--iters 200000]
+    .venv/bin/python benchmarks/engine_speed.py [--seqs 256] [--iters 200000]
 
 Scenario "decode": ``seqs`` requests with 512-token prompts decode 4k tokens each; whenever one
 finishes, a new one is submitted, so the engine stays decode-heavy with periodic admissions.
@@ -14,29 +14,10 @@ import argparse
 import random
 import time
 
+from sim_speed import engine_decode  # the decode scenario, shared with sim_speed.py
+
 from turnstile.sim.engine import EngineConfig, EngineModel, SimRequest
 from turnstile.sim.perf import RooflinePerf
-
-
-def bench_decode(seqs: int, iters: int) -> tuple[float, int]:
-    perf = RooflinePerf("H100", "llama-3.1-8b")
-    eng = EngineModel("e0", EngineConfig(num_gpu_blocks=100_000, max_num_seqs=seqs), perf)
-    n = 0
-    for _ in range(seqs):
-        eng.submit(SimRequest(n, f"s{n}", 512, 4096), 0.0)
-        n += 1
-    now = 0.0
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        out = eng.step(now)
-        if out is None:
-            break
-        now += out.duration_s
-        for _ in out.finished:
-            eng.submit(SimRequest(n, f"s{n}", 512, 4096), now)
-            n += 1
-    wall = time.perf_counter() - t0
-    return eng.iterations / wall, eng.iterations
 
 
 def bench_agentic(sessions: int, turns: int, seed: int = 0) -> tuple[float, int, dict]:
@@ -78,7 +59,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=200_000)
     a = ap.parse_args()
     for seqs in (1, 32, a.seqs):
-        rate, its = bench_decode(seqs, a.iters)
+        r = engine_decode(seqs, a.iters)
+        rate, its = r["iterations"] / r["wall_s"], r["iterations"]
         print(f"decode  seqs={seqs:4d}: {rate:10,.0f} iterations/s over {its:,} iterations")
     rate, its, st = bench_agentic(200, 20)
     print(
