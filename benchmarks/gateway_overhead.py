@@ -2,7 +2,7 @@
 
 Targets:
 
-* a zero-cost fake OpenAI engine (:class:`turnstile.gateway.testing.FakeEngine`, no delays,
+* a zero-cost fake OpenAI engine (:class:`turnstile.testing.fake_engine.FakeEngine`, no delays,
   pre-serialized answers): whatever latency the gateway adds is the gateway's own;
 * llama.cpp's ``llama-server`` with the tiny random-weight model (``max_tokens=1``), when the
   binary is built (``make engine``).
@@ -49,7 +49,7 @@ CHAT = "/v1/chat/completions"
 def serve_fake(port: int) -> None:
     import uvicorn
 
-    from turnstile.gateway.testing import FakeEngine
+    from turnstile.testing.fake_engine import FakeEngine
 
     uvicorn.run(FakeEngine(record=False), host="127.0.0.1", port=port, log_level="warning",
                 access_log=False, lifespan="off", http="h11", loop="asyncio")

@@ -109,17 +109,48 @@ class Scheduler:
                 self._make_ready(rec, now)
         return self._release(now)
 
-    def open_session(self, now: float, session_id: str, tenant: str = "default") -> None:
-        """An open-ended session (gateway): turns are added with :meth:`turn_ready`."""
-        self._new_workflow(session_id, now, tenant, None)
+    def open_session(
+        self,
+        now: float,
+        session_id: str,
+        tenant: str = "default",
+        *,
+        arrival_s: float | None = None,
+        attained_tokens: int = 0,
+        last_engine: str | None = None,
+    ) -> None:
+        """An open-ended session (gateway): turns are added with :meth:`turn_ready`.
+
+        A session continued from elsewhere (a restarted gateway, another replica) carries what
+        the policies read: its first arrival, the service it attained, the engine holding its
+        KV."""
+        wf = self._new_workflow(session_id, now if arrival_s is None else arrival_s, tenant, None)
+        wf.attained_tokens = attained_tokens
+        if last_engine is not None and last_engine in self.view.ids:
+            wf.last_engine = last_engine
+
+    def session_moved(self, session_id: str, last_engine: str, attained_tokens: int) -> None:
+        """Another driver (a gateway replica) served the session's last turn on ``last_engine``."""
+        wf = self._get(session_id)
+        if last_engine in self.view.ids:
+            wf.last_engine = last_engine
+        wf.attained_tokens = max(wf.attained_tokens, attained_tokens)
 
     def turn_ready(
-        self, now: float, session_id: str, turn: Turn, *, engine_hint: str | None = None
+        self,
+        now: float,
+        session_id: str,
+        turn: Turn,
+        *,
+        engine_hint: str | None = None,
+        ready_s: float | None = None,
     ) -> tuple[TurnRecord, list[Action]]:
         """The next turn of an open session arrived; the previous turn's tool call has ended.
 
         ``engine_hint`` (an engine id the client asked for) is set on the new record before
-        any release; only routing policies that read it (``hinted``) act on it."""
+        any release; only routing policies that read it (``hinted``) act on it. ``ready_s``
+        (default ``now``) keeps the original ready time of a turn accepted earlier (restored
+        after a restart, taken over from a dead replica)."""
         wf = self._get(session_id)
         if wf.source is not None:
             raise SchedulerError(f"workflow {session_id!r} has known turns; use tool_finished")
@@ -135,7 +166,7 @@ class Scheduler:
         rec.engine_hint = engine_hint
         wf.turns.append(rec)
         wf.remaining += 1
-        self._make_ready(rec, now)
+        self._make_ready(rec, now if ready_s is None else ready_s, now)
         return rec, self._release(now)
 
     def close_session(self, now: float, session_id: str) -> list[Action]:
@@ -284,9 +315,10 @@ class Scheduler:
             raise SchedulerError(f"workflow {wf_id!r} has no turn {index}")
         return wf.turns[index]
 
-    def _make_ready(self, rec: TurnRecord, now: float) -> None:
+    def _make_ready(self, rec: TurnRecord, ready_s: float, now: float | None = None) -> None:
         rec.state = TurnState.READY
-        rec.ready_s = now
+        rec.ready_s = ready_s
+        now = ready_s if now is None else now
         self.view.ready_turns += 1
         self.release.add(rec, now)
 

@@ -106,7 +106,7 @@ def replay(
         raise _fail("--rate must be > 0, --workflows >= 1, --time-scale >= 0")
     import asyncio
 
-    from turnstile.gateway.replay import ReplaySpec, load_workflows, run_replay
+    from turnstile.bench.replay import ReplaySpec, load_workflows, run_replay
 
     spec = ReplaySpec(target=target.rstrip("/"), trace=trace, rate=rate, workflows=workflows,
                       time_scale=time_scale, max_context=max_context, max_tokens=max_tokens,

@@ -19,9 +19,9 @@ import json
 import os
 import sqlite3
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["HeldTurnRow", "SessionRow", "Store"]
+__all__ = ["HeldTurnRow", "SessionRow", "StateBackend", "Store"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -80,8 +80,37 @@ class HeldTurnRow:
     output_tokens: int
 
 
+class StateBackend(Protocol):
+    """Where the gateway keeps what a restart must not lose. Writes are fire-and-forget from
+    the event loop thread (a backend may batch them); reads happen at start-up."""
+
+    def close(self) -> None: ...
+
+    def clock_origin(self, now_unix: float) -> float: ...
+
+    def put_session(self, s: SessionRow) -> None: ...
+
+    def drop_session(self, session_id: str) -> None: ...
+
+    def sessions(self) -> list[SessionRow]: ...
+
+    def put_held(self, t: HeldTurnRow, now_s: float) -> None: ...
+
+    def drop_turn(self, request_id: str) -> None: ...
+
+    def held(self) -> list[HeldTurnRow]: ...
+
+    def put_result(self, request_id: str, session_id: str, path: str, status: int,
+                   result: bytes, now_s: float) -> None: ...
+
+    def results(self) -> dict[str, tuple[int, bytes, float, str]]: ...
+
+    def purge_results(self, before_s: float) -> None: ...
+
+
 class Store:
-    """One SQLite file; used from the gateway's event loop thread only."""
+    """One SQLite file (the single-process default backend); used from the gateway's event loop
+    thread only."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
