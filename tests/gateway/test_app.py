@@ -98,7 +98,7 @@ def test_models_health_and_headers(fake_engines: Any, gateways: Any) -> None:
 
 def test_sessions_from_header_and_user_field(fake_engines: Any, gateways: Any) -> None:
     eng = fake_engines()
-    gw = gateways([eng.url])
+    gw = gateways([eng.url], derive_sessions=False)
     with httpx.Client(base_url=gw.url, timeout=10) as c:
         for _ in range(3):
             assert c.post("/v1/chat/completions", json=chat_body(max_tokens=5),

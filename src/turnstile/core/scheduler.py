@@ -14,7 +14,7 @@ methods with the same policy objects; that is what makes "simulate, then deploy"
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -89,6 +89,9 @@ class Scheduler:
         # running mean of observed output lengths: the core's only work estimate, learned online
         self._out_sum = prior_output_tokens
         self._out_n = 1
+        # load reported by other drivers on the same engines (see peer_load)
+        self._peer: dict[str, tuple[int, int, int]] = {}
+        self._peer_ready = 0
 
     # ------------------------------------------------------------------ events
     def workflow_arrived(self, now: float, workflow: Workflow) -> list[Action]:
@@ -275,6 +278,38 @@ class Scheduler:
         if healthy is not None:
             e.healthy = healthy
         return self._release(now)
+
+    def peer_load(
+        self, now: float, engines: Mapping[str, tuple[int, int, int]], ready_turns: int = 0
+    ) -> list[Action]:
+        """Work other drivers sharing these engines hold (other gateway replicas), per engine
+        ``(released turns, released tokens, paused context tokens)``, plus the turns they hold
+        READY. Counted in the view the policies read (so routing, shadow load and the released-
+        work budget are global), replacing the previous report; this scheduler's own accounting
+        is unchanged underneath."""
+        view = self.view
+        for engine_id, (turns, tokens, paused) in engines.items():
+            if engine_id not in view:
+                continue
+            e = view[engine_id]
+            old_turns, old_tokens, old_paused = self._peer.get(engine_id, (0, 0, 0))
+            e.outstanding_turns += turns - old_turns
+            e.outstanding_tokens += tokens - old_tokens
+            e.paused_context_tokens += paused - old_paused
+            view.released_turns += turns - old_turns
+            view.released_tokens += tokens - old_tokens
+            self._peer[engine_id] = (turns, tokens, paused)
+        view.ready_turns += ready_turns - self._peer_ready
+        self._peer_ready = ready_turns
+        return self._release(now)
+
+    def own_load(self, engine_id: str) -> tuple[int, int, int]:
+        """This scheduler's own ``(released turns, released tokens, paused context tokens)``
+        on an engine, without what :meth:`peer_load` reported."""
+        e = self.view[engine_id]
+        turns, tokens, paused = self._peer.get(engine_id, (0, 0, 0))
+        return (e.outstanding_turns - turns, e.outstanding_tokens - tokens,
+                e.paused_context_tokens - paused)
 
     def tick(self, now: float) -> list[Action]:
         """No event, but a policy timer (see :meth:`next_wakeup`) expired."""

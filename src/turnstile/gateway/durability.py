@@ -40,8 +40,6 @@ class Durability:
     def __init__(self, backend: StateBackend) -> None:
         self.backend = backend
 
-    def close(self) -> None:
-        self.backend.close()
 
     def restore(self, table: SessionTable, now_s: float
                 ) -> tuple[dict[str, tuple[int, bytes, float, str]], list[HeldTurnRow]]:
@@ -65,9 +63,16 @@ class Durability:
         p.persisted = True
         self.session(s)
 
+    def accepted(self, p: PendingTurn) -> None:
+        """A shared backend keeps every accepted turn until it is answered (another replica
+        serves it if this one dies)."""
+        if not p.persisted:
+            self.held(p, p.rec.ready_s if p.rec is not None else 0.0)
+
     def released(self, p: PendingTurn) -> None:
-        """``p`` left the holding queue (restored turns stay written until answered)."""
-        if p.persisted and not p.keep_result:
+        """``p`` left the holding queue (restored turns, and every turn in a shared backend,
+        stay written until answered)."""
+        if p.persisted and not p.keep_result and not self.backend.shared:
             self.forget(p)
 
     def forget(self, p: PendingTurn) -> None:

@@ -106,9 +106,11 @@ class Relay:
         with contextlib.suppress(ValueError, AttributeError, TypeError, IndexError):
             obj = resp.json()
             usage = obj.get("usage")
-            if p.reply_text is not None:
+            if p.reply_text is not None and p.reply_args is not None:
                 msg = obj["choices"][0].get("message") or {}
                 p.reply_text.append(msg.get("content") or "")
+                for c in msg.get("tool_calls") or ():
+                    p.reply_args.append(c["function"]["arguments"])
         self.events.turn_finished(p, completion_tokens(usage), usage)
         return Outcome(resp.status, [(b"content-type", resp.content_type.encode()),
                                      *self.headers(p)], body=resp.body)
@@ -157,6 +159,7 @@ class Relay:
         got_token = False
         completed = False
         reply = p.reply_text
+        args = p.reply_args if p.reply_args is not None else []
         batch = first
         try:
             while True:
@@ -177,7 +180,7 @@ class Relay:
                                         got_token = True
                                         self.events.turn_first_token(p)
                                     if reply is not None:
-                                        _collect(choices, reply)
+                                        _collect(choices, reply, args)
                                 u = obj.get("usage")
                                 if isinstance(u, dict):
                                     usage = u
@@ -208,9 +211,15 @@ class Relay:
                                  cancelled=not completed)
 
 
-def _collect(choices: list[Any], reply: list[str]) -> None:
+def _collect(choices: list[Any], reply: list[str], args: list[str]) -> None:
+    """A streamed chunk's content and tool-call argument fragments."""
     c = choices[0]
-    if isinstance(c, dict):
-        d = c.get("delta")
-        if isinstance(d, dict) and isinstance(d.get("content"), str):
-            reply.append(d["content"])
+    d = c.get("delta") if isinstance(c, dict) else None
+    if not isinstance(d, dict):
+        return
+    if isinstance(d.get("content"), str):
+        reply.append(d["content"])
+    for call in d.get("tool_calls") or ():
+        f = call.get("function") if isinstance(call, dict) else None
+        if isinstance(f, dict) and isinstance(f.get("arguments"), str):
+            args.append(f["arguments"])

@@ -32,6 +32,7 @@ from typing import Any
 from turnstile.core.scheduler import Action, Scheduler
 from turnstile.core.state import EngineLoad, TurnState, WorkflowRecord
 from turnstile.gateway.adapters import EngineAdapter, ForwardHints, make_adapter
+from turnstile.gateway.affinity import ConversationKeys, LocalKeyStore, Resolution, last_user_text
 from turnstile.gateway.config import GatewayConfig, build_policies
 from turnstile.gateway.driving import ReleaseDriver
 from turnstile.gateway.durability import Durability, OffsetClock
@@ -49,8 +50,10 @@ from turnstile.gateway.protocol import (
     started,
 )
 from turnstile.gateway.relay import Relay, RetryableFailure
+from turnstile.gateway.replicas import ReplicaSync
 from turnstile.gateway.sessions import PendingTurn, Session, SessionTable
-from turnstile.gateway.store import StateBackend, Store
+from turnstile.gateway.shared import RedisState
+from turnstile.gateway.store import HeldTurnRow, StateBackend, Store
 from turnstile.policies import PolicySet
 from turnstile.workload.model import Turn
 
@@ -110,6 +113,10 @@ class Gateway:
         self.relay = Relay(self.adapters, self, self.metrics, self.clock.now)
         self.estimator = TokenEstimator(config.default_output_tokens,
                                         self._tokenize if config.tokenize else None)
+        #: conversation-derived sessions (requests naming none); set up in start()
+        self.keys: ConversationKeys | None = None
+        #: the replica's link to the others (a shared state backend only)
+        self.replicas: ReplicaSync | None = None
         self.started = False
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -137,12 +144,24 @@ class Gateway:
         await asyncio.gather(*(a.start() for a in self.adapters.values()),
                              return_exceptions=True)
         await self.health.check_all()
+        cfg = self.config
         backend = self._backend
-        if backend is None and self.config.db:
-            backend = Store(self.config.db)
+        if backend is None and cfg.state:
+            backend = RedisState(cfg.state, replica_id=cfg.replica_id,
+                                 replica_ttl_s=cfg.replica_ttl_s, result_ttl_s=cfg.result_ttl_s)
+        elif backend is None and cfg.db:
+            backend = Store(cfg.db)
         if backend is not None:
+            await backend.open()
             self.durable = Durability(backend)
             self._restore()
+        if cfg.derive_sessions:
+            self.keys = ConversationKeys(backend if isinstance(backend, RedisState)
+                                         else LocalKeyStore())
+        if isinstance(backend, RedisState):
+            self.replicas = ReplicaSync(self, backend, self.clock.now, sync_s=cfg.peer_sync_s,
+                                        wait_s=cfg.read_timeout_s)
+            self.spawn(self.replicas.loop())
         self.started = True
         self.spawn(self.health.health_loop(self.driver.safety_tick))
         self.spawn(self.health.stats_loop())
@@ -158,7 +177,7 @@ class Gateway:
         await asyncio.gather(*(a.aclose() for a in self.adapters.values()),
                              return_exceptions=True)
         if self.durable is not None:
-            self.durable.close()
+            await self.durable.backend.aclose()
             self.durable = None
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]:
@@ -197,6 +216,10 @@ class Gateway:
                     raise GatewayError(409, f"request {rid!r} is already in progress",
                                        code="duplicate_request")
                 return await self._reattach(p, req)
+            if self.replicas is not None:
+                out = await self.replicas.answered_elsewhere(rid, req)
+                if out is not None:
+                    return out
         else:
             rid = uuid.uuid4().hex
         if self.queued >= self.config.max_held:
@@ -204,12 +227,11 @@ class Gateway:
             raise GatewayError(429, f"the gateway holds {self.queued} turns (max_held="
                                f"{self.config.max_held}); retry later", type_="rate_limit_error",
                                code="queue_full", headers=[(b"retry-after", b"1")])
-        now = self.clock.now()
-        sid = req.session_id
-        session = self.table.open(sid if sid is not None else "req-" + rid, req.tenant,
-                                  sid is None, now)
+        session, derived = await self._session(req, rid)
         body = req.body
         p = PendingTurn(rid, session, req.path, body, req.stream)
+        if derived is not None:
+            p.reply_text, p.reply_args = [], []
         p.engine_hint = req.engine_hint
         if req.stream:
             opts = body.get("stream_options")
@@ -223,6 +245,10 @@ class Gateway:
             turn, p.prompt_chars = await self.estimator.estimate(p.path, p.body,
                                                                  session.context_tokens)
             self._ready(p, turn)
+            if self.durable is not None and self.durable.backend.shared:
+                # another replica serves it if this one dies: written before it is forwarded
+                self.durable.accepted(p)
+                await self.durable.backend.flush()
             return await self._run(p)
         except BaseException:
             if p.state == PENDING and p.rec is None:  # never became READY
@@ -252,6 +278,31 @@ class Gateway:
             p.waker = asyncio.get_running_loop().create_future()
         return await self._run(p)
 
+    async def _session(self, req: TurnRequest, rid: str) -> tuple[Session, Resolution | None]:
+        """The request's session: named by the client, derived from the conversation, or a
+        one-turn session of its own."""
+        sid = req.session_id
+        res = None
+        if sid is None and self.keys is not None and req.path == CHAT_PATH:
+            res = await self.keys.resolve(req.body, rid)
+            if res is not None:
+                sid = res.session_id
+                self.keys.remember(res)
+        s = self.table.open(sid if sid is not None else "req-" + rid, req.tenant, sid is None,
+                            self.clock.now())
+        near = None
+        if res is not None and res.new:
+            s.parent = res.parent
+            near = res.near
+        if self.replicas is not None and not s.ephemeral:
+            await self.replicas.refresh(s, near)
+        elif near is not None and s.last_engine is None:
+            # a sub-agent (or the same prefix again) starts on the engine its relative used
+            other = self.sessions.get(near)
+            if other is not None:
+                s.last_engine = other.last_engine
+        return s, res
+
     async def _tokenize(self, text: str) -> int | None:
         for eid, a in self.adapters.items():
             if self.health.up(eid):
@@ -267,8 +318,7 @@ class Gateway:
             # a session continued from a restart carries what the policies read
             self.scheduler.open_session(
                 now, s.id, s.tenant, arrival_s=s.arrival_s if s.turns else None,
-                attained_tokens=s.attained_tokens,
-                last_engine=s.last_engine if s.turns else None)
+                attained_tokens=s.attained_tokens, last_engine=s.last_engine)
             s.in_scheduler = True
         p.state = READY
         p.waker = asyncio.get_running_loop().create_future()
@@ -397,6 +447,9 @@ class Gateway:
         else:
             s.context_tokens = rec.prompt_tokens + out
         s.attained_tokens += rec.prompt_tokens + out
+        if p.reply_text is not None and self.keys is not None and not cancelled:
+            self.keys.reply(s.id, "".join(p.reply_text), "".join(p.reply_args or ()),
+                            last_user_text(p.body))
         actions.extend(self._turn_over(p))
         self._apply(actions)
 
@@ -421,8 +474,8 @@ class Gateway:
     def _forget(self, p: PendingTurn) -> None:
         if self.by_request.get(p.request_id) is p:
             del self.by_request[p.request_id]
-        if self.durable is not None:
-            self.durable.forget(p)
+        if self.durable is not None and (p.detached_done is None or p.detached_done.is_set()):
+            self.durable.forget(p)  # a detached turn's row goes once its result is kept
         s = p.session
         if s.active is p and p.rec is None:
             self.table.pass_on(s)
@@ -461,11 +514,14 @@ class Gateway:
             self.results[p.request_id] = (out.status, out.body, now, p.path)
             if self.durable is not None:
                 self.durable.result(p, out.status, out.body, now)
+                self.durable.forget(p)
         finally:
             p.detached_done.set()
 
     async def cached_outcome(self, rid: str, req: TurnRequest) -> Outcome | None:
         cached = self.results.get(rid)
+        if cached is None and self.durable is not None:
+            cached = await self.durable.backend.lookup_result(rid)
         if cached is None:
             return None
         status, body, _, path = cached
@@ -495,27 +551,34 @@ class Gateway:
         if expired and self.durable is not None:
             self.durable.purge_results(now - ttl)
 
+    def adopt(self, h: HeldTurnRow) -> None:
+        """Serve an accepted turn nobody waits for here (restored after a restart, or taken
+        over from a dead replica), keeping its result for the client's retry."""
+        durable = self.durable
+        assert durable is not None
+        s = self.table.open(h.session_id, "default", h.session_id.startswith("req-"),
+                            h.ready_s)
+        if s.active is not None or h.request_id in self.by_request:
+            durable.backend.drop_turn(h.request_id)
+            return
+        p = PendingTurn(h.request_id, s, h.path, h.body, h.stream)
+        p.attached = False
+        p.keep_result = True
+        p.persisted = True
+        if h.stream:
+            opts = h.body.get("stream_options")
+            p.client_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+        s.active = p
+        self.by_request[p.request_id] = p
+        self._ready(p, Turn(h.input_tokens, h.output_tokens, h.context_tokens), h.ready_s)
+
     def _restore(self) -> None:
         durable = self.durable
         assert durable is not None
         self.clock.continue_from(durable.backend)
         self.results, held = durable.restore(self.table, self.clock.now())
         for h in held:
-            s = self.table.open(h.session_id, "default", h.session_id.startswith("req-"),
-                                h.ready_s)
-            if s.active is not None:
-                durable.backend.drop_turn(h.request_id)
-                continue
-            p = PendingTurn(h.request_id, s, h.path, h.body, h.stream)
-            p.attached = False
-            p.keep_result = True
-            p.persisted = True
-            if h.stream:
-                opts = h.body.get("stream_options")
-                p.client_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
-            s.active = p
-            self.by_request[p.request_id] = p
-            self._ready(p, Turn(h.input_tokens, h.output_tokens, h.context_tokens), h.ready_s)
+            self.adopt(h)
         if self.sessions or self.results:
             log.warning("restored %d sessions, %d held turns, %d kept results",
                         len(self.sessions), len(self.by_request), len(self.results))

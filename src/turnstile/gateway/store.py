@@ -81,10 +81,21 @@ class HeldTurnRow:
 
 
 class StateBackend(Protocol):
-    """Where the gateway keeps what a restart must not lose. Writes are fire-and-forget from
-    the event loop thread (a backend may batch them); reads happen at start-up."""
+    """Where the gateway keeps what a restart must not lose (:class:`Store`: SQLite, one
+    process; :class:`~turnstile.gateway.shared.RedisState`: shared by replicas).
 
-    def close(self) -> None: ...
+    Writes are fire-and-forget from the event loop thread (a backend may batch them; ``flush``
+    waits for them). Reads of the whole state happen at start-up; a shared backend answers the
+    per-request ``lookup_*`` instead (a local one returns None: everything was loaded)."""
+
+    #: several replicas share this state (every accepted turn is written, owners, load)
+    shared: bool
+
+    async def open(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+    async def flush(self) -> None: ...
 
     def clock_origin(self, now_unix: float) -> float: ...
 
@@ -107,6 +118,12 @@ class StateBackend(Protocol):
 
     def purge_results(self, before_s: float) -> None: ...
 
+    async def lookup_session(self, session_id: str) -> SessionRow | None: ...
+
+    async def lookup_result(self, request_id: str) -> tuple[int, bytes, float, str] | None: ...
+
+    async def turn_owner(self, request_id: str) -> str | None: ...
+
 
 class Store:
     """One SQLite file (the single-process default backend); used from the gateway's event loop
@@ -119,8 +136,29 @@ class Store:
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(_SCHEMA)
 
+    shared = False
+
     def close(self) -> None:
         self.db.close()
+
+    async def open(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def flush(self) -> None:
+        pass  # every write is committed when made
+
+    # one process: everything was loaded at start-up
+    async def lookup_session(self, session_id: str) -> SessionRow | None:
+        return None
+
+    async def lookup_result(self, request_id: str) -> tuple[int, bytes, float, str] | None:
+        return None
+
+    async def turn_owner(self, request_id: str) -> str | None:
+        return None
 
     # ------------------------------------------------------------------ clock
     def clock_origin(self, now_unix: float) -> float:
