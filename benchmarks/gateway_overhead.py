@@ -295,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve-gateway", nargs=5, help=argparse.SUPPRESS)
     ap.add_argument("--clients", default="hand",
                     help="forwarding clients to compare side by side: hand,aiohttp")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat the client comparison, interleaved (noisy shared machines)")
     args = ap.parse_args(argv)
     if args.serve_fake:
         serve_fake(args.serve_fake)
@@ -313,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         fake = Proc(["--serve-fake", str(p := free_port())], p)
         procs.append(fake)
         out["throughput_by_client"] = {}
-        for client in args.clients.split(","):
+        for rnd, client in enumerate(args.clients.split(",") * args.rounds):
             gw = Proc(["--serve-gateway", str(q := free_port()), fake.url, "openai",
                        args.policy, client], q)
             procs.append(gw)
@@ -322,9 +324,11 @@ def main(argv: list[str] | None = None) -> int:
             rows = compare("zero-cost", fake, gw, args, 16, args.requests)
             for r in rows:
                 r["client"] = client
+                r["round"] = rnd // len(args.clients.split(","))
             out["latency"] += rows
             t = throughput(fake, gw, args)
-            out["throughput_by_client"][client] = t
+            t["client"] = client
+            out["throughput_by_client"].setdefault(client, []).append(t)
             if out["throughput"] is None:
                 out["throughput"] = t
             gw.stop()
@@ -347,19 +351,46 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['added_p50_ms']:+.3f}", f"{d['p99_ms']:.3f}", f"{g['p99_ms']:.3f}",
                       f"{r['added_p99_ms']:+.3f}")
     console.print(table)
-    for client, t in out["throughput_by_client"].items():
-        console.print(
-            f"throughput ({client} client), {t['concurrency']} clients: direct "
-            f"{t['direct']['rps']:,.0f} req/s, through the gateway {t['gateway']['rps']:,.0f} "
-            f"req/s (errors {t['gateway']['errors']}); gateway CPU "
-            f"{t['gateway_cpu_ms_per_request']:.3f} ms/request → one-core capacity ≈ "
-            f"{t['gateway_one_core_capacity_rps']:,.0f} req/s")
+    for client, ts in out["throughput_by_client"].items():
+        for t in ts:
+            console.print(
+                f"throughput ({client} client), {t['concurrency']} clients: direct "
+                f"{t['direct']['rps']:,.0f} req/s, through the gateway "
+                f"{t['gateway']['rps']:,.0f} req/s (errors {t['gateway']['errors']}); gateway CPU "
+                f"{t['gateway_cpu_ms_per_request']:.3f} ms/request → one-core capacity ≈ "
+                f"{t['gateway_one_core_capacity_rps']:,.0f} req/s")
+    summary = _client_summary(out)
+    out["client_summary"] = summary
+    for client, m in summary.items():
+        console.print(f"{client}: median added P50 non-stream {m['added_p50_ms_nonstream']:.3f} "
+                      f"ms, stream {m['added_p50_ms_stream']:.3f} ms; median gateway CPU "
+                      f"{m['cpu_ms_per_request']:.3f} ms/request "
+                      f"(one core ≈ {m['one_core_rps']:,.0f} req/s); median "
+                      f"{m['rps']:,.0f} req/s through the gateway")
     console.print(f"load average {out['load_average']}")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "gateway_overhead.json"
     path.write_text(json.dumps(out, indent=2) + "\n")
     console.print(f"wrote {path}")
     return 0
+
+
+def _client_summary(out: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Medians over the rounds, per forwarding client."""
+    summary = {}
+    for client, ts in out["throughput_by_client"].items():
+        rows = [r for r in out["latency"] if r.get("client") == client]
+        cpu = float(np.median([t["gateway_cpu_ms_per_request"] for t in ts]))
+        summary[client] = {
+            "added_p50_ms_nonstream": float(np.median(
+                [r["added_p50_ms"] for r in rows if r["mode"] == "non-stream"])),
+            "added_p50_ms_stream": float(np.median(
+                [r["added_p50_ms"] for r in rows if r["mode"] == "stream"])),
+            "cpu_ms_per_request": cpu,
+            "one_core_rps": 1e3 / cpu if cpu > 0 else 0.0,
+            "rps": float(np.median([t["gateway"]["rps"] for t in ts])),
+        }
+    return summary
 
 
 def llama_rows(args: argparse.Namespace, console: Console, procs: list[Proc]

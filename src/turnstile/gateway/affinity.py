@@ -7,9 +7,10 @@ hashes of its messages:
   starts a new session ``conv-<root>-<request>`` (two agents starting from the same prompt are
   two sessions, not one serialized one); the root remembers the latest such session, so a new
   conversation with the same prefix starts on the engine that holds that prefix's KV;
-* each **assistant message**: when a turn's reply is produced, the hash of its text (content and
-  tool-call arguments) is remembered → session. The next request carries that reply back as its
-  last assistant message, so the lookup finds the session;
+* each **assistant message**: when a turn's reply is produced, the hash of the conversation
+  through it (a chain over the messages' roles, text and tool-call arguments, so equal replies in
+  different conversations differ) is remembered → session. The next request carries that reply
+  back as its last assistant message, so the lookup finds the session;
 * **sub-agents**: strings the reply produced (its content, each tool-call argument string such
   as a ``Task`` prompt) and the turn's own last user message are remembered too. A new
   conversation whose first user message is one of them is a sub-agent of that session and
@@ -79,8 +80,10 @@ def _tool_args(tool_calls: Any) -> str:
     return "".join(parts)
 
 
-def assistant_key(content: str, tool_args: str) -> str:
-    return _h("a", content + "\x00" + tool_args)
+def _chain(prev: str, role: str, text: str, tool_args: str) -> str:
+    """The conversation's hash through one more message."""
+    data = "\x00".join((prev, role, text.strip(), tool_args)).encode()
+    return hashlib.blake2b(data, digest_size=12).hexdigest()
 
 
 def reply_texts(content: str, tool_args: str) -> list[str]:
@@ -115,6 +118,8 @@ class Resolution:
     parent: str | None = None
     #: keys to remember once the session id is final (root → session)
     remember: list[tuple[str, str]] = field(default_factory=list)
+    #: the conversation's hash through the request's last message (extended by the reply)
+    chain: str = ""
 
 
 class ConversationKeys:
@@ -130,17 +135,19 @@ class ConversationKeys:
         system = ""
         first_user: str | None = None
         assistants: list[str] = []
+        chain = ""
         for m in messages:
             if not isinstance(m, dict):
                 continue
             role = m.get("role")
+            text = _text(m.get("content"))
+            chain = _chain(chain, str(role), text, _tool_args(m.get("tool_calls")))
             if role in ("system", "developer") and first_user is None:
-                system += _text(m.get("content"))
+                system += text
             elif role == "user" and first_user is None:
-                first_user = _text(m.get("content"))
+                first_user = text
             elif role == "assistant":
-                assistants.append(assistant_key(_text(m.get("content")),
-                                                _tool_args(m.get("tool_calls"))))
+                assistants.append("a:" + chain)
         if first_user is None:
             return None
         root = _h("r", system + "\x00" + first_user)
@@ -149,21 +156,22 @@ class ConversationKeys:
             found = await self.store.get_many(assistants[::-1])
             for sid in found:
                 if sid is not None:
-                    return Resolution(sid, False)
+                    return Resolution(sid, False, chain=chain)
         sid = f"conv-{root[2:14]}-{request_id[:8]}"
         near, parent = await self.store.get_many([root, _h("s", first_user)])
         return Resolution(sid, True, near=parent or near, parent=parent,
-                          remember=[(root, sid)])
+                          remember=[(root, sid)], chain=chain)
 
     def remember(self, res: Resolution) -> None:
         if res.remember:
             self.store.put_many(res.remember)
 
-    def reply(self, session_id: str, content: str, tool_args: str, last_user: str | None
-              ) -> None:
-        """A turn of ``session_id`` produced this reply: the next request carrying it back, and
-        a sub-agent started from it (or from the turn's own request), find the session."""
-        items = [(assistant_key(content, tool_args), session_id)]
+    def reply(self, session_id: str, chain: str, content: str, tool_args: str,
+              last_user: str | None) -> None:
+        """A turn of ``session_id`` (its request's conversation hash ``chain``) produced this
+        reply: the next request carrying it back, and a sub-agent started from it (or from the
+        turn's own request), find the session."""
+        items = [("a:" + _chain(chain, "assistant", content, tool_args), session_id)]
         for t in reply_texts(content, tool_args):
             items.append((_h("s", t), session_id))
         if last_user and len(last_user) >= 16:

@@ -42,13 +42,11 @@ from turnstile.gateway.metrics import GatewayMetrics
 from turnstile.gateway.protocol import (
     CHAT_PATH,
     COMPLETIONS_PATH,
-    JSON_CT,
     GatewayError,
     Outcome,
     TurnRequest,
-    cached_outcome,
-    started,
 )
+from turnstile.gateway.recovery import Recovery
 from turnstile.gateway.relay import Relay, RetryableFailure
 from turnstile.gateway.replicas import ReplicaSync
 from turnstile.gateway.sessions import PendingTurn, Session, SessionTable
@@ -105,12 +103,11 @@ class Gateway:
         self.table = SessionTable()
         self.sessions = self.table.sessions
         self.by_request: dict[str, PendingTurn] = {}
-        #: results of turns served with no client attached: request id → (status, body, at, path)
-        self.results: dict[str, tuple[int, bytes, float, str]] = {}
         self.health = HealthMonitor(self.adapters, self.scheduler, config, self.clock.now,
                                     self._apply)
         self.driver = ReleaseDriver(self)
         self.relay = Relay(self.adapters, self, self.metrics, self.clock.now)
+        self.recovery = Recovery(self)
         self.estimator = TokenEstimator(config.default_output_tokens,
                                         self._tokenize if config.tokenize else None)
         #: conversation-derived sessions (requests naming none); set up in start()
@@ -154,7 +151,7 @@ class Gateway:
         if backend is not None:
             await backend.open()
             self.durable = Durability(backend)
-            self._restore()
+            self.recovery.restore()
         if cfg.derive_sessions:
             self.keys = ConversationKeys(backend if isinstance(backend, RedisState)
                                          else LocalKeyStore())
@@ -194,6 +191,19 @@ class Gateway:
     def _apply(self, actions: list[Action]) -> None:
         self.driver.apply(actions)
 
+    @property
+    def results(self) -> dict[str, tuple[int, bytes, float, str]]:
+        return self.recovery.results
+
+    def adopt(self, h: HeldTurnRow) -> None:
+        self.recovery.adopt(h)
+
+    def serve_detached(self, p: PendingTurn) -> None:
+        self.recovery.serve_detached(p)
+
+    async def cached_outcome(self, rid: str, req: TurnRequest) -> Outcome | None:
+        return await self.recovery.cached_outcome(rid, req)
+
     # ================================================================== requests
     def check_model(self, body: dict[str, Any]) -> None:
         model = body.get("model")
@@ -231,7 +241,7 @@ class Gateway:
         body = req.body
         p = PendingTurn(rid, session, req.path, body, req.stream)
         if derived is not None:
-            p.reply_text, p.reply_args = [], []
+            p.reply_text, p.reply_args, p.conversation = [], [], derived.chain
         p.engine_hint = req.engine_hint
         if req.stream:
             opts = body.get("stream_options")
@@ -448,8 +458,8 @@ class Gateway:
             s.context_tokens = rec.prompt_tokens + out
         s.attained_tokens += rec.prompt_tokens + out
         if p.reply_text is not None and self.keys is not None and not cancelled:
-            self.keys.reply(s.id, "".join(p.reply_text), "".join(p.reply_args or ()),
-                            last_user_text(p.body))
+            self.keys.reply(s.id, p.conversation, "".join(p.reply_text),
+                            "".join(p.reply_args or ()), last_user_text(p.body))
         actions.extend(self._turn_over(p))
         self._apply(actions)
 
@@ -491,43 +501,6 @@ class Gateway:
         s.in_scheduler = False
         return list(self.scheduler.close_session(self.clock.now(), s.id))
 
-    # ================================================================== detached turns
-    def serve_detached(self, p: PendingTurn) -> None:
-        if p.detached_done is None:
-            p.detached_done = asyncio.Event()
-            self.spawn(self._detached(p))
-
-    async def _detached(self, p: PendingTurn) -> None:
-        """Serve a restored turn nobody is waiting for; keep the result for a retry."""
-        assert p.detached_done is not None
-        body = {k: v for k, v in p.body.items() if k != "stream_options"}
-        body["stream"] = False
-        p.body = body
-        p.stream = False
-        try:
-            try:
-                out = await self._serve(p)
-            except GatewayError as e:
-                out = Outcome(e.status, [JSON_CT], body=e.body())
-            assert out.body is not None
-            now = self.clock.now()
-            self.results[p.request_id] = (out.status, out.body, now, p.path)
-            if self.durable is not None:
-                self.durable.result(p, out.status, out.body, now)
-                self.durable.forget(p)
-        finally:
-            p.detached_done.set()
-
-    async def cached_outcome(self, rid: str, req: TurnRequest) -> Outcome | None:
-        cached = self.results.get(rid)
-        if cached is None and self.durable is not None:
-            cached = await self.durable.backend.lookup_result(rid)
-        if cached is None:
-            return None
-        status, body, _, path = cached
-        out = cached_outcome(rid, status, body, path, req.stream)
-        return out if out.events is None else await started(out)
-
     # ================================================================== housekeeping
     async def _sweep_loop(self) -> None:
         while True:
@@ -544,41 +517,4 @@ class Gateway:
                 actions.extend(self._close(s))
         if actions:
             self._apply(actions)
-        ttl = self.config.result_ttl_s
-        expired = [k for k, v in self.results.items() if now - v[2] > ttl]
-        for k in expired:
-            del self.results[k]
-        if expired and self.durable is not None:
-            self.durable.purge_results(now - ttl)
-
-    def adopt(self, h: HeldTurnRow) -> None:
-        """Serve an accepted turn nobody waits for here (restored after a restart, or taken
-        over from a dead replica), keeping its result for the client's retry."""
-        durable = self.durable
-        assert durable is not None
-        s = self.table.open(h.session_id, "default", h.session_id.startswith("req-"),
-                            h.ready_s)
-        if s.active is not None or h.request_id in self.by_request:
-            durable.backend.drop_turn(h.request_id)
-            return
-        p = PendingTurn(h.request_id, s, h.path, h.body, h.stream)
-        p.attached = False
-        p.keep_result = True
-        p.persisted = True
-        if h.stream:
-            opts = h.body.get("stream_options")
-            p.client_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
-        s.active = p
-        self.by_request[p.request_id] = p
-        self._ready(p, Turn(h.input_tokens, h.output_tokens, h.context_tokens), h.ready_s)
-
-    def _restore(self) -> None:
-        durable = self.durable
-        assert durable is not None
-        self.clock.continue_from(durable.backend)
-        self.results, held = durable.restore(self.table, self.clock.now())
-        for h in held:
-            self.adopt(h)
-        if self.sessions or self.results:
-            log.warning("restored %d sessions, %d held turns, %d kept results",
-                        len(self.sessions), len(self.by_request), len(self.results))
+        self.recovery.expire(now - self.config.result_ttl_s)

@@ -67,10 +67,10 @@ class Session:
 class PendingTurn:
     """One accepted request, across its attempts."""
 
-    __slots__ = ("attached", "body", "client_usage", "detached_done", "engine", "engine_hint",
-                 "keep_result", "path", "persisted", "priority", "prompt_chars", "rec",
-                 "reply_args", "reply_text", "request_id", "session", "state", "stream", "turn",
-                 "waker")
+    __slots__ = ("attached", "body", "client_usage", "conversation", "detached_done", "engine",
+                 "engine_hint", "keep_result", "path", "persisted", "priority", "prompt_chars",
+                 "rec", "reply_args", "reply_text", "request_id", "session", "state", "stream",
+                 "turn", "waker")
 
     def __init__(self, request_id: str, session: Session, path: str, body: dict[str, Any],
                  stream: bool) -> None:
@@ -93,6 +93,8 @@ class PendingTurn:
         #: the assistant's reply, collected only when affinity keys are derived from it
         self.reply_text: list[str] | None = None
         self.reply_args: list[str] | None = None  # its tool calls' argument fragments
+        #: the conversation's hash through the request (affinity keys of the reply extend it)
+        self.conversation = ""
         self.waker: asyncio.Future[None] | None = None
         #: set while the turn is served with no client attached
         self.detached_done: asyncio.Event | None = None
