@@ -86,6 +86,9 @@ class ReleaseDriver:
                 rec = a.turn
                 host.metrics.released.labels(a.engine).inc()
                 host.metrics.hold.observe(max(rec.released_s - rec.ready_s, 0.0))
+                # the session's KV goes to this engine (written now in a shared state, so a
+                # replica restarted before the turn finishes still knows it)
+                p.session.last_engine = a.engine
                 if host.durable is not None:
                     host.durable.released(p)
                 if p.attached:

@@ -72,7 +72,9 @@ class Durability:
     def released(self, p: PendingTurn) -> None:
         """``p`` left the holding queue (restored turns, and every turn in a shared backend,
         stay written until answered)."""
-        if p.persisted and not p.keep_result and not self.backend.shared:
+        if self.backend.shared:
+            self.session(p.session)
+        elif p.persisted and not p.keep_result:
             self.forget(p)
 
     def forget(self, p: PendingTurn) -> None:

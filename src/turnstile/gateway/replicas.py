@@ -99,23 +99,22 @@ class ReplicaSync:
             self.host.scheduler.session_moved(s.id, row.last_engine, row.attained_tokens)
 
     async def answered_elsewhere(self, rid: str, req: TurnRequest) -> Outcome | None:
-        """The turn ``rid`` is another replica's (its client retried here): wait for its
-        result instead of serving it twice. None when no other replica has it."""
-        owner = await self.state.turn_owner(rid)
-        if owner is None or owner == self.state.replica:
+        """A request id this replica does not hold: if another replica accepted it (its client
+        retried here), wait for that replica's answer instead of serving it twice; if it was
+        answered already, give the kept result or refuse. None: never seen, serve it."""
+        owner, done = await self.state.turn_status(rid)
+        if owner is None or (owner == self.state.replica and not done):
             return None
         deadline = self.now() + self.wait_s
-        while self.now() < deadline:
-            out = await self.host.cached_outcome(rid, req)
-            if out is not None:
-                return out
-            if await self.state.turn_owner(rid) is None:
-                # answered to its own client (no result kept) or failed: nothing to give
-                out = await self.host.cached_outcome(rid, req)
-                if out is not None:
-                    return out
-                raise GatewayError(409, f"request {rid!r} was answered by another replica",
-                                   code="duplicate_request")
+        while not done:
+            if self.now() > deadline:
+                raise GatewayError(504, f"request {rid!r} is still being served by replica "
+                                   f"{owner}", type_="upstream_error", code="timeout")
             await asyncio.sleep(0.05)
-        raise GatewayError(504, f"request {rid!r} is still being served by replica {owner}",
-                           type_="upstream_error", code="timeout")
+            owner, done = await self.state.turn_status(rid)
+            if owner is None:
+                return None  # expired meanwhile
+        out = await self.host.cached_outcome(rid, req)
+        if out is not None:
+            return out
+        raise GatewayError(409, f"request {rid!r} was already answered", code="duplicate_request")

@@ -49,7 +49,8 @@ local claimed = {}
 for _, r in ipairs(redis.call('SMEMBERS', ns .. ':replicas')) do
   if r ~= me and redis.call('EXISTS', ns .. ':hb:' .. r) == 0 then
     for _, rid in ipairs(redis.call('SMEMBERS', ns .. ':owned:' .. r)) do
-      if redis.call('EXISTS', ns .. ':turn:' .. rid) == 1 then
+      if redis.call('EXISTS', ns .. ':turn:' .. rid) == 1
+          and redis.call('HEXISTS', ns .. ':turn:' .. rid, 'done') == 0 then
         redis.call('HSET', ns .. ':turn:' .. rid, 'owner', me)
         redis.call('SADD', ns .. ':owned:' .. me, rid)
         table.insert(claimed, rid)
@@ -191,7 +192,11 @@ class RedisState:
         self._put("sadd", f"{self.ns}:owned:{self.replica}", t.request_id)
 
     def drop_turn(self, request_id: str) -> None:
-        self._put("delete", f"{self.ns}:turn:{request_id}")
+        """The turn was answered: its row stays a while, marked done, so a retry of the same
+        request id on any replica is not served again."""
+        key = f"{self.ns}:turn:{request_id}"
+        self._put("hset", key, mapping={"done": 1, "body": ""})
+        self._put("expire", key, int(self.result_ttl_s))
         self._put("srem", f"{self.ns}:owned:{self.replica}", request_id)
 
     def held(self) -> list[HeldTurnRow]:
@@ -226,9 +231,11 @@ class RedisState:
             return None
         return (int(h[b"status"]), bytes(h[b"body"]), float(h[b"at"]), _s(h[b"path"]))
 
-    async def turn_owner(self, request_id: str) -> str | None:
-        v = await self.redis.hget(f"{self.ns}:turn:{request_id}", "owner")
-        return None if v is None else _s(v)
+    async def turn_status(self, request_id: str) -> tuple[str | None, bool]:
+        """(the replica that accepted the turn, whether it was answered); (None, False) for a
+        request id never seen (or expired)."""
+        owner, done = await self.redis.hmget(f"{self.ns}:turn:{request_id}", "owner", "done")
+        return (None if owner is None else _s(owner)), done is not None
 
     async def _rows(self, rids: Iterable[Any]) -> list[HeldTurnRow]:
         ids = [_s(r) for r in rids]
@@ -239,7 +246,7 @@ class RedisState:
             pipe.hmget(f"{self.ns}:turn:{rid}", *_TURN_FIELDS)
         rows = []
         for rid, v in zip(ids, await pipe.execute(), strict=True):
-            if v[0] is None:
+            if v[0] is None or not v[2]:  # gone, or answered (its body dropped)
                 continue
             rows.append(HeldTurnRow(rid, _s(v[0]), _s(v[1]), json.loads(v[2]), v[3] == b"1",
                                     float(v[4]), int(v[5]), int(v[6]), int(v[7])))

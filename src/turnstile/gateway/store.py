@@ -122,7 +122,6 @@ class StateBackend(Protocol):
 
     async def lookup_result(self, request_id: str) -> tuple[int, bytes, float, str] | None: ...
 
-    async def turn_owner(self, request_id: str) -> str | None: ...
 
 
 class Store:
@@ -155,9 +154,6 @@ class Store:
         return None
 
     async def lookup_result(self, request_id: str) -> tuple[int, bytes, float, str] | None:
-        return None
-
-    async def turn_owner(self, request_id: str) -> str | None:
         return None
 
     # ------------------------------------------------------------------ clock

@@ -27,10 +27,14 @@ def _toml(v: Any) -> str:
 
 
 def write_config(path: Path, engines: list[tuple[str, str]], policy: str,
+                 policy_params: dict[str, dict[str, Any]] | None = None,
                  **gateway: Any) -> Path:
-    """A gateway TOML file: ``engines`` as (url, kind), ``gateway``: [gateway] keys."""
+    """A gateway TOML file: ``engines`` as (url, kind), ``gateway``: [gateway] keys,
+    ``policy_params``: constructor arguments per policy kind."""
     lines = ["[gateway]", *(f"{k} = {_toml(v)}" for k, v in gateway.items()),
              "[policy]", f"spec = {_toml(policy)}"]
+    for kind, params in (policy_params or {}).items():
+        lines += [f"[policy.{kind}]", *(f"{k} = {_toml(v)}" for k, v in params.items())]
     for url, kind in engines:
         lines += ["[[engines]]", f"url = {_toml(url)}", f"kind = {_toml(kind)}"]
     path.write_text("\n".join(lines) + "\n")

@@ -1,0 +1,201 @@
+"""Several gateway replicas (separate processes) sharing a real redis-server, in front of fake
+engines: routing agrees across replicas, the release budget is global, a killed replica loses
+no accepted turn, residency survives a restart. (The same with real llama.cpp engines:
+``test_replicas_real.py``.)"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from turnstile.testing.fake_engine import FakeServer, chat_body
+from turnstile.testing.redis_server import RedisServer, find_redis_server
+from turnstile.testing.replicas import GatewayProcess, write_config
+
+pytestmark = pytest.mark.skipif(find_redis_server() is None,
+                                reason="redis-server not installed (make redis)")
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    with RedisServer() as r:
+        yield r.url
+
+
+@pytest.fixture
+def replicas(tmp_path: Path, redis_url: str
+             ) -> Iterator[Callable[..., list[GatewayProcess]]]:
+    started: list[GatewayProcess] = []
+
+    def start(engines: list[str], n: int, policy: str = "eager+kv-affinity",
+              names: list[str] | None = None, **gateway: Any) -> list[GatewayProcess]:
+        gateway.setdefault("stats_interval_s", 0.0)
+        gateway.setdefault("replica_ttl_s", 1.0)
+        params = {"release": {"max_inflight_per_engine": 1}} if "fcfs" in policy else None
+        cfg = write_config(tmp_path / f"gw{len(started)}.toml",
+                           [(u, "openai") for u in engines], policy, params, state=redis_url,
+                           **gateway)
+        out = []
+        for i in range(n):
+            g = GatewayProcess(cfg, replica_id=(names or [f"r{i}" for i in range(n)])[i])
+            started.append(g)
+            out.append(g.start())
+        return out
+
+    yield start
+    for g in started:
+        g.close()
+
+
+def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
+         timeout: float = 30.0) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", json=body, headers=headers or {},
+                      timeout=timeout)
+
+
+def test_routing_agrees_across_replicas(fake_engines: Callable[..., FakeServer],
+                                        replicas: Any) -> None:
+    engines = [fake_engines(ttft_s=0.3), fake_engines(ttft_s=0.3)]
+    gws = replicas([e.url for e in engines], 3)
+    first: dict[str, str] = {}
+
+    def first_turn(i: int) -> None:
+        r = post(gws[i % 3].url, chat_body(f"task {i}"), {"x-session-id": f"s{i}"})
+        assert r.status_code == 200
+        first[f"s{i}"] = r.headers["x-turnstile-engine"]
+
+    threads = [threading.Thread(target=first_turn, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    assert len(set(first.values())) == 2  # the sessions were spread over both engines
+    for turn in range(1, 4):
+        for i in range(6):
+            # every later turn through another replica than the one before
+            r = post(gws[(i + turn) % 3].url, chat_body(f"task {i}, turn {turn}"),
+                     {"x-session-id": f"s{i}"})
+            assert r.status_code == 200
+            assert r.headers["x-turnstile-engine"] == first[f"s{i}"], (i, turn)
+
+
+def test_conversations_without_keys_follow_their_kv_across_replicas(
+        fake_engines: Callable[..., FakeServer], replicas: Any) -> None:
+    """Unmodified OpenAI clients: no x-session-id, the session comes from the messages."""
+    engines = [fake_engines(ttft_s=0.3), fake_engines(ttft_s=0.3)]
+    gws = replicas([e.url for e in engines], 3)
+    convs: dict[int, list[dict[str, Any]]] = {}
+    placed: dict[int, tuple[str, str]] = {}
+
+    def first_turn(i: int) -> None:
+        msgs = [{"role": "system", "content": "you are a coding agent"},
+                {"role": "user", "content": f"fix bug {i}"}]
+        r = post(gws[i % 3].url, {"model": "tiny", "messages": msgs, "max_tokens": 4 + i})
+        assert r.status_code == 200
+        msgs.append(r.json()["choices"][0]["message"])
+        convs[i] = msgs
+        placed[i] = (r.headers["x-session-id"], r.headers["x-turnstile-engine"])
+
+    threads = [threading.Thread(target=first_turn, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    assert len({sid for sid, _ in placed.values()}) == 4
+    assert len({eng for _, eng in placed.values()}) == 2
+    for turn in range(1, 3):
+        for i in range(4):
+            msgs = [*convs[i], {"role": "user", "content": f"tool result {turn}"}]
+            r = post(gws[(i + turn) % 3].url, {"model": "tiny", "messages": msgs,
+                                                "max_tokens": 4 + i})
+            assert r.status_code == 200
+            assert (r.headers["x-session-id"], r.headers["x-turnstile-engine"]) == placed[i]
+            msgs.append(r.json()["choices"][0]["message"])
+            convs[i] = msgs
+
+
+def test_release_budget_is_global(fake_engines: Callable[..., FakeServer],
+                                  replicas: Any) -> None:
+    """fcfs-workflow with one turn in flight per engine: 2 in the whole cluster, not 2 per
+    replica."""
+    engines = [fake_engines(ttft_s=2.0), fake_engines(ttft_s=2.0)]
+    gws = replicas([e.url for e in engines], 3, policy="fcfs-workflow+least-loaded")
+    results: list[int] = []
+
+    def send(i: int) -> None:
+        r = post(gws[i % 3].url, chat_body(), {"x-session-id": f"b{i}"})
+        results.append(r.status_code)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+        time.sleep(0.3)  # longer than a load exchange (0.1 s)
+    for t in threads:
+        t.join()
+    assert results == [200] * 6
+    # alone, each replica would release both of its turns at once: up to 6 in flight
+    assert sum(e.engine.max_in_flight for e in engines) <= 3
+
+
+def test_killed_replica_loses_no_turn(fake_engines: Callable[..., FakeServer],
+                                      replicas: Any) -> None:
+    engines = [fake_engines(ttft_s=1.0), fake_engines(ttft_s=1.0)]
+    gws = replicas([e.url for e in engines], 3, policy="fcfs-workflow+least-loaded")
+    n = 8
+    answers: dict[str, list[int]] = {f"rid-{i}": [] for i in range(n)}
+
+    def client(i: int) -> None:
+        rid = f"rid-{i}"
+        headers = {"x-session-id": f"k{i}", "x-request-id": rid}
+        try:
+            r = post(gws[0].url, chat_body(f"job {i}"), headers)
+        except httpx.TransportError:  # the replica died: retry the same request elsewhere
+            r = post(gws[1 + i % 2].url, chat_body(f"job {i}"), headers, timeout=60)
+        answers[rid].append(r.status_code)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # 2 turns in flight at the engines, 6 held by r0's release policy
+    gws[0].kill()
+    for t in threads:
+        t.join(90)
+    assert all(codes == [200] for codes in answers.values()), answers
+    forwarded = Counter(r.request_id for e in engines for r in e.engine.requests)
+    assert set(forwarded) == set(answers)
+    # held turns were forwarded once (by the replica that took them over); the ones in flight
+    # when r0 died at most twice (r0's attempt never answered, then the adopter's)
+    assert all(c <= 2 for c in forwarded.values()), forwarded
+    assert sum(1 for c in forwarded.values() if c == 2) <= 2, forwarded
+
+
+def test_residency_survives_replica_restart(fake_engines: Callable[..., FakeServer],
+                                            replicas: Any) -> None:
+    engines = [fake_engines(ttft_s=0.3), fake_engines(ttft_s=0.3)]
+    (gw,) = replicas([e.url for e in engines], 1, names=["solo"])
+    placed: dict[str, str] = {}
+
+    def first_turn(i: int) -> None:
+        r = post(gw.url, chat_body(f"task {i}"), {"x-session-id": f"p{i}"})
+        placed[f"p{i}"] = r.headers["x-turnstile-engine"]
+
+    threads = [threading.Thread(target=first_turn, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(placed.values())) == 2
+    gw.kill()
+    (again,) = replicas([e.url for e in engines], 1, names=["solo-restarted"])
+    for sid, engine in placed.items():
+        r = post(again.url, chat_body("next"), {"x-session-id": sid})
+        assert r.status_code == 200 and r.headers["x-turnstile-engine"] == engine, sid
