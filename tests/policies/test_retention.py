@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from turnstile.core.actions import LRU, RetentionDecision
 from turnstile.core.state import EngineLoad, TurnRecord, WorkflowRecord
 from turnstile.policies import RETENTION, PolicySet
-from turnstile.policies.base import LRU, RetentionDecision
 from turnstile.policies.retention import (
     BudgetKeepRetention,
     ToolLatencyEstimator,

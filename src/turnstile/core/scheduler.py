@@ -15,40 +15,17 @@ methods with the same policy objects; that is what makes "simulate, then deploy"
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from turnstile.core.actions import Action, Release, Retain
+from turnstile.core.interfaces import PolicyBundle
 from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, TurnState, WorkflowRecord
-from turnstile.policies.base import RetentionDecision
 from turnstile.workload.model import Turn, Workflow
-
-if TYPE_CHECKING:
-    from turnstile.policies import PolicySet
 
 
 class SchedulerError(RuntimeError):
     """An event that contradicts the state machine (a driver bug), with the turn it concerns."""
 
 
-@dataclass(frozen=True, slots=True)
-class Release:
-    """Send ``turn`` to ``engine`` with admission ``priority`` (lower runs first)."""
-
-    turn: TurnRecord
-    engine: str
-    priority: float
-
-
-@dataclass(frozen=True, slots=True)
-class Retain:
-    """Keep (or offload, or drop) ``turn``'s session KV on ``engine`` during its tool call."""
-
-    turn: TurnRecord
-    engine: str
-    decision: RetentionDecision
-
-
-Action = Release | Retain
 _NO_ACTIONS: list[Action] = []
 
 
@@ -61,7 +38,7 @@ class Scheduler:
 
     def __init__(
         self,
-        policies: PolicySet,
+        policies: PolicyBundle,
         engines: Sequence[EngineLoad | str],
         *,
         on_workflow_done: Callable[[WorkflowRecord], None] | None = None,

@@ -9,6 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from turnstile.core.interfaces import (
+    AdmissionPolicy,
+    ReleasePolicy,
+    RetentionPolicy,
+    RoutingPolicy,
+)
+
 # importing the modules registers their policies
 from turnstile.policies import (  # noqa: F401
     admission,
@@ -18,17 +25,7 @@ from turnstile.policies import (  # noqa: F401
     retention,
     routing,
 )
-from turnstile.policies.base import (
-    ADMISSION,
-    RELEASE,
-    RETENTION,
-    ROUTING,
-    AdmissionPolicy,
-    ReleasePolicy,
-    RetentionDecision,
-    RetentionPolicy,
-    RoutingPolicy,
-)
+from turnstile.policies.base import ADMISSION, RELEASE, RETENTION, ROUTING
 
 DEFAULTS = {"release": "eager", "routing": "kv-affinity", "admission": "fcfs", "retention": "lru"}
 _BY_KIND = {"release": RELEASE, "routing": ROUTING, "admission": ADMISSION, "retention": RETENTION}
@@ -107,7 +104,6 @@ __all__ = [
     "AdmissionPolicy",
     "PolicySet",
     "ReleasePolicy",
-    "RetentionDecision",
     "RetentionPolicy",
     "RoutingPolicy",
     "all_policy_names",

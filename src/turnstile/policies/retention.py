@@ -11,8 +11,9 @@ import math
 from collections import deque
 from typing import Protocol, runtime_checkable
 
+from turnstile.core.actions import LRU, RetentionDecision
 from turnstile.core.state import EngineLoad, TurnRecord, WorkflowRecord
-from turnstile.policies.base import LRU, RETENTION, RetentionDecision
+from turnstile.policies.base import RETENTION
 
 
 @RETENTION.register("lru")
