@@ -234,10 +234,6 @@ class Scheduler:
     def held_turns(self) -> int:
         return len(self.release)
 
-    @property
-    def mean_output_tokens(self) -> float:
-        return self._out_sum / self._out_n
-
     # --------------------------------------------------------------- internals
     def _new_workflow(
         self, wf_id: str, now: float, tenant: str, source: Workflow | None
