@@ -1,7 +1,10 @@
 """The four policy interfaces the scheduler core asks for decisions.
 
 Policies are synchronous and never touch engines, clocks or the network: they read the records
-and the :class:`~turnstile.core.state.ClusterView` they are given and return decisions. The
+and the :class:`~turnstile.core.state.ClusterView` they are given and return decisions; what
+they learn they keep in their own state (never on the records, which only the core writes).
+Every hook the core calls is declared here, and the core calls it on every policy of the kind
+(a policy with nothing to do implements it as a no-op): nothing is discovered by name. The
 simulator and the gateway drive the *same* policy objects through
 :class:`~turnstile.core.scheduler.Scheduler`. Implementations and their registries live in
 :mod:`turnstile.policies`.
@@ -13,7 +16,7 @@ from collections.abc import Iterator
 from typing import ClassVar, Protocol, runtime_checkable
 
 from turnstile.core.actions import RetentionDecision
-from turnstile.core.state import ClusterView, EngineLoad, TurnRecord
+from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, WorkflowRecord
 
 
 @runtime_checkable
@@ -35,12 +38,24 @@ class ReleasePolicy(Protocol):
         """A released turn finished (its output length is now known): learn from it."""
         ...
 
+    def on_workflow_done(self, workflow: WorkflowRecord, now: float) -> None:
+        """``workflow`` finished (its flow time is now known): learn from it, forget it."""
+        ...
+
     def next_wakeup(self, now: float) -> float | None:
         """When the policy wants to be asked again with no other event (a hold timer)."""
         ...
 
-    # Optional: ``on_workflow_done(self, workflow: WorkflowRecord, now: float) -> None`` is
-    # called once per finished workflow when the policy defines it.
+    def expected_hold_s(self, workflow: WorkflowRecord, now: float) -> float | None:
+        """How long a next ready turn of ``workflow`` is expected to be held before release
+        (read by retention policies bound to this one); None: the policy does not estimate it."""
+        ...
+
+    def admission_order(self) -> AdmissionPolicy | None:
+        """The engine-queue order that belongs with this release order (PLAS orders engine
+        queues by the same levels it releases by), used when a spec names no admission
+        policy; None: the default admission policy."""
+        ...
 
     def __len__(self) -> int: ...
 
@@ -78,6 +93,11 @@ class RetentionPolicy(Protocol):
 
     def on_tool_end(self, turn: TurnRecord, now: float) -> None:
         """The tool call returned (its duration is now known): learn from it."""
+        ...
+
+    def bind(self, release: ReleasePolicy) -> None:
+        """Called once with the release policy of the same set, before any event (a policy
+        that reads :meth:`ReleasePolicy.expected_hold_s` keeps it; the others ignore it)."""
         ...
 
 

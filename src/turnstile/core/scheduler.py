@@ -61,8 +61,6 @@ class Scheduler:
         self.active_workflows = 0
         self.finished_workflows = 0
         self.released_total = 0
-        # optional hook: a release policy that tracks workflows (flow-time quantiles, KV)
-        self._release_sees_done = hasattr(self.release, "on_workflow_done")
         # running mean of observed output lengths: the core's only work estimate, learned online
         self._out_sum = prior_output_tokens
         self._out_n = 1
@@ -322,8 +320,7 @@ class Scheduler:
             self._resume(wf)
         self.active_workflows -= 1
         self.finished_workflows += 1
-        if self._release_sees_done:
-            self.release.on_workflow_done(wf, now)  # type: ignore[attr-defined]
+        self.release.on_workflow_done(wf, now)
         if self.on_workflow_done is not None:
             self.on_workflow_done(wf)
         if self.forget_finished:
