@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from turnstile.core.actions import RetentionDecision
 from turnstile.gateway.adapters import (
     EngineAdapter,
     ForwardHints,
@@ -26,7 +27,6 @@ from turnstile.gateway.adapters import (
     split_sse,
 )
 from turnstile.gateway.http import ConnectFailed, FastHttpClient
-from turnstile.policies.base import RetentionDecision
 from turnstile.testing.fake_engine import chat_body, start_fake
 
 pytestmark = pytest.mark.timeout(30)

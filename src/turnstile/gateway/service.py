@@ -29,7 +29,8 @@ import logging
 import uuid
 from typing import Any
 
-from turnstile.core.scheduler import Action, Scheduler
+from turnstile.core.actions import Action
+from turnstile.core.scheduler import Scheduler
 from turnstile.core.state import EngineLoad, TurnState, WorkflowRecord
 from turnstile.gateway.adapters import EngineAdapter, ForwardHints, make_adapter
 from turnstile.gateway.affinity import ConversationKeys, LocalKeyStore, Resolution, last_user_text

@@ -11,11 +11,11 @@ from typing import Any, ClassVar
 
 import httpx
 
+from turnstile.core.actions import RetentionDecision
 from turnstile.gateway.adapters.base import (
     EngineAdapter,
     ForwardHints,
 )
-from turnstile.policies.base import RetentionDecision
 
 __all__ = ["ADAPTERS", "LlamaCppAdapter", "OpenAIAdapter", "SglangAdapter", "VllmAdapter",
            "make_adapter"]
