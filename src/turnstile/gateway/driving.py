@@ -12,7 +12,8 @@ import math
 from collections import deque
 from typing import Any, Protocol
 
-from turnstile.core.scheduler import Action, Release, Scheduler
+from turnstile.core.actions import Action, Release
+from turnstile.core.scheduler import Scheduler
 from turnstile.core.state import TurnRecord, TurnState
 from turnstile.gateway.adapters import EngineAdapter
 from turnstile.gateway.durability import Durability, OffsetClock

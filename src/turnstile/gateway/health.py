@@ -12,7 +12,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from turnstile.core.scheduler import Action, Scheduler
+from turnstile.core.actions import Action
+from turnstile.core.scheduler import Scheduler
 from turnstile.gateway.adapters import EngineAdapter
 from turnstile.gateway.config import GatewayConfig
 

@@ -19,7 +19,8 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
-from turnstile.core.scheduler import Action, Scheduler
+from turnstile.core.actions import Action
+from turnstile.core.scheduler import Scheduler
 from turnstile.gateway.protocol import GatewayError, Outcome, TurnRequest
 from turnstile.gateway.sessions import Session
 from turnstile.gateway.shared import RedisState
