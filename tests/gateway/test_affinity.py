@@ -25,16 +25,17 @@ def test_follow_up_turns_find_their_session_and_equal_replies_do_not_collide() -
     assert ra.new and rb.new and ra.session_id != rb.session_id
     for res in (ra, rb):
         keys.remember(res)
-        keys.reply(res.session_id, res.chain, "same reply", "", None)
+        keys.reply(res.session_id, res.chain, res.root, "same reply", "", None, "e1", 40)
     for msgs, res in ((a, ra), (b, rb)):
         nxt = [*msgs, {"role": "assistant", "content": "same reply"},
                {"role": "user", "content": "tool output"}]
         found = _resolve(keys, nxt, "req-next")
         assert not found.new and found.session_id == res.session_id
+        assert (found.engine, found.context_tokens) == ("e1", 40)
     # the same first messages again: a new session, started near the earlier one
     again = _resolve(keys, a, "req-a2")
     assert again.new and again.session_id != ra.session_id and again.near == ra.session_id
-    assert again.parent is None
+    assert again.parent is None and again.engine == "e1"
 
 
 def test_tool_call_arguments_name_sub_agents() -> None:
@@ -44,10 +45,12 @@ def test_tool_call_arguments_name_sub_agents() -> None:
     prompt = "Find every caller of parse_header and list them"
     args = json.dumps({"description": "search", "prompt": prompt})
     assert prompt in reply_texts("", args)
-    keys.reply(parent.session_id, parent.chain, "", args, "refactor the parser")
+    keys.reply(parent.session_id, parent.chain, parent.root, "", args, "refactor the parser",
+               "e2", 10)
     child = _resolve(keys, [{"role": "system", "content": "you are a sub-agent"},
                             {"role": "user", "content": prompt}], "req-c")
     assert child.new and child.parent == parent.session_id and child.near == parent.session_id
+    assert child.engine == "e2"
     # a client echoing the tool call back finds the parent session
     follow = _resolve(keys, [{"role": "user", "content": "refactor the parser"},
                              {"role": "assistant", "content": None, "tool_calls": [

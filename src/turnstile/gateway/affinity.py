@@ -17,7 +17,9 @@ hashes of its messages:
   starts near its parent (on the parent's engine).
 
 Keys live in a :class:`KeyStore`: a bounded dict in one process, Redis across replicas
-(:mod:`.shared`). Lookups of one request go in one round trip.
+(:mod:`.shared`). A key's value carries, besides the session, the engine that produced the reply
+and the context it grew to, so a replica that never saw the session routes its next turn to its
+KV with no further lookup: one round trip per request.
 """
 
 from __future__ import annotations
@@ -109,17 +111,31 @@ def reply_texts(content: str, tool_args: str) -> list[str]:
 
 @dataclass(slots=True)
 class Resolution:
-    """Where a request belongs: its session, whether that session is new, and for a new one
-    the session whose engine it should start on (same prefix, or a sub-agent's parent)."""
+    """Where a request belongs: its session, whether that session is new, the engine holding
+    its KV (for a new one: the engine of the session it should start near — the same prefix,
+    or a sub-agent's parent) and the context it grew to."""
 
     session_id: str
     new: bool
+    engine: str | None = None
+    context_tokens: int = 0
     near: str | None = None
     parent: str | None = None
     #: keys to remember once the session id is final (root → session)
     remember: list[tuple[str, str]] = field(default_factory=list)
     #: the conversation's hash through the request's last message (extended by the reply)
     chain: str = ""
+    root: str = ""
+
+
+def _value(session_id: str, engine: str | None = None, context_tokens: int = 0) -> str:
+    return f"{session_id}\t{engine or ''}\t{context_tokens}"
+
+
+def _parse(value: str) -> tuple[str, str | None, int]:
+    sid, _, rest = value.partition("\t")
+    engine, _, ctx = rest.partition("\t")
+    return sid, engine or None, int(ctx) if ctx.isdigit() else 0
 
 
 class ConversationKeys:
@@ -154,28 +170,38 @@ class ConversationKeys:
         if assistants:
             # the latest assistant message we produced names the session
             found = await self.store.get_many(assistants[::-1])
-            for sid in found:
-                if sid is not None:
-                    return Resolution(sid, False, chain=chain)
+            for value in found:
+                if value is not None:
+                    sid, engine, ctx = _parse(value)
+                    return Resolution(sid, False, engine, ctx, chain=chain, root=root)
         sid = f"conv-{root[2:14]}-{request_id[:8]}"
         near, parent = await self.store.get_many([root, _h("s", first_user)])
-        return Resolution(sid, True, near=parent or near, parent=parent,
-                          remember=[(root, sid)], chain=chain)
+        related = parent or near
+        res = Resolution(sid, True, remember=[(root, _value(sid))], chain=chain, root=root)
+        if related is not None:
+            res.near, res.engine, _ = _parse(related)
+        if parent is not None:
+            res.parent = _parse(parent)[0]
+        return res
 
     def remember(self, res: Resolution) -> None:
         if res.remember:
             self.store.put_many(res.remember)
 
-    def reply(self, session_id: str, chain: str, content: str, tool_args: str,
-              last_user: str | None) -> None:
-        """A turn of ``session_id`` (its request's conversation hash ``chain``) produced this
-        reply: the next request carrying it back, and a sub-agent started from it (or from the
-        turn's own request), find the session."""
-        items = [("a:" + _chain(chain, "assistant", content, tool_args), session_id)]
+    def reply(self, session_id: str, res_chain: str, root: str, content: str, tool_args: str,
+              last_user: str | None, engine: str, context_tokens: int) -> None:
+        """A turn of ``session_id`` (its request's conversation hash ``res_chain``) produced
+        this reply on ``engine``: the next request carrying it back, a new conversation with the
+        same first messages, and a sub-agent started from the reply (or from the turn's own
+        request) find the session and its engine."""
+        v = _value(session_id, engine, context_tokens)
+        items = [("a:" + _chain(res_chain, "assistant", content, tool_args), v)]
+        if root:
+            items.append((root, v))
         for t in reply_texts(content, tool_args):
-            items.append((_h("s", t), session_id))
+            items.append((_h("s", t), v))
         if last_user and len(last_user) >= 16:
-            items.append((_h("s", last_user), session_id))
+            items.append((_h("s", last_user), v))
         self.store.put_many(items)
 
 

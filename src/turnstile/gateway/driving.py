@@ -89,9 +89,10 @@ class ReleaseDriver:
                 host.metrics.hold.observe(max(rec.released_s - rec.ready_s, 0.0))
                 # the session's KV goes to this engine (written now in a shared state, so a
                 # replica restarted before the turn finishes still knows it)
+                moved = p.session.last_engine != a.engine
                 p.session.last_engine = a.engine
                 if host.durable is not None:
-                    host.durable.released(p)
+                    host.durable.released(p, moved)
                 if p.attached:
                     if p.waker is not None and not p.waker.done():
                         p.waker.set_result(None)

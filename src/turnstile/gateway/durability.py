@@ -61,7 +61,8 @@ class Durability:
             p.request_id, s.id, p.path, p.body, p.stream, rec.ready_s, turn.input_tokens,
             turn.context_tokens, turn.output_tokens), now_s)
         p.persisted = True
-        self.session(s)
+        if not self.backend.shared:  # restarts continue the session from its row
+            self.session(s)
 
     def accepted(self, p: PendingTurn) -> None:
         """A shared backend keeps every accepted turn until it is answered (another replica
@@ -69,11 +70,12 @@ class Durability:
         if not p.persisted:
             self.held(p, p.rec.ready_s if p.rec is not None else 0.0)
 
-    def released(self, p: PendingTurn) -> None:
+    def released(self, p: PendingTurn, moved: bool) -> None:
         """``p`` left the holding queue (restored turns, and every turn in a shared backend,
-        stay written until answered)."""
+        stay written until answered); ``moved``: its session's KV goes to another engine."""
         if self.backend.shared:
-            self.session(p.session)
+            if moved and not p.session.ephemeral:
+                self.session(p.session)
         elif p.persisted and not p.keep_result:
             self.forget(p)
 

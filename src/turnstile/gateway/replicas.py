@@ -8,8 +8,9 @@
   them with no client attached, keeping the results for the clients' retries.
 * A request id another live replica is serving is not served again: the retry waits for that
   replica's result (:meth:`ReplicaSync.answered_elsewhere`).
-* A session's row is read before each of its turns, so the turn goes where the session's KV is
-  whichever replica served the previous turn.
+* A session named by its client has its row read before each of its turns, so the turn goes
+  where the session's KV is whichever replica served the previous turn (a session derived from
+  the conversation gets the same from its affinity key, in the same round trip).
 """
 
 from __future__ import annotations
@@ -84,14 +85,9 @@ class ReplicaSync:
         for row in rows:
             self.host.adopt(row)
 
-    async def refresh(self, s: Session, near: str | None) -> None:
-        """Before a turn of ``s``: what another replica learned about it, or for a new session
-        the engine of the session it should start near."""
-        if s.turns == 0 and near is not None:
-            row = await self.state.lookup_session(near)
-            if row is not None and row.last_engine is not None and s.last_engine is None:
-                s.last_engine = row.last_engine
-            return
+    async def refresh(self, s: Session) -> None:
+        """Before a turn of a session named by its client: what another replica learned about
+        it (the engine holding its KV, the context it grew to)."""
         row = await self.state.lookup_session(s.id)
         if row is None or row.turns < s.turns:
             return

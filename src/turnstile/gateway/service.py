@@ -242,7 +242,8 @@ class Gateway:
         body = req.body
         p = PendingTurn(rid, session, req.path, body, req.stream)
         if derived is not None:
-            p.reply_text, p.reply_args, p.conversation = [], [], derived.chain
+            p.reply_text, p.reply_args = [], []
+            p.conversation = (derived.chain, derived.root)
         p.engine_hint = req.engine_hint
         if req.stream:
             opts = body.get("stream_options")
@@ -301,17 +302,19 @@ class Gateway:
                 self.keys.remember(res)
         s = self.table.open(sid if sid is not None else "req-" + rid, req.tenant, sid is None,
                             self.clock.now())
-        near = None
-        if res is not None and res.new:
-            s.parent = res.parent
-            near = res.near
-        if self.replicas is not None and not s.ephemeral:
-            await self.replicas.refresh(s, near)
-        elif near is not None and s.last_engine is None:
+        if res is None:
+            if self.replicas is not None and not s.ephemeral:
+                await self.replicas.refresh(s)  # what other replicas learned about it
+        elif res.new:
             # a sub-agent (or the same prefix again) starts on the engine its relative used
-            other = self.sessions.get(near)
-            if other is not None:
-                s.last_engine = other.last_engine
+            s.parent = res.parent
+            s.last_engine = res.engine
+        elif res.engine is not None and res.engine != s.last_engine and not s.active:
+            # its last turn ran through another replica (or before a restart)
+            s.last_engine = res.engine
+            s.context_tokens = max(s.context_tokens, res.context_tokens)
+            if s.in_scheduler and res.engine in self.adapters:
+                self.scheduler.session_moved(s.id, res.engine, s.attained_tokens)
         return s, res
 
     async def _tokenize(self, text: str) -> int | None:
@@ -459,8 +462,9 @@ class Gateway:
             s.context_tokens = rec.prompt_tokens + out
         s.attained_tokens += rec.prompt_tokens + out
         if p.reply_text is not None and self.keys is not None and not cancelled:
-            self.keys.reply(s.id, p.conversation, "".join(p.reply_text),
-                            "".join(p.reply_args or ()), last_user_text(p.body))
+            self.keys.reply(s.id, p.conversation[0], p.conversation[1], "".join(p.reply_text),
+                            "".join(p.reply_args or ()), last_user_text(p.body), p.engine,
+                            s.context_tokens)
         actions.extend(self._turn_over(p))
         self._apply(actions)
 

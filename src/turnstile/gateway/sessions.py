@@ -93,8 +93,9 @@ class PendingTurn:
         #: the assistant's reply, collected only when affinity keys are derived from it
         self.reply_text: list[str] | None = None
         self.reply_args: list[str] | None = None  # its tool calls' argument fragments
-        #: the conversation's hash through the request (affinity keys of the reply extend it)
-        self.conversation = ""
+        #: (the conversation's hash through the request, its root key): the reply's affinity
+        #: keys extend them
+        self.conversation = ("", "")
         self.waker: asyncio.Future[None] | None = None
         #: set while the turn is served with no client attached
         self.detached_done: asyncio.Event | None = None
