@@ -139,8 +139,14 @@ def _parse(value: str) -> tuple[str, str | None, int]:
 
 
 class ConversationKeys:
-    def __init__(self, store: KeyStore) -> None:
+    """``store``: where keys live; with a shared store, the keys this replica wrote are also
+    kept in a local cache, and a follow-up whose latest reply came from this replica (the
+    usual case behind a connection-level balancer) is resolved without a round trip: that
+    reply is the session's latest state."""
+
+    def __init__(self, store: KeyStore, *, shared: bool = False) -> None:
         self.store = store
+        self.local = LocalKeyStore() if shared else None
 
     async def resolve(self, body: dict[str, Any], request_id: str) -> Resolution | None:
         """The session of a chat request without ``x-session-id``; None when the body has no
@@ -169,7 +175,8 @@ class ConversationKeys:
         root = _h("r", system + "\x00" + first_user)
         if assistants:
             # the latest assistant message we produced names the session
-            found = await self.store.get_many(assistants[::-1])
+            mine = self.local._keys.get(assistants[-1]) if self.local is not None else None
+            found = [mine] if mine is not None else await self.store.get_many(assistants[::-1])
             for value in found:
                 if value is not None:
                     sid, engine, ctx = _parse(value)
@@ -186,7 +193,12 @@ class ConversationKeys:
 
     def remember(self, res: Resolution) -> None:
         if res.remember:
-            self.store.put_many(res.remember)
+            self._put(res.remember)
+
+    def _put(self, items: list[tuple[str, str]]) -> None:
+        self.store.put_many(items)
+        if self.local is not None:
+            self.local.put_many(items)
 
     def reply(self, session_id: str, res_chain: str, root: str, content: str, tool_args: str,
               last_user: str | None, engine: str, context_tokens: int) -> None:
@@ -202,7 +214,7 @@ class ConversationKeys:
             items.append((_h("s", t), v))
         if last_user and len(last_user) >= 16:
             items.append((_h("s", last_user), v))
-        self.store.put_many(items)
+        self._put(items)
 
 
 def last_user_text(body: dict[str, Any]) -> str | None:

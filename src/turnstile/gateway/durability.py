@@ -74,7 +74,7 @@ class Durability:
         """``p`` left the holding queue (restored turns, and every turn in a shared backend,
         stay written until answered); ``moved``: its session's KV goes to another engine."""
         if self.backend.shared:
-            if moved and not p.session.ephemeral:
+            if moved and not p.session.ephemeral and not p.session.derived:
                 self.session(p.session)
         elif p.persisted and not p.keep_result:
             self.forget(p)

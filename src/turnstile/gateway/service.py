@@ -33,7 +33,13 @@ from turnstile.core.actions import Action
 from turnstile.core.scheduler import Scheduler
 from turnstile.core.state import EngineLoad, TurnState, WorkflowRecord
 from turnstile.gateway.adapters import EngineAdapter, ForwardHints, make_adapter
-from turnstile.gateway.affinity import ConversationKeys, LocalKeyStore, Resolution, last_user_text
+from turnstile.gateway.affinity import (
+    ConversationKeys,
+    KeyStore,
+    LocalKeyStore,
+    Resolution,
+    last_user_text,
+)
 from turnstile.gateway.config import GatewayConfig, build_policies
 from turnstile.gateway.driving import ReleaseDriver
 from turnstile.gateway.durability import Durability, OffsetClock
@@ -154,8 +160,10 @@ class Gateway:
             self.durable = Durability(backend)
             self.recovery.restore()
         if cfg.derive_sessions:
-            self.keys = ConversationKeys(backend if isinstance(backend, RedisState)
-                                         else LocalKeyStore())
+            store: KeyStore = LocalKeyStore()
+            if isinstance(backend, RedisState):
+                store = backend
+            self.keys = ConversationKeys(store, shared=store is backend)
         if isinstance(backend, RedisState):
             self.replicas = ReplicaSync(self, backend, self.clock.now, sync_s=cfg.peer_sync_s,
                                         wait_s=cfg.read_timeout_s)
@@ -258,9 +266,9 @@ class Gateway:
                                                                  session.context_tokens)
             self._ready(p, turn)
             if self.durable is not None and self.durable.backend.shared:
-                # another replica serves it if this one dies: written before it is forwarded
+                # another replica serves it if this one dies (written in the next batch, not
+                # waited for: until then its client's retry is what serves it elsewhere)
                 self.durable.accepted(p)
-                await self.durable.backend.flush()
             return await self._run(p)
         except BaseException:
             if p.state == PENDING and p.rec is None:  # never became READY
@@ -302,6 +310,8 @@ class Gateway:
                 self.keys.remember(res)
         s = self.table.open(sid if sid is not None else "req-" + rid, req.tenant, sid is None,
                             self.clock.now())
+        if res is not None:
+            s.derived = True
         if res is None:
             if self.replicas is not None and not s.ephemeral:
                 await self.replicas.refresh(s)  # what other replicas learned about it
@@ -482,7 +492,7 @@ class Gateway:
             self.table.pass_on(s)
         if s.ephemeral and s.active is None:
             actions.extend(self._close(s))
-        elif self.durable is not None:
+        elif self.durable is not None and not (s.derived and self.durable.backend.shared):
             self.durable.session(s)
         return actions
 

@@ -27,7 +27,8 @@ __all__ = ["PendingTurn", "Session", "SessionTable"]
 
 
 class Session:
-    __slots__ = ("active", "arrival_s", "attained_tokens", "context_tokens", "ephemeral", "id",
+    __slots__ = ("active", "arrival_s", "attained_tokens", "context_tokens", "derived",
+                 "ephemeral", "id",
                  "in_scheduler", "last_active_s", "last_engine", "parent", "stored", "tenant",
                  "turns", "waiters")
 
@@ -43,6 +44,8 @@ class Session:
         self.last_active_s = now_s
         #: the session this one was spawned from (a sub-agent), when known
         self.parent: str | None = None
+        #: its id derived from the conversation (its affinity keys carry its residency)
+        self.derived = False
         self.in_scheduler = False
         self.stored = False  # a row in the state backend
         self.active: PendingTurn | None = None

@@ -63,6 +63,19 @@ end
 return claimed
 """
 
+#: an accepted turn: its row (hash fields in ARGV[2..]) and its owner's set, in one command
+_ACCEPT = """
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('SADD', KEYS[2], ARGV[1])
+"""
+
+#: an answered turn: marked done (kept ARGV[1] seconds against a retry), out of its owner's set
+_DONE = """
+redis.call('HSET', KEYS[1], 'done', 1, 'body', '')
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+redis.call('SREM', KEYS[2], ARGV[2])
+"""
+
 _TURN_FIELDS = ("session_id", "path", "body", "stream", "ready_s", "input_tokens",
                 "context_tokens", "output_tokens")
 
@@ -97,6 +110,8 @@ class RedisState:
         self._origin = 0.0
         self._held: list[HeldTurnRow] = []
         self._claim: Any = None
+        self._accept: Any = None
+        self._done: Any = None
         self.write_errors = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -107,6 +122,10 @@ class RedisState:
         await self.heartbeat()
         await r.sadd(f"{self.ns}:replicas", self.replica)
         self._claim = r.register_script(_CLAIM)
+        self._accept = r.register_script(_ACCEPT)
+        self._done = r.register_script(_DONE)
+        await r.script_load(_ACCEPT)
+        await r.script_load(_DONE)
         # turns this replica owned before it restarted under the same name
         self._held = await self._rows(await r.smembers(f"{self.ns}:owned:{self.replica}"))
         self._wake = asyncio.Event()
@@ -150,7 +169,10 @@ class RedisState:
             if batch:
                 pipe = self.redis.pipeline(transaction=False)
                 for cmd, args, kw in batch:
-                    getattr(pipe, cmd)(*args, **kw)
+                    if cmd == "script":
+                        args[0](keys=args[1], args=args[2], client=pipe)
+                    else:
+                        getattr(pipe, cmd)(*args, **kw)
                 try:
                     await pipe.execute()
                 except Exception:
@@ -166,13 +188,9 @@ class RedisState:
         return self._origin
 
     def put_session(self, s: SessionRow) -> None:
-        key = f"{self.ns}:session:{s.id}"
-        self._put("hset", key, mapping={
-            "tenant": s.tenant, "arrival_s": repr(s.arrival_s), "ephemeral": int(s.ephemeral),
-            "turns": s.turns, "context_tokens": s.context_tokens,
-            "attained_tokens": s.attained_tokens, "last_engine": s.last_engine or "",
-            "last_active_s": repr(s.last_active_s)})
-        self._put("expire", key, int(self.key_ttl_s))
+        self._put("set", f"{self.ns}:session:{s.id}", json.dumps(
+            [s.tenant, s.arrival_s, s.ephemeral, s.turns, s.context_tokens, s.attained_tokens,
+             s.last_engine, s.last_active_s]), ex=int(self.key_ttl_s))
 
     def drop_session(self, session_id: str) -> None:
         # a closed session's row stays (expiring): its KV may still be on the engine, and the
@@ -184,20 +202,19 @@ class RedisState:
 
     def put_held(self, t: HeldTurnRow, now_s: float) -> None:
         """Every accepted turn (not only held ones), with this replica as its owner."""
-        self._put("hset", f"{self.ns}:turn:{t.request_id}", mapping={
-            "owner": self.replica, "session_id": t.session_id, "path": t.path,
-            "body": json.dumps(t.body), "stream": int(t.stream), "ready_s": repr(t.ready_s),
-            "input_tokens": t.input_tokens, "context_tokens": t.context_tokens,
-            "output_tokens": t.output_tokens})
-        self._put("sadd", f"{self.ns}:owned:{self.replica}", t.request_id)
+        self._put("script", self._accept,
+                  [f"{self.ns}:turn:{t.request_id}", f"{self.ns}:owned:{self.replica}"],
+                  [t.request_id, "owner", self.replica, "session_id", t.session_id,
+                   "path", t.path, "body", json.dumps(t.body), "stream", int(t.stream),
+                   "ready_s", repr(t.ready_s), "input_tokens", t.input_tokens,
+                   "context_tokens", t.context_tokens, "output_tokens", t.output_tokens])
 
     def drop_turn(self, request_id: str) -> None:
         """The turn was answered: its row stays a while, marked done, so a retry of the same
         request id on any replica is not served again."""
-        key = f"{self.ns}:turn:{request_id}"
-        self._put("hset", key, mapping={"done": 1, "body": ""})
-        self._put("expire", key, int(self.result_ttl_s))
-        self._put("srem", f"{self.ns}:owned:{self.replica}", request_id)
+        self._put("script", self._done,
+                  [f"{self.ns}:turn:{request_id}", f"{self.ns}:owned:{self.replica}"],
+                  [int(self.result_ttl_s), request_id])
 
     def held(self) -> list[HeldTurnRow]:
         rows, self._held = self._held, []
@@ -217,13 +234,10 @@ class RedisState:
 
     # ------------------------------------------------------------------ lookups
     async def lookup_session(self, session_id: str) -> SessionRow | None:
-        h = await self.redis.hgetall(f"{self.ns}:session:{session_id}")
-        if not h:
+        v = await self.redis.get(f"{self.ns}:session:{session_id}")
+        if v is None:
             return None
-        g = {_s(k): _s(v) for k, v in h.items()}
-        return SessionRow(session_id, g["tenant"], float(g["arrival_s"]), g["ephemeral"] == "1",
-                          int(g["turns"]), int(g["context_tokens"]), int(g["attained_tokens"]),
-                          g["last_engine"] or None, float(g["last_active_s"]))
+        return SessionRow(session_id, *json.loads(v))
 
     async def lookup_result(self, request_id: str) -> tuple[int, bytes, float, str] | None:
         h = await self.redis.hgetall(f"{self.ns}:result:{request_id}")
