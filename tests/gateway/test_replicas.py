@@ -170,6 +170,11 @@ def test_killed_replica_loses_no_turn(fake_engines: Callable[..., FakeServer],
     for t in threads:
         t.join(90)
     assert all(codes == [200] for codes in answers.values()), answers
+    # asked again, an answered request is never run again: its kept result, or a refusal
+    for i in range(n):
+        again = post(gws[1 + i % 2].url, chat_body(f"job {i}"),
+                     {"x-session-id": f"k{i}", "x-request-id": f"rid-{i}"})
+        assert again.status_code == 409 or again.headers.get("x-turnstile-cached") == "1"
     forwarded = Counter(r.request_id for e in engines for r in e.engine.requests)
     assert set(forwarded) == set(answers)
     # held turns were forwarded once (by the replica that took them over); the ones in flight

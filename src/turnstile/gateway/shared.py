@@ -110,8 +110,6 @@ class RedisState:
         self._origin = 0.0
         self._held: list[HeldTurnRow] = []
         self._claim: Any = None
-        self._accept: Any = None
-        self._done: Any = None
         self.write_errors = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -122,10 +120,6 @@ class RedisState:
         await self.heartbeat()
         await r.sadd(f"{self.ns}:replicas", self.replica)
         self._claim = r.register_script(_CLAIM)
-        self._accept = r.register_script(_ACCEPT)
-        self._done = r.register_script(_DONE)
-        await r.script_load(_ACCEPT)
-        await r.script_load(_DONE)
         # turns this replica owned before it restarted under the same name
         self._held = await self._rows(await r.smembers(f"{self.ns}:owned:{self.replica}"))
         self._wake = asyncio.Event()
@@ -169,8 +163,8 @@ class RedisState:
             if batch:
                 pipe = self.redis.pipeline(transaction=False)
                 for cmd, args, kw in batch:
-                    if cmd == "script":
-                        args[0](keys=args[1], args=args[2], client=pipe)
+                    if cmd == "script":  # (script text, keys, args): cached by Redis
+                        pipe.eval(args[0], len(args[1]), *args[1], *args[2])
                     else:
                         getattr(pipe, cmd)(*args, **kw)
                 try:
@@ -202,7 +196,7 @@ class RedisState:
 
     def put_held(self, t: HeldTurnRow, now_s: float) -> None:
         """Every accepted turn (not only held ones), with this replica as its owner."""
-        self._put("script", self._accept,
+        self._put("script", _ACCEPT,
                   [f"{self.ns}:turn:{t.request_id}", f"{self.ns}:owned:{self.replica}"],
                   [t.request_id, "owner", self.replica, "session_id", t.session_id,
                    "path", t.path, "body", json.dumps(t.body), "stream", int(t.stream),
@@ -212,7 +206,7 @@ class RedisState:
     def drop_turn(self, request_id: str) -> None:
         """The turn was answered: its row stays a while, marked done, so a retry of the same
         request id on any replica is not served again."""
-        self._put("script", self._done,
+        self._put("script", _DONE,
                   [f"{self.ns}:turn:{request_id}", f"{self.ns}:owned:{self.replica}"],
                   [int(self.result_ttl_s), request_id])
 
