@@ -37,7 +37,6 @@ from turnstile.gateway.affinity import (
     ConversationKeys,
     KeyStore,
     LocalKeyStore,
-    Resolution,
     last_user_text,
 )
 from turnstile.gateway.config import GatewayConfig, build_policies
@@ -56,6 +55,7 @@ from turnstile.gateway.protocol import (
 from turnstile.gateway.recovery import Recovery
 from turnstile.gateway.relay import Relay, RetryableFailure
 from turnstile.gateway.replicas import ReplicaSync
+from turnstile.gateway.resolve import SessionResolver
 from turnstile.gateway.sessions import PendingTurn, Session, SessionTable
 from turnstile.gateway.shared import RedisState
 from turnstile.gateway.store import HeldTurnRow, StateBackend, Store
@@ -121,6 +121,7 @@ class Gateway:
         self.keys: ConversationKeys | None = None
         #: the replica's link to the others (a shared state backend only)
         self.replicas: ReplicaSync | None = None
+        self.resolver = SessionResolver(self.table, self.scheduler, self.clock.now, None, None)
         self.started = False
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -159,15 +160,19 @@ class Gateway:
             await backend.open()
             self.durable = Durability(backend)
             self.recovery.restore()
+        keys = None
         if cfg.derive_sessions:
             store: KeyStore = LocalKeyStore()
             if isinstance(backend, RedisState):
                 store = backend
-            self.keys = ConversationKeys(store, shared=store is backend)
+            keys = ConversationKeys(store, shared=store is backend)
         if isinstance(backend, RedisState):
             self.replicas = ReplicaSync(self, backend, self.clock.now, sync_s=cfg.peer_sync_s,
                                         wait_s=cfg.read_timeout_s)
             self.spawn(self.replicas.loop())
+        self.keys = keys
+        self.resolver = SessionResolver(self.table, self.scheduler, self.clock.now, keys,
+                                        self.replicas)
         self.started = True
         self.spawn(self.health.health_loop(self.driver.safety_tick))
         self.spawn(self.health.stats_loop())
@@ -246,7 +251,7 @@ class Gateway:
             raise GatewayError(429, f"the gateway holds {self.queued} turns (max_held="
                                f"{self.config.max_held}); retry later", type_="rate_limit_error",
                                code="queue_full", headers=[(b"retry-after", b"1")])
-        session, derived = await self._session(req, rid)
+        session, derived = await self.resolver.session(req, rid)
         body = req.body
         p = PendingTurn(rid, session, req.path, body, req.stream)
         if derived is not None:
@@ -297,35 +302,6 @@ class Gateway:
         if p.state == READY and (p.waker is None or p.waker.done()):
             p.waker = asyncio.get_running_loop().create_future()
         return await self._run(p)
-
-    async def _session(self, req: TurnRequest, rid: str) -> tuple[Session, Resolution | None]:
-        """The request's session: named by the client, derived from the conversation, or a
-        one-turn session of its own."""
-        sid = req.session_id
-        res = None
-        if sid is None and self.keys is not None and req.path == CHAT_PATH:
-            res = await self.keys.resolve(req.body, rid)
-            if res is not None:
-                sid = res.session_id
-                self.keys.remember(res)
-        s = self.table.open(sid if sid is not None else "req-" + rid, req.tenant, sid is None,
-                            self.clock.now())
-        if res is not None:
-            s.derived = True
-        if res is None:
-            if self.replicas is not None and not s.ephemeral:
-                await self.replicas.refresh(s)  # what other replicas learned about it
-        elif res.new:
-            # a sub-agent (or the same prefix again) starts on the engine its relative used
-            s.parent = res.parent
-            s.last_engine = res.engine
-        elif res.engine is not None and res.engine != s.last_engine and not s.active:
-            # its last turn ran through another replica (or before a restart)
-            s.last_engine = res.engine
-            s.context_tokens = max(s.context_tokens, res.context_tokens)
-            if s.in_scheduler and res.engine in self.adapters:
-                self.scheduler.session_moved(s.id, res.engine, s.attained_tokens)
-        return s, res
 
     async def _tokenize(self, text: str) -> int | None:
         for eid, a in self.adapters.items():

@@ -1,0 +1,52 @@
+"""Which session a request belongs to: the one its client names (``x-session-id`` or ``user``),
+one derived from its conversation (:mod:`.affinity`), or a one-turn session of its own — and
+where that session's KV is when another replica (or a run before a restart) served it last."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from turnstile.core.scheduler import Scheduler
+from turnstile.gateway.affinity import ConversationKeys, Resolution
+from turnstile.gateway.protocol import CHAT_PATH, TurnRequest
+from turnstile.gateway.replicas import ReplicaSync
+from turnstile.gateway.sessions import Session, SessionTable
+
+__all__ = ["SessionResolver"]
+
+
+class SessionResolver:
+    def __init__(self, table: SessionTable, scheduler: Scheduler, now: Callable[[], float],
+                 keys: ConversationKeys | None, replicas: ReplicaSync | None) -> None:
+        self.table = table
+        self.scheduler = scheduler
+        self.now = now
+        self.keys = keys
+        self.replicas = replicas
+
+    async def session(self, req: TurnRequest, rid: str) -> tuple[Session, Resolution | None]:
+        sid = req.session_id
+        res = None
+        if sid is None and self.keys is not None and req.path == CHAT_PATH:
+            res = await self.keys.resolve(req.body, rid)
+            if res is not None:
+                sid = res.session_id
+                self.keys.remember(res)
+        s = self.table.open(sid if sid is not None else "req-" + rid, req.tenant, sid is None,
+                            self.now())
+        if res is None:
+            if self.replicas is not None and not s.ephemeral:
+                await self.replicas.refresh(s)  # what other replicas learned about it
+            return s, None
+        s.derived = True
+        if res.new:
+            # a sub-agent (or the same prefix again) starts on the engine its relative used
+            s.parent = res.parent
+            s.last_engine = res.engine
+        elif res.engine is not None and res.engine != s.last_engine and not s.active:
+            # its last turn ran through another replica (or before a restart)
+            s.last_engine = res.engine
+            s.context_tokens = max(s.context_tokens, res.context_tokens)
+            if s.in_scheduler and res.engine in self.scheduler.view:
+                self.scheduler.session_moved(s.id, res.engine, s.attained_tokens)
+        return s, res
