@@ -1,0 +1,51 @@
+"""The core API drivers use to continue state from elsewhere (a restarted gateway, other
+gateway replicas) instead of writing records behind the scheduler's back."""
+
+from __future__ import annotations
+
+from turnstile.core import Release, Scheduler
+from turnstile.policies import PolicySet
+from turnstile.workload import Turn
+
+
+def test_open_session_carries_arrival_service_and_residency() -> None:
+    s = Scheduler(PolicySet.from_spec("eager+kv-affinity"), ["e0", "e1"])
+    s.open_session(100.0, "a", arrival_s=40.0, attained_tokens=500, last_engine="e1")
+    wf = s.workflows["a"]
+    assert (wf.arrival_s, wf.attained_tokens, wf.last_engine) == (40.0, 500, "e1")
+    rec, actions = s.turn_ready(100.0, "a", Turn(10, 5, 20), ready_s=90.0)
+    assert rec.ready_s == 90.0 and rec.released_s == 100.0
+    assert actions == [Release(rec, "e1", actions[0].priority)]  # where its KV is
+    s.open_session(100.0, "b", last_engine="gone")  # an engine this scheduler does not know
+    assert s.workflows["b"].last_engine is None
+
+
+def test_session_moved_routes_the_next_turn_to_the_new_engine() -> None:
+    s = Scheduler(PolicySet.from_spec("eager+kv-affinity"), ["e0", "e1"])
+    s.open_session(0.0, "a")
+    rec, actions = s.turn_ready(0.0, "a", Turn(10, 5))
+    first = actions[0].engine
+    s.turn_started(0.1, "a", rec.index)
+    s.turn_finished(0.2, "a", rec.index, 5)
+    other = "e1" if first == "e0" else "e0"
+    s.session_moved("a", other, 1000)  # another replica served a turn there since
+    rec2, actions = s.turn_ready(1.0, "a", Turn(10, 5, 15))
+    assert actions[0].engine == other and s.workflows["a"].attained_tokens >= 1000
+
+
+def test_peer_load_is_seen_by_policies_and_replaced_not_accumulated() -> None:
+    s = Scheduler(PolicySet.from_spec("eager+least-loaded"), ["e0", "e1"])
+    s.peer_load(0.0, {"e0": (5, 5000, 700)}, ready_turns=3)
+    view = s.view
+    assert (view["e0"].outstanding_turns, view["e0"].outstanding_tokens,
+            view["e0"].paused_context_tokens) == (5, 5000, 700)
+    assert (view.released_turns, view.released_tokens, view.ready_turns) == (5, 5000, 3)
+    s.open_session(0.0, "a")
+    rec, actions = s.turn_ready(0.0, "a", Turn(10, 5))
+    assert actions[0].engine == "e1"  # e0 is loaded by the other replicas
+    own = s.own_load("e1")
+    assert own[0] == 1 and own[1] == view["e1"].outstanding_tokens
+    s.peer_load(1.0, {"e0": (1, 100, 0)}, ready_turns=0)  # a new report replaces the last
+    assert (view["e0"].outstanding_turns, view["e0"].outstanding_tokens) == (1, 100)
+    assert view.released_turns == 2 and view.ready_turns == 0
+    assert s.own_load("e0") == (0, 0, 0)
