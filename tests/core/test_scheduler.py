@@ -133,3 +133,13 @@ def test_the_view_policies_read_is_read_only():
     pause_session(e0, "w", 40)
     assert (e0.outstanding_turns, e0.outstanding_tokens, e0.paused_context_tokens) == (1, 100, 40)
     assert "w" in view["e0"].cached_sessions and len(e0.cached_sessions) == 1
+
+
+def test_engines_added_to_the_view_are_seen_and_routed_to():
+    from turnstile.core.state import ClusterView, EngineLoad, add_engine
+
+    view = ClusterView([EngineLoad("e0")])
+    add_engine(view, EngineLoad("e1", weight=2.0))
+    assert view.ids == ("e0", "e1") and list(view) == ["e0", "e1"] and view["e1"].weight == 2.0
+    with pytest.raises(ValueError, match="already registered"):
+        add_engine(view, EngineLoad("e1"))

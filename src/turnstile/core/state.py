@@ -7,7 +7,7 @@ classes keep the hot path allocation-light.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from enum import IntEnum
 
 from turnstile.workload.model import Turn, Workflow
@@ -200,7 +200,7 @@ class ClusterView(Mapping[str, EngineLoad]):
 
     def __init__(self, engines: list[EngineLoad]) -> None:
         _set(self, "_engines", {e.id: e for e in engines})
-        _set(self, "_order", [e.id for e in engines])
+        _set(self, "_order", tuple(e.id for e in engines))
         _set(self, "released_turns", 0)
         _set(self, "released_tokens", 0)
         _set(self, "ready_turns", 0)
@@ -215,7 +215,7 @@ class ClusterView(Mapping[str, EngineLoad]):
         return len(self._order)
 
     @property
-    def ids(self) -> Sequence[str]:
+    def ids(self) -> tuple[str, ...]:
         return self._order
 
     def healthy(self) -> list[EngineLoad]:
@@ -235,7 +235,7 @@ def add_engine(view: ClusterView, engine: EngineLoad) -> None:
     if engine.id in view._engines:
         raise ValueError(f"engine {engine.id!r} already registered")
     view._engines[engine.id] = engine
-    view._order.append(engine.id)
+    _set(view, "_order", (*view._order, engine.id))
 
 
 def charge(engine: EngineLoad, work_tokens: int) -> None:
