@@ -43,6 +43,8 @@ class BatchScheduler:
         self.kv_sum = 0  # sum of decoders' KV lengths at the start of iteration ``it``
         self.phase = [0] * self.bs  # decoders needing a new block at iteration i: [i % bs]
         self.fin: dict[int, list[SimRequest]] = {}
+        #: the keys of ``fin`` (and some already gone, dropped lazily): the next finish in O(1)
+        self.fin_heap: list[int] = []
         #: session -> tokens of its context ever computed (recompute is judged against it)
         self.marks: dict[str, int] = {} if session_marks is None else session_marks
         # admission memo: the head request failed with this much memory/budget at this version
@@ -235,11 +237,19 @@ class BatchScheduler:
             bucket = self.fin.get(fin_it)
             if bucket is None:
                 self.fin[fin_it] = [req]
+                heapq.heappush(self.fin_heap, fin_it)
             else:
                 bucket.append(req)
             self.phase[(nxt - n0) % bs] += 1
             self.kv_sum += n0
             self.n_dec += 1
+
+    def next_finish(self) -> int:
+        """The iteration at whose end the next decoder finishes (there are decoders)."""
+        heap, fin = self.fin_heap, self.fin
+        while heap[0] not in fin:
+            heapq.heappop(heap)
+        return heap[0]
 
     def finish_decoders(self, bucket: list[SimRequest], nxt: int, end: float,
                         finished: list[SimRequest]) -> None:

@@ -8,6 +8,8 @@ and the effects (first tokens, finishes) land at the end of the step.
 
 from __future__ import annotations
 
+import heapq
+
 from turnstile.sim.batch_scheduler import BatchScheduler
 from turnstile.sim.block_pool import BlockPool
 from turnstile.sim.perf import PerfModel, RooflinePerf
@@ -82,6 +84,9 @@ class StepExecutor:
             self.decode_tokens += n_dec
             bucket = s.fin.pop(it, None)
             if bucket:
+                heap = s.fin_heap
+                while heap and heap[0] <= it:
+                    heapq.heappop(heap)
                 s.finish_decoders(bucket, it + 1, end, finished)
         first_token: list[SimRequest] = []
         if done_prefill:
@@ -146,55 +151,69 @@ class StepExecutor:
             overhead_s = perf._overhead_s
             ar_tok = perf._ar_tok_s * n_dec
         phase = s.phase
-        fin = s.fin
         bs = s.bs
-        it = s.it
-        kv_sum = s.kv_sum
+        it0 = s.it
+        kv = s.kv_sum + n_dec  # KV tokens the next iteration's decodes read
         busy_s = self.busy_s
+        # the decodes' new blocks are allocated in one go after the loop: nothing reads the pool
+        # in between, eviction keeps ``free + n_evict``, and one eviction of the sum evicts the
+        # same units in the same order as one per iteration would. Not so with an offload tier
+        # that overflows: a unit evicted again moves to the tier's recent end, which changes what
+        # the tier drops, so with a tier each eviction happens in its own iteration.
+        free = pool.free
+        avail = free + pool.n_evict
+        taken = 0
+        tier = pool.cpu_cap > 0
+        check_pin = pin_t != float("inf")
         total = 0.0
-        k = 0
-        bucket = None
-        while end < until and pin_t > end + EPS:
+        stop = s.next_finish() + 1  # no further than the next finish
+        it = it0
+        for it in range(it0, stop):
+            if end >= until or (check_pin and pin_t <= end + EPS):
+                break
             need = phase[it % bs]
-            free = pool.free
-            avail = free + pool.n_evict
-            if blocked and avail - need > blk_avail:
-                break  # step() would try the admission again
             if need:
-                if need > free:
-                    if need > avail:
-                        break  # preemption: left to step()
-                    pool.take(need)
-                else:
-                    pool.free = free - need
-                pool.private += need
+                if need > avail:
+                    break  # preemption: left to step()
+                if blocked and avail - need > blk_avail:
+                    break  # step() would try the admission again
+                avail -= need
+                taken += need
+                if tier and taken > free:
+                    pool.take(taken)
+                    pool.private += taken
+                    taken = 0
+                    free = pool.free
+            elif blocked and avail > blk_avail:
+                break
             if roof:  # RooflinePerf.step_time(0, n_dec, kv, 0.0), the same float operations
-                kv = kv_sum + n_dec
                 compute = c_tok + attn_s * kv
                 memory = weights_s + kv_s * kv
                 dur = (compute if compute > memory else memory) + overhead_s + ar_tok
             else:
-                dur = step_time(0, n_dec, kv_sum + n_dec, 0.0)
+                dur = step_time(0, n_dec, kv, 0.0)
             end += dur
             busy_s += dur
             total += dur
-            kv_sum += n_dec
-            k += 1
-            it += 1
-            bucket = fin.pop(it - 1, None)
-            if bucket:
-                break
+            kv += n_dec
+        else:
+            it = stop
+        k = it - it0
         if not k:
             return
+        if taken:
+            pool.take(taken)
+            pool.private += taken
         s.it = it
-        s.kv_sum = kv_sum
+        s.kv_sum = kv - n_dec
         self.busy_s = busy_s
         self.iterations += k
         self.decode_tokens += n_dec * k
         out.iterations += k
         out.duration_s += total
         out.end_s = end
-        if bucket:
+        if it == stop:
+            bucket = s.fin.pop(stop - 1)
             s.finish_decoders(bucket, it, end, out.finished)
 
     def _idle(self, now: float) -> StepOutcome:
