@@ -67,7 +67,7 @@ from turnstile.sim.request import NEW, SimRequest, StepOutcome
 from turnstile.sim.step import StepExecutor
 
 if TYPE_CHECKING:
-    from turnstile.policies.base import RetentionDecision
+    from turnstile.core.actions import RetentionDecision
 
 __all__ = ["EngineConfig", "EngineModel", "SimRequest", "StepOutcome"]
 

@@ -15,7 +15,7 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from turnstile.policies.base import RetentionDecision
+    from turnstile.core.actions import RetentionDecision
     from turnstile.sim.block_pool import Seg
 
 # where BlockPool.sync puts a segment in the LRU: where it is, most recent, oldest

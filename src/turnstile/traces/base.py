@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -88,10 +87,3 @@ def default_traces_dir() -> Path | None:
 
 def plural(n: int, word: str) -> str:
     return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
-
-
-def join_names(items: Iterable[str], limit: int = 5) -> str:
-    xs = list(items)
-    if len(xs) <= limit:
-        return ", ".join(xs)
-    return ", ".join(xs[:limit]) + f", … ({len(xs) - limit} more)"
