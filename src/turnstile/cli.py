@@ -93,8 +93,17 @@ def traces_convert(
     from turnstile.workload.jsonl import write_workload
 
     loaded = _load(path, subset, progress=True)
-    n = write_workload(out, loaded.workflows,
-                       meta={"source": str(path), "trace": loaded.name, "notes": loaded.notes})
+    meta: dict[str, object] = {"source": str(path), "trace": loaded.name, "notes": loaded.notes}
+    if loaded.hash_block_tokens:
+        meta["hash_block_tokens"] = loaded.hash_block_tokens
+    # write beside the target and rename: a failure never leaves a partial workload behind
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        n = write_workload(tmp, loaded.workflows, meta=meta)
+        tmp.replace(out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise _fail(f"could not write {out}: {e}") from None
     console.print(f"wrote {n:,} workflows to {out}")
 
 

@@ -197,6 +197,7 @@ class GatewayApp:
         request_id: str | None = None
         tenant = "default"
         engine_hint: str | None = None
+        parent_session: str | None = None
         length = -1
         for k, v in scope["headers"]:
             if k == b"x-session-id":
@@ -210,6 +211,8 @@ class GatewayApp:
                 tenant = v.decode("latin-1") or "default"
             elif k == b"x-turnstile-engine":
                 engine_hint = v.decode("latin-1").strip() or None
+            elif k == b"x-turnstile-parent-session":
+                parent_session = v.decode("latin-1").strip() or None
         if length > self._max_body:
             raise _too_large(length, self._max_body)
         chunks: list[bytes] = []
@@ -242,6 +245,9 @@ class GatewayApp:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise GatewayError(400, "'stream' must be a boolean", code="invalid_value")
+        recorder = self.gateway.recorder
+        if recorder is not None and parent_session and session_id:
+            recorder.note_parent(session_id, parent_session)  # a sub-agent (see .recorder)
         return TurnRequest(path, body, stream, session_id, request_id, tenant, engine_hint)
 
 

@@ -38,6 +38,10 @@ def serve(
     ] = None,
     db: Annotated[Path | None, typer.Option(help="SQLite file for sessions and held turns")]
     = None,
+    record: Annotated[
+        Path | None, typer.Option(help="Append every finished session to this workload .jsonl "
+                                  "(counts, times and prefix hashes; never content)")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn/gateway log level")] = "warning",
 ) -> None:
     """Run the OpenAI-compatible scheduling gateway in front of engines."""
@@ -62,6 +66,12 @@ def serve(
             cfg.auth_token = auth_token
         if db is not None:
             cfg.db = str(db)
+        if record is not None:
+            cfg.record = str(record)
+        if cfg.record:
+            from turnstile.gateway.recorder import SessionRecorder
+
+            SessionRecorder(cfg.record).close()  # fails now on a file that is not a workload
         cfg.log_level = log_level
         cfg.validate()
     except (ValueError, OSError) as e:

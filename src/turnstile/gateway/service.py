@@ -49,6 +49,7 @@ from turnstile.gateway.adapters import (
 )
 from turnstile.gateway.config import GatewayConfig, build_policies
 from turnstile.gateway.metrics import GatewayMetrics
+from turnstile.gateway.recorder import SessionRecorder
 from turnstile.gateway.store import HeldTurnRow, SessionRow, Store
 from turnstile.policies import PolicySet
 from turnstile.workload.model import Turn
@@ -277,6 +278,8 @@ class Gateway:
         self.metrics.bind(self)
         self.clock = _OffsetClock()
         self.store: Store | None = None
+        #: ``--record``: finished sessions appended to a workload file
+        self.recorder: SessionRecorder | None = None
         self.sessions: dict[str, _Session] = {}
         self.by_request: dict[str, _Pending] = {}
         self.by_rec: dict[TurnRecord, _Pending] = {}
@@ -316,6 +319,9 @@ class Gateway:
         if not self.models:
             found = await asyncio.gather(*(a.models() for a in self.adapters.values()))
             self.models = list(dict.fromkeys(m for ms in found for m in ms))
+        if self.config.record:
+            self.recorder = SessionRecorder(self.config.record)
+            self.recorder.bind_clock(self.clock.now())
         if self.config.db:
             self.store = Store(self.config.db)
             self._restore()
@@ -336,6 +342,9 @@ class Gateway:
         if self.store is not None:
             self.store.close()
             self.store = None
+        if self.recorder is not None:
+            self.recorder.close()  # open sessions are written as they stand
+            self.recorder = None
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
@@ -808,6 +817,8 @@ class Gateway:
         else:
             s.context_tokens = rec.prompt_tokens + out
         s.attained_tokens += rec.prompt_tokens + out
+        if self.recorder is not None and not cancelled:
+            self.recorder.turn_finished(s.id, s.tenant, p.body, rec.ready_s, now, usage, out)
         actions.extend(self._turn_over(p))
         self._apply(actions)
 
@@ -843,6 +854,8 @@ class Gateway:
 
     def _close(self, s: _Session) -> list[Action]:
         self.sessions.pop(s.id, None)
+        if self.recorder is not None:
+            self.recorder.session_closed(s.id)
         if self.store is not None and s.stored:
             self.store.drop_session(s.id)
             s.stored = False

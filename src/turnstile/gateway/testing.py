@@ -12,17 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 
-__all__ = ["FakeEngine", "FakeServer", "GatewayServer", "ServerThread", "chat_body", "start_fake",
-           "start_gateway"]
+__all__ = ["FakeEngine", "FakeServer", "GatewayProcess", "GatewayServer", "ServerThread",
+           "chat_body", "start_fake", "start_gateway"]
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -343,3 +348,53 @@ def chat_body(content: str = "hello", max_tokens: int = 4, **kw: Any) -> dict[st
     """A minimal chat request body for the fake engine's model."""
     return {"model": "tiny", "messages": [{"role": "user", "content": content}],
             "max_tokens": max_tokens, **kw}
+
+
+class GatewayProcess:
+    """``python -m turnstile.gateway serve`` as a subprocess, so a test can SIGKILL it (a crash)."""
+
+    def __init__(self, config: Path, port: int, log: Path, *extra_args: str) -> None:
+        self.config = config
+        self.port = port
+        self.log = log
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> GatewayProcess:
+        import httpx
+
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "turnstile.gateway", "serve", "--config",
+                 str(self.config), "--port", str(self.port), *self.extra_args],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited: {self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"gateway did not start: {self.log.read_text()[-2000:]}")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()

@@ -21,7 +21,7 @@ from turnstile.traces.azure import arrival_times, load_azure_conv
 from turnstile.traces.base import LoadedTrace, default_traces_dir, open_text
 from turnstile.traces.mooncake import load_mooncake
 from turnstile.traces.tracelab import load_tracelab
-from turnstile.workload.jsonl import FORMAT_NAME, read_workload
+from turnstile.workload.jsonl import FORMAT_NAME, read_header, read_workload
 
 SUPPORTED_FORMATS: tuple[str, ...] = (
     "AgentCgroup directory (haiku/ and glm47flash_local/ subsets, <task>/attempt_<n> folders, or "
@@ -49,6 +49,8 @@ def _first_record(path: Path) -> Any:
 def _load_workload_file(path: Path) -> LoadedTrace:
     workflows = read_workload(path)
     turns = sum(len(w.turns) for w in workflows)
+    meta = read_header(path).get("meta")
+    block_tokens = meta.get("hash_block_tokens") if isinstance(meta, dict) else None
     return LoadedTrace(
         name=f"workload:{path.stem}",
         source=str(path),
@@ -60,6 +62,7 @@ def _load_workload_file(path: Path) -> LoadedTrace:
             "tool_calls": sum(len(t.tools) for w in workflows for t in w.turns),
             "skipped": 0,
         },
+        hash_block_tokens=block_tokens if isinstance(block_tokens, int) else 0,
     )
 
 

@@ -31,6 +31,8 @@ class LoadedTrace:
     workflows: list[Workflow]
     notes: list[str] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
+    #: tokens one entry of ``Turn.block_hashes`` names (0: no hashes, or the simulator's block)
+    hash_block_tokens: int = 0
 
     @property
     def n_turns(self) -> int:

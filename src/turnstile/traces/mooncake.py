@@ -202,5 +202,6 @@ def load_mooncake(path_to_jsonl: str | Path, block_size: int = BLOCK_SIZE) -> Lo
         "skipped": 0,
     }
     return LoadedTrace(
-        name=f"mooncake:{stem}", source=str(path), workflows=workflows, notes=notes, counts=counts
+        name=f"mooncake:{stem}", source=str(path), workflows=workflows, notes=notes, counts=counts,
+        hash_block_tokens=block_size,
     )
