@@ -5,7 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -87,6 +87,13 @@ def default_traces_dir() -> Path | None:
         if cand.is_dir():
             return cand
     return None
+
+
+def counted_notes(source: str, counts: Mapping[str, int], explain: Mapping[str, str]
+                  ) -> list[str]:
+    """One note per caveat that occurred: ``"<source>: <count> <explanation>"``."""
+    return [f"{source}: {counts[key]} {text}" for key, text in explain.items()
+            if counts.get(key)]
 
 
 def plural(n: int, word: str) -> str:

@@ -40,6 +40,7 @@ from turnstile.traces.base import (
     JsonPath,
     LoadedTrace,
     TraceFormatError,
+    counted_notes,
     open_text,
     parse_utc,
     tokens_from_chars,
@@ -336,9 +337,7 @@ def load_request_log(path: str | Path, group_by: str = "auto") -> LoadedTrace:
         "prompt_estimated": "requests without prompt token counts: characters ÷ 4",
         "output_estimated": "requests without completion token counts: reply characters ÷ 4",
     }
-    for key, text in explain.items():
-        if c[key]:
-            notes.append(f"request log: {c[key]} {text}")
+    notes.extend(counted_notes("request log", c, explain))
     counts = dict(c)
     counts.update(sessions=len(workflows), llm_calls=len(reqs), tool_calls=sum(
         len(t.tools) for w in workflows for t in w.turns), skipped=c["skipped_failed"])

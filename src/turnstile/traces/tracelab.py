@@ -25,7 +25,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from turnstile.traces.base import LoadedTrace, open_text, parse_utc
+from turnstile.traces.base import LoadedTrace, counted_notes, open_text, parse_utc
 from turnstile.workload.model import ToolCall, ToolStatus, Turn, Workflow
 
 
@@ -191,9 +191,7 @@ def load_tracelab(path: str | Path) -> LoadedTrace:
         "result_chars_null": "tool calls with result_chars null: result_tokens None",
         "sessions_without_timestamps": "sessions without any timestamp: arrival 0",
     }
-    for key, text in explain.items():
-        if c[key]:
-            notes.append(f"tracelab: {c[key]} {text}")
+    notes.extend(counted_notes("tracelab", c, explain))
     counts = dict(c)
     counts.update(
         llm_calls=c["rounds"],

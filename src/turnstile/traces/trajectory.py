@@ -47,6 +47,7 @@ from turnstile.traces.base import (
     JsonPath,
     LoadedTrace,
     TraceFormatError,
+    counted_notes,
     read_json_file,
     tokens_from_chars,
 )
@@ -349,9 +350,7 @@ def load_trajectories(path: str | Path, *, prefill_tok_s: float = PREFILL_TOK_S,
         "execution_time_missing": "SWE-agent steps without execution_time: duration 0",
         "query_missing": "SWE-agent steps without query messages: empty prompt text (no hashes)",
     }
-    for key, text in explain.items():
-        if c[key]:
-            notes.append(f"trajectories: {c[key]} {text}")
+    notes.extend(counted_notes("trajectories", c, explain))
     counts = dict(c)
     counts.update(sessions=len(workflows), llm_calls=sum(len(w.turns) for w in workflows),
                   tool_calls=sum(len(t.tools) for w in workflows for t in w.turns), skipped=0)
