@@ -204,3 +204,28 @@ def test_convert_round_trips_and_bench_runs_on_the_result(tmp_path: Path, src: P
     r = CliRunner().invoke(app, ["bench", "--trace", str(out), "--policies", "eager,cvar",
                                  "--workflows", "10", "--engines", "1"])
     assert r.exit_code == 0, r.output
+
+
+def test_litellm_spend_log_rows_with_iso_times_and_a_session_column(tmp_path: Path) -> None:
+    def row(i: int, sid: str, start: str, end: str, msgs: list[dict[str, str]]) -> dict[str, Any]:
+        return {"request_id": f"r{i}", "call_type": "acompletion", "session_id": sid,
+                "startTime": start, "endTime": end, "prompt_tokens": 100 + 10 * i,
+                "completion_tokens": 9, "model": "m", "user": "", "messages": [],
+                "proxy_server_request": {"model": "m", "messages": msgs},
+                "response": {"usage": {"prompt_tokens": 100 + 10 * i, "completion_tokens": 9,
+                                       "prompt_tokens_details": {"cached_tokens": 64}}}}
+    m1 = [{"role": "user", "content": "hello"}]
+    m2 = [*m1, {"role": "assistant", "content": "hi"}, {"role": "user", "content": "more"}]
+    p = _log(tmp_path, [
+        row(0, "s-1", "2026-02-01T10:00:00.000Z", "2026-02-01T10:00:01.500Z", m1),
+        row(1, "s-2", "2026-02-01T10:00:02+00:00", "2026-02-01T10:00:03+00:00", m1),
+        row(2, "s-1", "2026-02-01T10:00:04.000Z", "2026-02-01T10:00:05.000Z", m2),
+    ])
+    loaded = load_trace(p)
+    wfs = {w.id: w for w in loaded.workflows}
+    assert set(wfs) == {"s-1", "s-2"} and "'session_id'" in loaded.notes[0]
+    s1 = wfs["s-1"]
+    assert [t.prompt_tokens for t in s1.turns] == [100, 120]
+    assert s1.turns[0].tools[0].duration_s == pytest.approx(2.5)
+    assert s1.turns[1].context_tokens == 109 and s1.turns[1].cached_tokens == 64
+    assert wfs["s-2"].arrival_s == pytest.approx(2.0)
