@@ -183,8 +183,6 @@ class SessionRecorder:
             extends = len(text) >= n and text_digest(text[:n]) == digest
         s.last_text = (len(text), text_digest(text))
         start = ready_s + self._to_unix
-        if self._origin_unix is None:
-            self._origin_unix = round(start, 3)
         if len(self._ratio) < 1000:
             self._ratio.append((prompt, len(text)))
         s.calls.append(ObservedCall(
@@ -243,7 +241,11 @@ class SessionRecorder:
         sub = len(threads) - 1
         if sub:
             meta["subagents"] = str(sub)
-        wf = build_workflow(wid, threads, origin_s=self._origin_unix or 0.0, tenant=s.tenant,
+        if self._origin_unix is None:  # a new file: time 0 is the earliest turn seen so far
+            starts = [c.start_s for t in threads for c in t.calls]
+            starts += [c.start_s for o in self._open.values() for c in o.calls]
+            self._origin_unix = round(min(starts), 3)
+        wf = build_workflow(wid, threads, origin_s=self._origin_unix, tenant=s.tenant,
                             meta=meta, block_chars=self.block_chars)
         line = json.dumps(workflow_to_dict(wf), separators=(",", ":")).encode() + b"\n"
         try:
