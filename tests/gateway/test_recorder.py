@@ -165,3 +165,41 @@ def test_a_file_that_is_not_a_workload_is_refused(tmp_path: Path) -> None:
     path.write_text(json.dumps({"hello": 1}) + "\n")
     with pytest.raises(ValueError, match="not a turnstile workload"):
         SessionRecorder(path)
+
+
+def test_an_explicit_end_writes_the_session_when_that_turn_finishes(tmp_path: Path) -> None:
+    path = tmp_path / "rec.jsonl"
+    rec = SessionRecorder(path)
+    rec.turn_finished("s", "t", _body([{"role": "user", "content": "a"}]), 0, 1, _usage(9, 2), 2)
+    rec.note_end("s")
+    assert not path.exists()  # the marked turn has not finished yet
+    rec.turn_finished("s", "t", _body([{"role": "user", "content": "b"}]), 2, 3, _usage(9, 2), 2)
+    assert [len(w.turns) for w in read_workload(path)] == [2]
+
+
+def test_gateway_headers_reach_the_recorder(tmp_path: Path) -> None:
+    """In-process gateway over the fake engine: the session-end and parent headers."""
+    import httpx
+
+    from turnstile.gateway.testing import chat_body, start_fake, start_gateway
+
+    path = tmp_path / "rec.jsonl"
+    eng = start_fake(count_prompt=True)
+    gw = start_gateway([eng.url], record=str(path))
+    try:
+        def post(sid: str, **headers: str) -> None:
+            r = httpx.post(gw.url + "/v1/chat/completions", json=chat_body("x" * 40),
+                           headers={"x-session-id": sid, **headers}, timeout=10)
+            assert r.status_code == 200
+
+        post("a")
+        post("a", **{"x-turnstile-session-end": "1"})
+        assert [w.id for w in read_workload(path)] == ["a"]  # written before any idle close
+        post("a")  # the id comes back: a new workflow
+        post("kid", **{"x-turnstile-parent-session": "p"})
+    finally:
+        gw.stop()
+        eng.stop()
+    wfs = {w.id: w for w in read_workload(path)}
+    assert set(wfs) == {"a", "a~2", "kid"}
+    assert len(wfs["a"].turns) == 2 and wfs["kid"].meta["parent_session"] == "p"

@@ -8,7 +8,10 @@ The gateway hands the recorder three observations through a narrow hook:
   (:mod:`turnstile.traces.prefix`); no content is kept, in memory or on disk.
 * :meth:`SessionRecorder.session_closed` — the gateway closed the session: idle for
   ``session_idle_s`` (the gateway's own rule, 300 s by default), or a one-turn session without a
-  session id, right after its turn.
+  session id, right after its turn. A client may also end a session explicitly: a request with
+  ``x-turnstile-session-end: 1`` is its session's last (:meth:`SessionRecorder.note_end`); the
+  session is written as soon as that turn finishes, and a later request with the same id starts
+  a new recorded workflow.
 * :meth:`SessionRecorder.close` — shutdown: every open session is written as it stands.
 
 A session whose requests carry ``x-turnstile-parent-session: <id>`` is a sub-agent of that
@@ -49,12 +52,14 @@ from turnstile.traces.prefix import (
 )
 from turnstile.workload.jsonl import FORMAT_NAME, FORMAT_VERSION, workflow_to_dict
 
-__all__ = ["PARENT_HEADER", "SessionRecorder"]
+__all__ = ["END_HEADER", "PARENT_HEADER", "SessionRecorder"]
 
 log = logging.getLogger("turnstile.gateway.recorder")
 
 #: request header naming the session that spawned this one (a sub-agent)
 PARENT_HEADER = "x-turnstile-parent-session"
+#: request header (``1``/``true``) marking the last turn of its session
+END_HEADER = "x-turnstile-session-end"
 
 
 @dataclass
@@ -68,6 +73,8 @@ class _Open:
     #: (characters, digest) of the last call's prompt text: does the next one extend it?
     last_text: tuple[int, bytes] | None = None
     closed: bool = False
+    #: the client marked a turn as the session's last: write the session when it finishes
+    ending: bool = False
     #: finished sub-agents folded into this session: (their calls, their own sub-agents)
     children: list[_Open] = field(default_factory=list)
 
@@ -157,6 +164,13 @@ class SessionRecorder:
         if s.parent is None:
             s.parent = parent_session
 
+    def note_end(self, session_id: str) -> None:
+        """A request of ``session_id`` said it is the session's last turn."""
+        s = self._open.get(session_id)
+        if s is None:
+            s = self._open[session_id] = _Open(session_id, "default")
+        s.ending = True
+
     def turn_finished(self, session_id: str, tenant: str, body: dict[str, Any], ready_s: float,
                       finished_s: float, usage: dict[str, Any] | None,
                       output_tokens: int | None) -> None:
@@ -190,6 +204,8 @@ class SessionRecorder:
             output_tokens=max(1, out), cached_tokens=cached,
             block_hashes=chain_hashes(text, self.block_chars), prompt_chars=len(text),
             extends_previous=extends))
+        if s.ending:
+            self.session_closed(session_id)
 
     def session_closed(self, session_id: str) -> None:
         """The gateway closed the session; write it (or fold it into its open parent)."""
