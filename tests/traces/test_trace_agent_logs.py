@@ -55,7 +55,7 @@ def test_mini_swe_agent_folder_one_workflow_per_file_one_turn_per_reply() -> Non
     assert [t.tools[0].status for t in (t0, t1, t2)] == ["ok", "ok", "error"]
     assert t0.tools[0].name == "bash" and t0.tools[0].result_tokens > 0
     assert t3.tools == ()
-    assert one.meta["source"] == "mini-swe-agent-1.1" and one.meta["exit_status"] == "Submitted"
+    assert one.meta["source"] == "mini-swe-agent-1" and one.meta["exit_status"] == "Submitted"
     # shared system prompt → shared leading prefix blocks across instances
     assert t0.block_hashes and two.turns[0].block_hashes
     assert t0.block_hashes[0] == two.turns[0].block_hashes[0]
@@ -229,3 +229,29 @@ def test_litellm_spend_log_rows_with_iso_times_and_a_session_column(tmp_path: Pa
     assert s1.turns[0].tools[0].duration_s == pytest.approx(2.5)
     assert s1.turns[1].context_tokens == 109 and s1.turns[1].cached_tokens == 64
     assert wfs["s-2"].arrival_s == pytest.approx(2.0)
+
+
+def test_mini_swe_agent_tool_call_messages_and_missing_usage(tmp_path: Path) -> None:
+    """The tool-calling variant: replies carry ``tool_calls``, results come back as ``tool``
+    messages; a reply without saved usage falls back to characters ÷ 4 (and says so)."""
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "bash", "arguments": json.dumps({"command": "ls"})}}
+    data = {"trajectory_format": "mini-swe-agent-1", "info": {}, "messages": [
+        {"role": "system", "content": "s" * 400}, {"role": "user", "content": "task"},
+        {"role": "assistant", "content": None, "tool_calls": [call], "extra": {
+            "response": {"created": 100, "usage": {"prompt_tokens": 120,
+                                                   "completion_tokens": 15}}}},
+        {"role": "tool", "tool_call_id": "c1", "content": "<returncode>2</returncode>",
+         "extra": {"returncode": 2}},
+        {"role": "assistant", "content": "done", "extra": {"response": {"created": 104}}},
+    ]}
+    p = tmp_path / "x.traj.json"
+    p.write_text(json.dumps(data))
+    loaded = load_trace(p)
+    t0, t1 = loaded.workflows[0].turns
+    assert (t0.prompt_tokens, t0.output_tokens) == (120, 15)
+    assert t0.tools[0].status == "error"
+    llm = 120 / PREFILL_TOK_S + 15 / DECODE_TOK_S
+    assert t0.tools[0].duration_s == pytest.approx(4 - llm)
+    assert t1.prompt_tokens > 100 and loaded.counts["prompt_estimated"] == 1
+    assert any("without usage.prompt_tokens" in n for n in loaded.notes)
