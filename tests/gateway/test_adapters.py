@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from turnstile.core.actions import RetentionDecision
 from turnstile.gateway.adapters import (
     EngineAdapter,
     ForwardHints,
@@ -27,7 +28,6 @@ from turnstile.gateway.adapters import (
 )
 from turnstile.gateway.http import ConnectFailed, FastHttpClient
 from turnstile.gateway.testing import chat_body, start_fake
-from turnstile.policies.base import RetentionDecision
 
 pytestmark = pytest.mark.timeout(30)
 

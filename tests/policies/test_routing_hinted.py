@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from turnstile.core import Scheduler
-from turnstile.core.scheduler import Release
+from turnstile.core.actions import Release
 from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, WorkflowRecord
 from turnstile.policies import ROUTING, PolicySet
 from turnstile.workload import Turn

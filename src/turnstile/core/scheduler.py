@@ -15,40 +15,17 @@ methods with the same policy objects; that is what makes "simulate, then deploy"
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from turnstile.core.actions import Action, Release, Retain
+from turnstile.core.interfaces import PolicyBundle
 from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, TurnState, WorkflowRecord
-from turnstile.policies.base import RetentionDecision
 from turnstile.workload.model import Turn, Workflow
-
-if TYPE_CHECKING:
-    from turnstile.policies import PolicySet
 
 
 class SchedulerError(RuntimeError):
     """An event that contradicts the state machine (a driver bug), with the turn it concerns."""
 
 
-@dataclass(frozen=True, slots=True)
-class Release:
-    """Send ``turn`` to ``engine`` with admission ``priority`` (lower runs first)."""
-
-    turn: TurnRecord
-    engine: str
-    priority: float
-
-
-@dataclass(frozen=True, slots=True)
-class Retain:
-    """Keep (or offload, or drop) ``turn``'s session KV on ``engine`` during its tool call."""
-
-    turn: TurnRecord
-    engine: str
-    decision: RetentionDecision
-
-
-Action = Release | Retain
 _NO_ACTIONS: list[Action] = []
 
 
@@ -61,7 +38,7 @@ class Scheduler:
 
     def __init__(
         self,
-        policies: PolicySet,
+        policies: PolicyBundle,
         engines: Sequence[EngineLoad | str],
         *,
         on_workflow_done: Callable[[WorkflowRecord], None] | None = None,
@@ -84,8 +61,6 @@ class Scheduler:
         self.active_workflows = 0
         self.finished_workflows = 0
         self.released_total = 0
-        # optional hook: a release policy that tracks workflows (flow-time quantiles, KV)
-        self._release_sees_done = hasattr(self.release, "on_workflow_done")
         # running mean of observed output lengths: the core's only work estimate, learned online
         self._out_sum = prior_output_tokens
         self._out_n = 1
@@ -257,10 +232,6 @@ class Scheduler:
     def held_turns(self) -> int:
         return len(self.release)
 
-    @property
-    def mean_output_tokens(self) -> float:
-        return self._out_sum / self._out_n
-
     # --------------------------------------------------------------- internals
     def _new_workflow(
         self, wf_id: str, now: float, tenant: str, source: Workflow | None
@@ -349,8 +320,7 @@ class Scheduler:
             self._resume(wf)
         self.active_workflows -= 1
         self.finished_workflows += 1
-        if self._release_sees_done:
-            self.release.on_workflow_done(wf, now)  # type: ignore[attr-defined]
+        self.release.on_workflow_done(wf, now)
         if self.on_workflow_done is not None:
             self.on_workflow_done(wf)
         if self.forget_finished:

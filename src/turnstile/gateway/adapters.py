@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 import httpx
 
+from turnstile.core.actions import RetentionDecision
 from turnstile.gateway.http import (
     BrokenResponse,
     ConnectFailed,
@@ -37,7 +38,6 @@ from turnstile.gateway.http import (
     NothingReceived,
     RawResponse,
 )
-from turnstile.policies.base import RetentionDecision
 
 __all__ = [
     "ADAPTERS",

@@ -37,8 +37,9 @@ from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from turnstile.core.actions import Action, Release
 from turnstile.core.clock import WallClock
-from turnstile.core.scheduler import Action, Release, Scheduler
+from turnstile.core.scheduler import Scheduler
 from turnstile.core.state import EngineLoad, TurnRecord, WorkflowRecord
 from turnstile.gateway.adapters import (
     EngineAdapter,

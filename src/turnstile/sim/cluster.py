@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from turnstile.core.scheduler import Release, Scheduler
+from turnstile.core.actions import Release
+from turnstile.core.scheduler import Scheduler
 from turnstile.core.state import EngineLoad, TurnRecord, TurnState, WorkflowRecord
 from turnstile.policies import PolicySet
 from turnstile.sim.engine import EngineConfig, EngineModel, SimRequest

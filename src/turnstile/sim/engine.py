@@ -52,7 +52,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from turnstile.policies.base import RetentionDecision
+from turnstile.core.actions import RetentionDecision
 from turnstile.sim.perf import (
     GpuSpec,
     ModelSpec,

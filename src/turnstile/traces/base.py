@@ -5,7 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -98,13 +98,6 @@ def counted_notes(source: str, counts: Mapping[str, int], explain: Mapping[str, 
 
 def plural(n: int, word: str) -> str:
     return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
-
-
-def join_names(items: Iterable[str], limit: int = 5) -> str:
-    xs = list(items)
-    if len(xs) <= limit:
-        return ", ".join(xs)
-    return ", ".join(xs[:limit]) + f", … ({len(xs) - limit} more)"
 
 
 class TraceFormatError(ValueError):

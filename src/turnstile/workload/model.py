@@ -57,11 +57,6 @@ class Turn:
     def tool_duration_s(self) -> float:
         return sum(t.duration_s for t in self.tools)
 
-    @property
-    def gap_after_s(self) -> float:
-        """Wall time between this turn finishing and the next turn being ready."""
-        return self.tool_duration_s
-
 
 @dataclass(frozen=True, slots=True)
 class Workflow:
