@@ -42,15 +42,18 @@ def _session(rec: SessionRecorder, sid: str, t0: float, turns: int = 3,
         t += 3.0
 
 
-def test_sessions_are_written_when_closed_with_counts_gaps_and_shared_hashes(tmp_path: Path
-                                                                             ) -> None:
+@pytest.mark.parametrize("background", [False, True], ids=["inline", "writer-thread"])
+def test_sessions_are_written_when_closed_with_counts_gaps_and_shared_hashes(
+        tmp_path: Path, background: bool) -> None:
     path = tmp_path / "rec.jsonl"
-    rec = SessionRecorder(path)
+    rec = SessionRecorder(path, background=background)
     _session(rec, "a", 100.0, secret="TOP-SECRET-a")
     _session(rec, "b", 101.5, secret="TOP-SECRET-b")
+    rec.flush()
     assert not path.exists()  # nothing finished yet
     rec.session_closed("a")
-    assert len(read_workload(path)) == 1  # flushed at once, before the other session ends
+    rec.flush()
+    assert len(read_workload(path)) == 1  # written at once, before the other session ends
     rec.session_closed("b")
     rec.close()
     raw = path.read_text()
@@ -194,6 +197,7 @@ def test_gateway_headers_reach_the_recorder(tmp_path: Path) -> None:
 
         post("a")
         post("a", **{"x-turnstile-session-end": "1"})
+        gw.gateway.recorder.flush()
         assert [w.id for w in read_workload(path)] == ["a"]  # written before any idle close
         post("a")  # the id comes back: a new workflow
         post("kid", **{"x-turnstile-parent-session": "p"})

@@ -20,11 +20,15 @@ branch (:mod:`turnstile.traces.observed`); the parent stays open until its sub-a
 closed. A sub-agent whose parent already finished (or never went through this gateway) is
 written on its own with ``meta.parent_session``.
 
-Each finished session is one JSON line appended with a single ``write`` and ``fsync``; the
-header is written with the first session. A gateway killed at any moment leaves a readable
-workload holding every session finished before the kill (a torn last line can only come from a
-machine crash mid-write; the next ``--record`` run on the same file cuts it off). Restarting on
-an existing file appends, keeping its header (origin time, hash block size).
+Each finished session is one JSON line appended with a single ``write``; the header is written
+with the first session. The work (hashing the prompt, building and writing the workflow) runs on
+a background thread, so the gateway's event loop only queues an observation; the thread
+``fsync``s whenever its queue is empty (a group commit: one ``fsync`` per finished session when
+they come one at a time). A gateway killed at any moment leaves a readable workload holding
+every session finished before the kill, give or take the few milliseconds the thread takes (a
+torn last line can only come from a machine crash mid-write; the next ``--record`` run on the
+same file cuts it off). Restarting on an existing file appends, keeping its header (origin
+time, hash block size).
 
 Turns that failed or whose client went away are not recorded. Times are the gateway's: a turn's
 start is when it became ready at the gateway (its arrival, or the end of the session's previous
@@ -36,7 +40,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,7 +90,7 @@ class SessionRecorder:
     """Append finished sessions to a workload file (see the module docstring)."""
 
     def __init__(self, path: str | Path, *, block_chars: int = BLOCK_CHARS,
-                 clock_to_unix_s: float | None = None) -> None:
+                 clock_to_unix_s: float | None = None, background: bool = False) -> None:
         self.path = Path(path)
         self.block_chars = block_chars
         #: add to a gateway clock reading to get Unix time (set by :meth:`bind_clock`)
@@ -95,7 +102,50 @@ class SessionRecorder:
         self.sessions_written = 0
         self.turns_skipped = 0
         self._ratio: list[tuple[int, int]] = []
+        self._dirty = False
         self._read_existing()
+        #: ``background``: observations are queued to a writer thread (the gateway's mode)
+        self._queue: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]] | None] | None = None
+        self._thread: threading.Thread | None = None
+        if background:
+            self._queue = queue.Queue()
+            self._thread = threading.Thread(target=self._work, name="turnstile-recorder",
+                                            daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------------ the writer thread
+    def _submit(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._queue is None:
+            fn(*args)
+        else:
+            self._queue.put((fn, args))
+
+    def _work(self) -> None:
+        q = self._queue
+        assert q is not None
+        while True:
+            item = q.get()
+            try:
+                if item is None:
+                    return
+                fn, args = item
+                fn(*args)
+                if q.empty():
+                    self._sync()
+            except Exception:  # one bad observation must not stop the recording
+                log.exception("recorder failed on an observation")
+            finally:
+                q.task_done()
+
+    def _sync(self) -> None:
+        if self._dirty and self._fd is not None:
+            os.fsync(self._fd)
+            self._dirty = False
+
+    def flush(self) -> None:
+        """Wait until every observation so far is processed and on disk."""
+        if self._queue is not None:
+            self._queue.join()
 
     # ------------------------------------------------------------------ file
     def _read_existing(self) -> None:
@@ -151,11 +201,41 @@ class SessionRecorder:
         while view:
             n = os.write(self._fd, view)
             view = view[n:]
-        os.fsync(self._fd)
+        self._dirty = True
+        if self._queue is None:
+            self._sync()
 
     # ------------------------------------------------------------------ observations
     def note_parent(self, session_id: str, parent_session: str) -> None:
         """A request of ``session_id`` named ``parent_session`` as its parent."""
+        self._submit(self._note_parent, session_id, parent_session)
+
+    def note_end(self, session_id: str) -> None:
+        """A request of ``session_id`` said it is the session's last turn."""
+        self._submit(self._note_end, session_id)
+
+    def turn_finished(self, session_id: str, tenant: str, body: dict[str, Any], ready_s: float,
+                      finished_s: float, usage: dict[str, Any] | None,
+                      output_tokens: int | None) -> None:
+        """A turn finished with the engine's ``usage``; times are gateway clock readings. The
+        body is only read (hashed), never kept."""
+        self._submit(self._turn_finished, session_id, tenant, body, ready_s, finished_s, usage,
+                     output_tokens)
+
+    def session_closed(self, session_id: str) -> None:
+        """The gateway closed the session; write it (or fold it into its open parent)."""
+        self._submit(self._session_closed, session_id)
+
+    def close(self) -> None:
+        """Shutdown: write every open session as it stands (sub-agents first), close the file."""
+        self._submit(self._close)
+        if self._queue is not None and self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._queue = None
+
+    # ------------------------------------------------------------------ (the thread's side)
+    def _note_parent(self, session_id: str, parent_session: str) -> None:
         if not parent_session or parent_session == session_id:
             return
         s = self._open.get(session_id)
@@ -164,17 +244,15 @@ class SessionRecorder:
         if s.parent is None:
             s.parent = parent_session
 
-    def note_end(self, session_id: str) -> None:
-        """A request of ``session_id`` said it is the session's last turn."""
+    def _note_end(self, session_id: str) -> None:
         s = self._open.get(session_id)
         if s is None:
             s = self._open[session_id] = _Open(session_id, "default")
         s.ending = True
 
-    def turn_finished(self, session_id: str, tenant: str, body: dict[str, Any], ready_s: float,
-                      finished_s: float, usage: dict[str, Any] | None,
-                      output_tokens: int | None) -> None:
-        """A turn finished with the engine's ``usage``; times are gateway clock readings."""
+    def _turn_finished(self, session_id: str, tenant: str, body: dict[str, Any], ready_s: float,
+                       finished_s: float, usage: dict[str, Any] | None,
+                       output_tokens: int | None) -> None:
         prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         if not isinstance(prompt, int) or prompt < 1:
             self.turns_skipped += 1  # no usage: nothing trustworthy to record
@@ -205,10 +283,9 @@ class SessionRecorder:
             block_hashes=chain_hashes(text, self.block_chars), prompt_chars=len(text),
             extends_previous=extends))
         if s.ending:
-            self.session_closed(session_id)
+            self._session_closed(session_id)
 
-    def session_closed(self, session_id: str) -> None:
-        """The gateway closed the session; write it (or fold it into its open parent)."""
+    def _session_closed(self, session_id: str) -> None:
         s = self._open.get(session_id)
         if s is None:
             return
@@ -272,14 +349,14 @@ class SessionRecorder:
         self._ids.add(wid)
         self.sessions_written += 1
 
-    def close(self) -> None:
-        """Shutdown: write every open session as it stands (sub-agents first), close the file."""
+    def _close(self) -> None:
         for s in self._open.values():
             s.closed = True
         while self._open:
             deepest = max(self._open, key=self._depth)
             self._finish(self._open[deepest])
         if self._fd is not None:
+            self._sync()
             os.close(self._fd)
             self._fd = None
 

@@ -321,7 +321,7 @@ class Gateway:
             found = await asyncio.gather(*(a.models() for a in self.adapters.values()))
             self.models = list(dict.fromkeys(m for ms in found for m in ms))
         if self.config.record:
-            self.recorder = SessionRecorder(self.config.record)
+            self.recorder = SessionRecorder(self.config.record, background=True)
             self.recorder.bind_clock(self.clock.now())
         if self.config.db:
             self.store = Store(self.config.db)
