@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 
 from turnstile.cli import app
 from turnstile.engines.llama_server import free_port
-from turnstile.gateway.testing import FakeServer, GatewayProcess, start_fake
+from turnstile.testing.fake_engine import FakeServer, start_fake
+from turnstile.testing.replicas import GatewayProcess
 from turnstile.workload.jsonl import read_workload
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,12 +30,13 @@ def engine() -> Iterator[FakeServer]:
     eng.stop()
 
 
-def _config(tmp_path: Path, engine: FakeServer) -> Path:
+def _config(tmp_path: Path, engine: FakeServer, record: Path) -> Path:
     config = tmp_path / "gateway.toml"
     config.write_text(f"""
 [gateway]
 policy = "eager"
 session_idle_s = 0.6
+record = "{record}"
 
 [[engines]]
 url = "{engine.url}"
@@ -68,27 +70,27 @@ def _wait_for(path: Path, sessions: int, timeout_s: float = 20.0) -> None:
 def test_killed_gateway_leaves_every_finished_session_and_bench_runs_on_it(
         tmp_path: Path, engine: FakeServer) -> None:
     record = tmp_path / "sessions.jsonl"
-    config = _config(tmp_path, engine)
+    config = _config(tmp_path, engine, record)
     port = free_port()
-    gw = GatewayProcess(config, port, tmp_path / "gw.log", "--record", str(record)).start()
+    gw = GatewayProcess(config, replica_id="rec", port=port).start()
     try:
         _turns(gw.url, "alpha", 3)
         _wait_for(record, 1)  # closed after 0.6 s idle: written while the gateway runs
         _turns(gw.url, "beta", 2, pause_s=0.0)  # finished turns, session still open
         gw.kill()
     finally:
-        gw.stop()
+        gw.close()
     (alpha,) = read_workload(record)  # beta was open at the kill: not written
     assert alpha.id == "alpha" and len(alpha.turns) == 3
     assert [t.output_tokens for t in alpha.turns] == [8, 8, 8]
     assert all(t.block_hashes for t in alpha.turns)
     assert alpha.turns[0].tools[0].duration_s >= 0.2
     # a restart appends to the same file; a clean stop writes the open session
-    gw = GatewayProcess(config, port, tmp_path / "gw.log", "--record", str(record)).start()
+    gw = GatewayProcess(config, replica_id="rec", port=port).start()
     try:
         _turns(gw.url, "gamma", 2, pause_s=0.0)
     finally:
-        gw.stop()
+        gw.close()
     wfs = read_workload(record)
     assert [w.id for w in wfs] == ["alpha", "gamma"]
     assert wfs[1].arrival_s > 0  # the first recording's origin is kept

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from turnstile.cli import app
 from turnstile.engines.llama_server import LlamaServerProcess
 from turnstile.engines.tiny_model import write_tiny_gguf
-from turnstile.gateway.testing import start_gateway
+from turnstile.gateway.embedded import start_gateway
 from turnstile.workload.jsonl import read_header, read_workload
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]

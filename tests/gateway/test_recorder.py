@@ -184,7 +184,8 @@ def test_gateway_headers_reach_the_recorder(tmp_path: Path) -> None:
     """In-process gateway over the fake engine: the session-end and parent headers."""
     import httpx
 
-    from turnstile.gateway.testing import chat_body, start_fake, start_gateway
+    from turnstile.gateway.embedded import start_gateway
+    from turnstile.testing.fake_engine import chat_body, start_fake
 
     path = tmp_path / "rec.jsonl"
     eng = start_fake(count_prompt=True)
@@ -207,3 +208,15 @@ def test_gateway_headers_reach_the_recorder(tmp_path: Path) -> None:
     wfs = {w.id: w for w in read_workload(path)}
     assert set(wfs) == {"a", "a~2", "kid"}
     assert len(wfs["a"].turns) == 2 and wfs["kid"].meta["parent_session"] == "p"
+
+
+def test_serve_refuses_to_record_into_a_file_that_is_not_a_workload(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from turnstile.cli import app
+
+    path = tmp_path / "notes.jsonl"
+    path.write_text('{"hello": 1}\n')
+    r = CliRunner().invoke(app, ["serve", "--engine", "http://127.0.0.1:9,llama.cpp",
+                                 "--record", str(path)])
+    assert r.exit_code == 2 and "not a turnstile workload" in r.output

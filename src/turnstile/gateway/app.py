@@ -24,16 +24,16 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from turnstile.gateway.config import GatewayConfig
-from turnstile.gateway.service import (
+from turnstile.gateway.protocol import (
     CHAT_PATH,
     COMPLETIONS_PATH,
     JSON_CT,
-    Gateway,
     GatewayError,
     Outcome,
     TurnRequest,
     error_body,
 )
+from turnstile.gateway.service import Gateway
 
 __all__ = ["GatewayApp", "create_app"]
 

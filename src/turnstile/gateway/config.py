@@ -83,6 +83,17 @@ class GatewayConfig:
     #: engine (``/tokenize``, one extra round trip per request)
     tokenize: bool = False
     default_output_tokens: int = 256
+    #: shared state for several replicas (``redis://HOST:PORT/DB``); None: one process, with
+    #: ``db`` (SQLite) for restarts
+    state: str | None = None
+    #: this replica's name in the shared state (default: host-pid-random)
+    replica_id: str | None = None
+    #: a replica whose heartbeat is older than this is dead: its accepted turns are taken over
+    replica_ttl_s: float = 3.0
+    #: how often replicas exchange their load on the engines (seconds)
+    peer_sync_s: float = 0.1
+    #: derive a session from the conversation when a request names none (see affinity.py)
+    derive_sessions: bool = True
     log_level: str = "warning"
 
     def validate(self) -> None:
