@@ -255,3 +255,16 @@ def test_mini_swe_agent_tool_call_messages_and_missing_usage(tmp_path: Path) -> 
     assert t0.tools[0].duration_s == pytest.approx(4 - llm)
     assert t1.prompt_tokens > 100 and loaded.counts["prompt_estimated"] == 1
     assert any("without usage.prompt_tokens" in n for n in loaded.notes)
+
+
+@pytest.mark.parametrize("first", [
+    {"session_id": "s", "round_index": 0},  # TraceLab
+    {"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]},  # Mooncake
+])
+def test_a_broken_line_in_the_older_loaders_names_file_and_line(tmp_path: Path,
+                                                               first: dict[str, Any]) -> None:
+    p = tmp_path / "t.jsonl"
+    p.write_text(json.dumps(first) + "\n" + '{"session_id": "s", "round_index": 1,\n')
+    r = CliRunner().invoke(app, ["traces", "info", str(p)])
+    assert r.exit_code == 2
+    assert "t.jsonl: line 2: not valid JSON" in " ".join(r.output.split())

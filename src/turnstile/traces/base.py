@@ -5,7 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -168,3 +168,17 @@ def read_json_file(path: str | Path) -> Any:
                                f"not valid JSON ({e.msg})") from None
     except (UnicodeDecodeError, EOFError, gzip.BadGzipFile) as e:
         raise TraceFormatError(path, "", f"cannot be read as JSON text ({e})") from None
+
+
+def iter_json_lines(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """``(line number, decoded value)`` for every non-blank line of a JSON Lines file (``.gz``
+    too); a line that is not JSON raises :class:`TraceFormatError` naming the file and line."""
+    with open_text(path) as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TraceFormatError(path, f"line {lineno}",
+                                       f"not valid JSON ({e.msg}, column {e.colno})") from None

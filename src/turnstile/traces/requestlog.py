@@ -41,7 +41,7 @@ from turnstile.traces.base import (
     LoadedTrace,
     TraceFormatError,
     counted_notes,
-    open_text,
+    iter_json_lines,
     parse_utc,
     tokens_from_chars,
 )
@@ -274,17 +274,10 @@ def load_request_log(path: str | Path, group_by: str = "auto") -> LoadedTrace:
     p = Path(path)
     c: Counter[str] = Counter()
     reqs: list[_Req] = []
-    with open_text(p) as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceFormatError(p, f"line {lineno}", f"not valid JSON ({e.msg})") from None
-            r = _parse(p, lineno, rec, c)
-            if r is not None:
-                reqs.append(r)
+    for lineno, rec in iter_json_lines(p):
+        r = _parse(p, lineno, rec, c)
+        if r is not None:
+            reqs.append(r)
     if not reqs:
         raise TraceFormatError(p, "", "no successful requests to import")
     reqs.sort(key=lambda r: (r.start, r.line))
