@@ -30,18 +30,25 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
-def _load(path: Path, subset: str | None, progress: bool):  # -> LoadedTrace
+def _load(path: Path, subset: str | None, progress: bool,
+          group_by: str | None = None):  # -> LoadedTrace
     from turnstile.traces import load_trace
 
     if not path.exists():
         raise _fail(f"{path} does not exist")
-    kw = {"progress": progress}
+    kw: dict[str, object] = {"progress": progress}
     if subset:
         kw["subset"] = subset
+    if group_by:
+        kw["group_by"] = group_by
     try:
         return load_trace(path, **kw)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, TypeError) as e:
         raise _fail(str(e)) from None
+
+
+_GROUP_BY_HELP = ("request logs: session field (dotted path), 'prefix' (shared message "
+                  "prefixes) or 'auto'")
 
 
 def _fmt(v: float | None) -> str:
@@ -57,11 +64,12 @@ def traces_info(
     path: Annotated[Path, typer.Argument(help="A trace directory or file, or a workload .jsonl")],
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table")] = False,
     subset: Annotated[str | None, typer.Option(help="agentcgroup subset (haiku, ...)")] = None,
+    group_by: Annotated[str | None, typer.Option(help=_GROUP_BY_HELP)] = None,
 ) -> None:
     """Summarize a trace: workflows, turns, token and tool-latency percentiles."""
     from turnstile.workload.stats import summarize
 
-    loaded = _load(path, subset, progress=not json_out)
+    loaded = _load(path, subset, progress=not json_out, group_by=group_by)
     summary = summarize(loaded.workflows)
     out = {"trace": loaded.name, "source": str(path), **summary,
            "counts": loaded.counts, "notes": loaded.notes}
@@ -88,13 +96,23 @@ def traces_convert(
     path: Annotated[Path, typer.Argument(help="A trace directory or file")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Output workload .jsonl")],
     subset: Annotated[str | None, typer.Option(help="agentcgroup subset (haiku, ...)")] = None,
+    group_by: Annotated[str | None, typer.Option(help=_GROUP_BY_HELP)] = None,
 ) -> None:
-    """Convert a real trace to turnstile's JSONL workload format."""
+    """Convert a real trace (or agent logs) to turnstile's JSONL workload format."""
     from turnstile.workload.jsonl import write_workload
 
-    loaded = _load(path, subset, progress=True)
-    n = write_workload(out, loaded.workflows,
-                       meta={"source": str(path), "trace": loaded.name, "notes": loaded.notes})
+    loaded = _load(path, subset, progress=True, group_by=group_by)
+    meta: dict[str, object] = {"source": str(path), "trace": loaded.name, "notes": loaded.notes}
+    if loaded.hash_block_tokens:
+        meta["hash_block_tokens"] = loaded.hash_block_tokens
+    # write beside the target and rename: a failure never leaves a partial workload behind
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        n = write_workload(tmp, loaded.workflows, meta=meta)
+        tmp.replace(out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise _fail(f"could not write {out}: {e}") from None
     console.print(f"wrote {n:,} workflows to {out}")
 
 

@@ -47,6 +47,7 @@ from turnstile.gateway.protocol import (
     Outcome,
     TurnRequest,
 )
+from turnstile.gateway.recorder import SessionRecorder
 from turnstile.gateway.recovery import Recovery
 from turnstile.gateway.relay import Relay, RetryableFailure
 from turnstile.gateway.replicas import ReplicaSync
@@ -115,6 +116,8 @@ class Gateway:
         self.keys: ConversationKeys | None = None
         #: the replica's link to the others (a shared state backend only)
         self.replicas: ReplicaSync | None = None
+        #: ``--record``: finished sessions appended to a workload file (set up in start())
+        self.recorder: SessionRecorder | None = None
         self.started = False
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -143,6 +146,9 @@ class Gateway:
                              return_exceptions=True)
         await self.health.check_all()
         cfg = self.config
+        if cfg.record:
+            self.recorder = SessionRecorder(cfg.record, background=True)
+            self.recorder.bind_clock(self.clock.now())
         backend = self._backend
         if backend is None and cfg.state:
             backend = RedisState(cfg.state, replica_id=cfg.replica_id,
@@ -177,6 +183,9 @@ class Gateway:
         if self.durable is not None:
             await self.durable.backend.aclose()
             self.durable = None
+        if self.recorder is not None:
+            self.recorder.close()  # open sessions are written as they stand
+            self.recorder = None
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
@@ -458,6 +467,8 @@ class Gateway:
         else:
             s.context_tokens = rec.prompt_tokens + out
         s.attained_tokens += rec.prompt_tokens + out
+        if self.recorder is not None and not cancelled:
+            self.recorder.turn_finished(s.id, s.tenant, p.body, rec.ready_s, now, usage, out)
         if p.reply_text is not None and self.keys is not None and not cancelled:
             self.keys.reply(s.id, p.conversation, "".join(p.reply_text),
                             "".join(p.reply_args or ()), last_user_text(p.body))
@@ -495,6 +506,8 @@ class Gateway:
 
     def _close(self, s: Session) -> list[Action]:
         self.table.drop(s.id)
+        if self.recorder is not None:
+            self.recorder.session_closed(s.id)
         if self.durable is not None:
             self.durable.session_closed(s)
         if not s.in_scheduler:
