@@ -130,19 +130,20 @@ def _load_tool_calls(path: Path | None) -> dict[str, float]:
     return out
 
 
-def read_session(
-    trace_path: Path,
-    tool_path: Path | None,
-    subset: str,
-    task: str,
-    attempt: str,
-    st: SessionStats,
-) -> tuple[float, Workflow] | None:
-    """Map one attempt (see the module docstring); counts into ``st``.
+@dataclass
+class _Trace:
+    """What one ``trace.jsonl`` holds, grouped into conversation threads and LLM calls."""
 
-    Returns ``(first event time, workflow at arrival 0)``, or ``None`` when the trace holds no
-    LLM call.
-    """
+    threads: dict[str, _Thread]
+    calls: dict[str, _Call]
+    #: tool_use id → (result time, is_error, result chars)
+    results: dict[str, tuple[float, bool, int]]
+    session_id: str
+    first_ts: float
+
+
+def _read_trace(trace_path: Path, st: SessionStats) -> _Trace | None:
+    """Group the trace's events by thread and by LLM call; ``None`` when it holds no call."""
     threads: dict[str, _Thread] = {}
     uuid_thread: dict[str, str] = {}
     calls: dict[str, _Call] = {}
@@ -211,11 +212,23 @@ def read_session(
                     )
     if not calls or first_ts is None:
         return None
+    return _Trace(threads, calls, results, session_id, first_ts)
 
-    # --- which Task started which sub-agent thread
-    side = [t for t in threads.values() if t.key != MAIN and t.calls]
+
+def _match_subagents(
+    trace: _Trace, st: SessionStats
+) -> tuple[list[_Thread], dict[str, str], dict[str, _Thread]]:
+    """Which ``Task`` call started which sub-agent thread.
+
+    Returns the sub-agent threads, ``Task`` tool_use id → id of the call that emitted it, and
+    ``Task`` tool_use id → the thread it started.
+    """
+    side = [t for t in trace.threads.values() if t.key != MAIN and t.calls]
     task_uses = [
-        (tu[0], tu[2], c, tu[3]) for c in calls.values() for tu in c.tool_uses if tu[1] == "Task"
+        (tu[0], tu[2], c, tu[3])
+        for c in trace.calls.values()
+        for tu in c.tool_uses
+        if tu[1] == "Task"
     ]
     claimed: set[str] = set()
     for t in sorted(side, key=lambda t: t.root_ts):
@@ -236,9 +249,66 @@ def read_session(
         t.spawned_by = match
     spawner: dict[str, str] = {tid: c.id for tid, _ts, c, _i in task_uses}
     threads_by_task = {t.spawned_by: t for t in side if t.spawned_by}
+    return side, spawner, threads_by_task
 
+
+def _tools_of(
+    call: _Call,
+    trace: _Trace,
+    threads_by_task: dict[str, _Thread],
+    tool_lat: dict[str, float],
+    st: SessionStats,
+) -> tuple[ToolCall, ...]:
+    """The call's tool calls; a ``Task`` that started a sub-agent is the branch, not a tool."""
+    tools: list[ToolCall] = []
+    for tid, name, ts, _inp in call.tool_uses:
+        if name == "Task" and tid in threads_by_task:
+            st.c["task_as_subagent"] += 1
+            continue
+        res = trace.results.get(tid)
+        if tid in tool_lat:
+            dur: float | None = tool_lat[tid]
+        elif res is not None:
+            dur = round(max(0.0, res[0] - ts), 6)
+            st.c["latency_from_trace"] += 1
+        else:
+            dur = None
+        status: ToolStatus
+        if dur is None:
+            status, dur = "unknown", 0.0
+            st.c["tools_without_result"] += 1
+        elif name == "Bash" and dur >= BASH_TIMEOUT_S:
+            status = "timeout"  # reported with is_error too; the more specific status wins
+        elif res is not None and res[1]:
+            status = "error"
+        else:
+            status = "ok"
+        st.c[f"tool_{status}"] += 1
+        tools.append(
+            ToolCall(name, dur, status, res[2] // 4 if res is not None else None)
+        )
+    return tuple(tools)
+
+
+def read_session(
+    trace_path: Path,
+    tool_path: Path | None,
+    subset: str,
+    task: str,
+    attempt: str,
+    st: SessionStats,
+) -> tuple[float, Workflow] | None:
+    """Map one attempt (see the module docstring); counts into ``st``.
+
+    Returns ``(first event time, workflow at arrival 0)``, or ``None`` when the trace holds no
+    LLM call.
+    """
+    trace = _read_trace(trace_path, st)
+    if trace is None:
+        return None
+    side, spawner, threads_by_task = _match_subagents(trace, st)
     tool_lat = _load_tool_calls(tool_path)
-    ordered = sorted(calls.values(), key=lambda c: c.order)
+    ordered = sorted(trace.calls.values(), key=lambda c: c.order)
     index = {c.id: i for i, c in enumerate(ordered)}
     prev_in_thread: dict[str, _Call] = {}
     prev_of: dict[str, _Call | None] = {}
@@ -285,7 +355,7 @@ def read_session(
                 if branch is not None and branch.calls:
                     parents.append(index[branch.calls[-1].id])
         elif c.thread != MAIN:
-            thread = threads[c.thread]
+            thread = trace.threads[c.thread]
             src = spawner.get(thread.spawned_by or "")
             if src is None:  # unmatched: hang it on the latest main call before it
                 mains = [index[x.id] for x in ordered[:i] if x.thread == MAIN]
@@ -296,40 +366,13 @@ def read_session(
         par: tuple[int, ...] | None = tuple(parents)
         if (i == 0 and not parents) or parents == [i - 1]:
             par = None
-        # --- tools
-        tools: list[ToolCall] = []
-        for tid, name, ts, _inp in c.tool_uses:
-            if name == "Task" and tid in threads_by_task:
-                st.c["task_as_subagent"] += 1
-                continue
-            res = results.get(tid)
-            if tid in tool_lat:
-                dur: float | None = tool_lat[tid]
-            elif res is not None:
-                dur = round(max(0.0, res[0] - ts), 6)
-                st.c["latency_from_trace"] += 1
-            else:
-                dur = None
-            status: ToolStatus
-            if dur is None:
-                status, dur = "unknown", 0.0
-                st.c["tools_without_result"] += 1
-            elif name == "Bash" and dur >= BASH_TIMEOUT_S:
-                status = "timeout"  # reported with is_error too; the more specific status wins
-            elif res is not None and res[1]:
-                status = "error"
-            else:
-                status = "ok"
-            st.c[f"tool_{status}"] += 1
-            tools.append(
-                ToolCall(name, dur, status, res[2] // 4 if res is not None else None)
-            )
+        tools = _tools_of(c, trace, threads_by_task, tool_lat, st)
         turns.append(
             Turn(
                 input_tokens=prompt - context,
                 output_tokens=output,
                 context_tokens=context,
-                tools=tuple(tools),
+                tools=tools,
                 parents=par,
             )
         )
@@ -344,9 +387,9 @@ def read_session(
         "task": task,
         "attempt": attempt,
         "model": main_models.most_common(1)[0][0] if main_models else "",
-        "session_id": session_id,
+        "session_id": trace.session_id,
     }
     if side_models:
         meta["subagent_model"] = side_models.most_common(1)[0][0]
     wf = Workflow(id=f"{subset}/{task}/{attempt}", arrival_s=0.0, turns=tuple(turns), meta=meta)
-    return first_ts, wf
+    return trace.first_ts, wf
