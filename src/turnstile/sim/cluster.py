@@ -234,6 +234,7 @@ class ClusterSim:
         outcome = engine.step(now)
         if outcome is None:
             self._busy[i] = False
+            # reported through the core's API (the view is read-only to drivers)
             self._act(now, self.scheduler.engine_stats(now, engine.engine_id, queue_len=0,
                                                         running=0))
             self._touched = True
