@@ -220,3 +220,29 @@ def test_serve_refuses_to_record_into_a_file_that_is_not_a_workload(tmp_path: Pa
     r = CliRunner().invoke(app, ["serve", "--engine", "http://127.0.0.1:9,llama.cpp",
                                  "--record", str(path)])
     assert r.exit_code == 2 and "not a turnstile workload" in r.output
+
+
+def test_the_header_ratio_rests_on_every_recorded_turn(tmp_path: Path) -> None:
+    path = tmp_path / "rec.jsonl"
+
+    def one(rec: SessionRecorder, sid: str, chars: int, tokens: int) -> None:
+        body = _body([{"role": "user", "content": "x" * chars}])
+        rec.turn_finished(sid, "t", body, 0.0, 1.0, _usage(tokens, 3), 3)
+        rec.session_closed(sid)
+
+    rec = SessionRecorder(path)
+    one(rec, "a", 4000, 1000)  # 0.25 tokens per character (prompt text ≈ 4,030 characters)
+    first = read_header(path)["meta"]
+    assert first["hash_block_tokens"] == 256
+    one(rec, "b", 4000, 4000)  # a second session at ≈ 1 token per character
+    rec.close()
+    meta = read_header(path)["meta"]
+    assert meta["sample_tokens"] == 5000
+    assert meta["tokens_per_char"] == pytest.approx(5000 / meta["sample_chars"])
+    assert meta["hash_block_tokens"] == 16 * round(1024 * meta["tokens_per_char"] / 16)
+    rec = SessionRecorder(path)  # appending keeps counting from the header's sums
+    one(rec, "c", 4000, 4000)
+    rec.close()
+    meta = read_header(path)["meta"]
+    assert meta["sample_tokens"] == 9000 and len(read_workload(path)) == 3
+    assert load_trace(path).hash_block_tokens == meta["hash_block_tokens"]

@@ -55,7 +55,6 @@ from turnstile.traces.prefix import (
     chain_hashes,
     hash_block_tokens,
     text_digest,
-    tokens_per_char,
 )
 from turnstile.workload.jsonl import FORMAT_NAME, FORMAT_VERSION, workflow_to_dict
 
@@ -67,6 +66,8 @@ log = logging.getLogger("turnstile.gateway.recorder")
 PARENT_HEADER = "x-turnstile-parent-session"
 #: request header (``1``/``true``) marking the last turn of its session
 END_HEADER = "x-turnstile-session-end"
+#: the header's rewritable fields start with this key
+_RATIO_KEY = b'"hash_block_tokens":'
 
 
 @dataclass
@@ -101,7 +102,11 @@ class SessionRecorder:
         self._origin_unix: float | None = None
         self.sessions_written = 0
         self.turns_skipped = 0
-        self._ratio: list[tuple[int, int]] = []
+        #: prompt tokens and characters of every recorded turn (the tokens-per-character ratio)
+        self._tokens = self._chars = 0
+        #: where the header's fixed-width ratio fields start (None: not rewritable)
+        self._ratio_at: int | None = None
+        self._ratio_written = b""
         self._dirty = False
         self._read_existing()
         #: ``background``: observations are queued to a writer thread (the gateway's mode)
@@ -171,6 +176,12 @@ class SessionRecorder:
         meta = header.get("meta") or {}
         self._origin_unix = float(meta.get("origin_unix", 0.0))
         self.block_chars = int(meta.get("hash_block_chars", self.block_chars))
+        at = lines[0].find(_RATIO_KEY)
+        if at >= 0 and isinstance(meta.get("sample_tokens"), int) \
+                and isinstance(meta.get("sample_chars"), int):
+            self._ratio_at = at
+            self._tokens, self._chars = meta["sample_tokens"], meta["sample_chars"]
+            self._ratio_written = lines[0][at:at + len(self._ratio_fields())]
         for raw in lines[1:]:
             try:
                 self._ids.add(str(json.loads(raw)["id"]))
@@ -182,28 +193,50 @@ class SessionRecorder:
         """Tell the recorder what the gateway clock reads now (maps its times to Unix time)."""
         self._to_unix = time.time() - clock_now_s
 
+    def _ratio_fields(self) -> bytes:
+        """The header's tokens-per-character fields, fixed width (JSON allows the padding)."""
+        ratio = self._tokens / self._chars if self._chars else 0.25
+        return (f'{_RATIO_KEY.decode()}{hash_block_tokens(ratio, self.block_chars):<8d},'
+                f'"tokens_per_char":{ratio:<12.6f},"sample_tokens":{self._tokens:<16d},'
+                f'"sample_chars":{self._chars:<16d}').encode()
+
     def _write(self, line: bytes) -> None:
         if self._fd is None:
-            ratio = tokens_per_char(self._ratio)
-            header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "meta": {
-                "recorder": "turnstile serve --record",
-                "origin_unix": self._origin_unix,
-                "hash_block_chars": self.block_chars,
-                "hash_block_tokens": hash_block_tokens(ratio, self.block_chars),
-                "tokens_per_char": round(ratio, 4),
-                "content": "none: token counts, times and prefix block hashes only",
-            }}
+            meta = {"recorder": "turnstile serve --record", "origin_unix": self._origin_unix,
+                    "hash_block_chars": self.block_chars,
+                    "content": "none: token counts, times and prefix block hashes only"}
+            head = f'{{"format":"{FORMAT_NAME}","version":{FORMAT_VERSION},"meta":{{'.encode()
+            self._ratio_at = len(head)
+            self._ratio_written = self._ratio_fields()
+            header = (head + self._ratio_written + b"," +
+                      json.dumps(meta, separators=(",", ":")).encode()[1:] + b"}")
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND,
                                0o644)
-            line = json.dumps(header, separators=(",", ":")).encode() + b"\n" + line
+            line = header + b"\n" + line
         view = memoryview(line)
         while view:
             n = os.write(self._fd, view)
             view = view[n:]
+        self._update_ratio()
         self._dirty = True
         if self._queue is None:
             self._sync()
+
+    def _update_ratio(self) -> None:
+        """Rewrite the header's ratio fields in place (same width) from every turn so far, so
+        ``hash_block_tokens`` rests on the whole recording, not on its first session."""
+        if self._ratio_at is None:
+            return
+        fields = self._ratio_fields()
+        if fields == self._ratio_written or len(fields) != len(self._ratio_written):
+            return  # unchanged, or a count outgrew its width: keep the last value
+        fd = os.open(self.path, os.O_WRONLY)  # not O_APPEND: pwrite must not append
+        try:
+            os.pwrite(fd, fields, self._ratio_at)
+        finally:
+            os.close(fd)
+        self._ratio_written = fields
 
     # ------------------------------------------------------------------ observations
     def note_parent(self, session_id: str, parent_session: str) -> None:
@@ -275,8 +308,9 @@ class SessionRecorder:
             extends = len(text) >= n and text_digest(text[:n]) == digest
         s.last_text = (len(text), text_digest(text))
         start = ready_s + self._to_unix
-        if len(self._ratio) < 1000:
-            self._ratio.append((prompt, len(text)))
+        if text:
+            self._tokens += prompt
+            self._chars += len(text)
         s.calls.append(ObservedCall(
             start_s=start, end_s=max(finished_s + self._to_unix, start), prompt_tokens=prompt,
             output_tokens=max(1, out), cached_tokens=cached,
