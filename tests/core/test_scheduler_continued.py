@@ -29,7 +29,7 @@ def test_session_moved_routes_the_next_turn_to_the_new_engine() -> None:
     s.turn_finished(0.2, "a", rec.index, 5)
     other = "e1" if first == "e0" else "e0"
     s.session_moved("a", other, 1000)  # another replica served a turn there since
-    rec2, actions = s.turn_ready(1.0, "a", Turn(10, 5, 15))
+    _, actions = s.turn_ready(1.0, "a", Turn(10, 5, 15))
     assert actions[0].engine == other and s.workflows["a"].attained_tokens >= 1000
 
 
@@ -41,7 +41,7 @@ def test_peer_load_is_seen_by_policies_and_replaced_not_accumulated() -> None:
             view["e0"].paused_context_tokens) == (5, 5000, 700)
     assert (view.released_turns, view.released_tokens, view.ready_turns) == (5, 5000, 3)
     s.open_session(0.0, "a")
-    rec, actions = s.turn_ready(0.0, "a", Turn(10, 5))
+    _, actions = s.turn_ready(0.0, "a", Turn(10, 5))
     assert actions[0].engine == "e1"  # e0 is loaded by the other replicas
     own = s.own_load("e1")
     assert own[0] == 1 and own[1] == view["e1"].outstanding_tokens

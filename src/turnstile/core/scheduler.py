@@ -18,7 +18,21 @@ from collections.abc import Callable, Mapping, Sequence
 
 from turnstile.core.actions import Action, Release, Retain
 from turnstile.core.interfaces import PolicyBundle
-from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, TurnState, WorkflowRecord
+from turnstile.core.state import (
+    ClusterView,
+    EngineLoad,
+    TurnRecord,
+    TurnState,
+    WorkflowRecord,
+    add_peer_load,
+    charge,
+    count_ready,
+    count_released,
+    discharge,
+    pause_session,
+    report_stats,
+    resume_session,
+)
 from turnstile.workload.model import Turn, Workflow
 
 
@@ -197,10 +211,8 @@ class Scheduler:
             rec.first_token_s = now
         engine = self.view[rec.engine]  # type: ignore[index]
         charged = rec.charged_tokens
-        engine.outstanding_turns -= 1
-        engine.outstanding_tokens -= charged
-        self.view.released_turns -= 1
-        self.view.released_tokens -= charged
+        discharge(engine, charged)
+        count_released(self.view, -1, -charged)
         wf = rec.workflow
         wf.attained_tokens += rec.prompt_tokens + rec.output_tokens
         wf.last_engine = engine.id
@@ -215,8 +227,7 @@ class Scheduler:
                 self._resume(wf)
             wf.paused_engine = engine.id
             wf.paused_tokens = rec.prompt_tokens + rec.output_tokens
-            engine.paused_context_tokens += wf.paused_tokens
-            engine.cached_sessions.add(wf.id)
+            pause_session(engine, wf.id, wf.paused_tokens)
             decision = self.retention.on_tool_start(rec, engine, now)
             actions.append(Retain(rec, engine.id, decision))
         else:
@@ -243,15 +254,8 @@ class Scheduler:
         healthy: bool | None = None,
     ) -> list[Action]:
         """Stats reported by an engine; a recovered engine may unblock held turns."""
-        e = self.view[engine_id]
-        if queue_len is not None:
-            e.queue_len = queue_len
-        if running is not None:
-            e.running = running
-        if kv_used_frac is not None:
-            e.kv_used_frac = kv_used_frac
-        if healthy is not None:
-            e.healthy = healthy
+        report_stats(self.view[engine_id], queue_len=queue_len, running=running,
+                     kv_used_frac=kv_used_frac, healthy=healthy)
         return self._release(now)
 
     def peer_load(
@@ -268,13 +272,10 @@ class Scheduler:
                 continue
             e = view[engine_id]
             old_turns, old_tokens, old_paused = self._peer.get(engine_id, (0, 0, 0))
-            e.outstanding_turns += turns - old_turns
-            e.outstanding_tokens += tokens - old_tokens
-            e.paused_context_tokens += paused - old_paused
-            view.released_turns += turns - old_turns
-            view.released_tokens += tokens - old_tokens
+            add_peer_load(e, turns - old_turns, tokens - old_tokens, paused - old_paused)
+            count_released(view, turns - old_turns, tokens - old_tokens)
             self._peer[engine_id] = (turns, tokens, paused)
-        view.ready_turns += ready_turns - self._peer_ready
+        count_ready(view, ready_turns - self._peer_ready)
         self._peer_ready = ready_turns
         return self._release(now)
 
@@ -325,7 +326,7 @@ class Scheduler:
         rec.state = TurnState.READY
         rec.ready_s = ready_s
         now = ready_s if now is None else now
-        self.view.ready_turns += 1
+        count_ready(self.view, 1)
         self.release.add(rec, now)
 
     def _release(self, now: float) -> list[Action]:
@@ -347,19 +348,16 @@ class Scheduler:
             rec.released_s = now
             rec.engine = engine_id
             rec.priority = self.admission.priority(rec, engine, now)
-            engine.outstanding_turns += 1
-            engine.outstanding_tokens += work
-            view.ready_turns -= 1
-            view.released_turns += 1
-            view.released_tokens += work
+            charge(engine, work)
+            count_ready(view, -1)
+            count_released(view, 1, work)
             self.released_total += 1
             out.append(Release(rec, engine_id, rec.priority))
         return out
 
     def _resume(self, wf: WorkflowRecord) -> None:
         engine = self.view[wf.paused_engine]  # type: ignore[index]
-        engine.paused_context_tokens -= wf.paused_tokens
-        engine.cached_sessions.discard(wf.id)
+        resume_session(engine, wf.id, wf.paused_tokens)
         wf.paused_engine = None
         wf.paused_tokens = 0
 

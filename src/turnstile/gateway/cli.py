@@ -45,6 +45,10 @@ def serve(
         str | None, typer.Option(help="This replica's name in the shared state "
                                  "(default: host-pid-random)")
     ] = None,
+    record: Annotated[
+        Path | None, typer.Option(help="Append every finished session to this workload .jsonl "
+                                  "(counts, times and prefix hashes; never content)")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn/gateway log level")] = "warning",
 ) -> None:
     """Run the OpenAI-compatible scheduling gateway in front of engines."""
@@ -73,6 +77,12 @@ def serve(
             cfg.state = state
         if replica_id is not None:
             cfg.replica_id = replica_id
+        if record is not None:
+            cfg.record = str(record)
+        if cfg.record:
+            from turnstile.gateway.recorder import SessionRecorder
+
+            SessionRecorder(cfg.record).close()  # fails now on a file that is not a workload
         cfg.log_level = log_level
         cfg.validate()
     except (ValueError, OSError) as e:

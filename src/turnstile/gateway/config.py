@@ -8,6 +8,7 @@ policy = "cvar+kv-affinity+ttl"
 max_held = 1024             # held + session-queued turns before 429
 auth_token = ""             # or auth_token_env = "TURNSTILE_TOKEN"
 db = "gateway.sqlite3"      # persist sessions and held turns (omit: in memory only)
+record = "sessions.jsonl"   # append every finished session as a workload (omit: no recording)
 models = []                 # accepted model names (empty: discovered from the engines)
 
 [policy.release]            # optional constructor arguments, per policy kind
@@ -61,6 +62,8 @@ class GatewayConfig:
     max_held: int = 1024
     auth_token: str | None = None
     db: str | None = None
+    #: append each finished session to this workload file (:mod:`.recorder`)
+    record: str | None = None
     models: list[str] = field(default_factory=list)
     max_body_bytes: int = 8 * 1024 * 1024
     #: an idle session (no turn for this long) is closed: its flow time is recorded

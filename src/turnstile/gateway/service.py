@@ -52,6 +52,7 @@ from turnstile.gateway.protocol import (
     Outcome,
     TurnRequest,
 )
+from turnstile.gateway.recorder import SessionRecorder
 from turnstile.gateway.recovery import Recovery
 from turnstile.gateway.relay import Relay, RetryableFailure
 from turnstile.gateway.replicas import ReplicaSync
@@ -122,6 +123,8 @@ class Gateway:
         #: the replica's link to the others (a shared state backend only)
         self.replicas: ReplicaSync | None = None
         self.resolver = SessionResolver(self.table, self.scheduler, self.clock.now, None, None)
+        #: ``--record``: finished sessions appended to a workload file (set up in start())
+        self.recorder: SessionRecorder | None = None
         self.started = False
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -150,6 +153,9 @@ class Gateway:
                              return_exceptions=True)
         await self.health.check_all()
         cfg = self.config
+        if cfg.record:
+            self.recorder = SessionRecorder(cfg.record, background=True)
+            self.recorder.bind_clock(self.clock.now())
         backend = self._backend
         if backend is None and cfg.state:
             backend = RedisState(cfg.state, replica_id=cfg.replica_id,
@@ -190,6 +196,9 @@ class Gateway:
         if self.durable is not None:
             await self.durable.backend.aclose()
             self.durable = None
+        if self.recorder is not None:
+            self.recorder.close()  # open sessions are written as they stand
+            self.recorder = None
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
@@ -447,6 +456,8 @@ class Gateway:
         else:
             s.context_tokens = rec.prompt_tokens + out
         s.attained_tokens += rec.prompt_tokens + out
+        if self.recorder is not None and not cancelled:
+            self.recorder.turn_finished(s.id, s.tenant, p.body, rec.ready_s, now, usage, out)
         if p.reply_text is not None and self.keys is not None and not cancelled:
             self.keys.reply(s.id, p.conversation[0], p.conversation[1], "".join(p.reply_text),
                             "".join(p.reply_args or ()), last_user_text(p.body), p.engine,
@@ -485,6 +496,8 @@ class Gateway:
 
     def _close(self, s: Session) -> list[Action]:
         self.table.drop(s.id)
+        if self.recorder is not None:
+            self.recorder.session_closed(s.id)
         if self.durable is not None:
             self.durable.session_closed(s)
         if not s.in_scheduler:

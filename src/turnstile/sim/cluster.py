@@ -234,9 +234,9 @@ class ClusterSim:
         outcome = engine.step(now)
         if outcome is None:
             self._busy[i] = False
-            load = self.scheduler.view[engine.engine_id]
-            load.queue_len = 0
-            self._act(now, self.scheduler.engine_stats(now, engine.engine_id, running=0))
+            # reported through the core's API (the view is read-only to drivers)
+            self._act(now, self.scheduler.engine_stats(now, engine.engine_id, queue_len=0,
+                                                        running=0))
             self._touched = True
             return
         self._busy[i] = True
