@@ -204,3 +204,24 @@ def test_residency_survives_replica_restart(fake_engines: Callable[..., FakeServ
     for sid, engine in placed.items():
         r = post(again.url, chat_body("next"), {"x-session-id": sid})
         assert r.status_code == 200 and r.headers["x-turnstile-engine"] == engine, sid
+
+
+def test_a_replica_keeps_serving_when_redis_goes_away(fake_engines: Callable[..., FakeServer],
+                                                      tmp_path: Path) -> None:
+    engine = fake_engines()
+    redis = RedisServer().start()
+    try:
+        cfg = write_config(tmp_path / "gw.toml", [(engine.url, "openai")], "eager", None,
+                           state=redis.url, stats_interval_s=0.0)
+        gw = GatewayProcess(cfg, replica_id="alone").start()
+        try:
+            assert post(gw.url, chat_body("before")).status_code == 200
+            redis.stop()
+            for i in range(3):  # keyed, derived and retried requests all still answered
+                assert post(gw.url, chat_body(f"after {i}"),
+                            {"x-session-id": "s", "x-request-id": f"q{i}"}).status_code == 200
+                assert post(gw.url, chat_body(f"derived {i}")).status_code == 200
+        finally:
+            gw.close()
+    finally:
+        redis.stop()

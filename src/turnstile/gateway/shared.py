@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from turnstile.gateway.store import HeldTurnRow, SessionRow
 
@@ -111,6 +112,7 @@ class RedisState:
         self._held: list[HeldTurnRow] = []
         self._claim: Any = None
         self.write_errors = 0
+        self.read_errors = 0
 
     # ------------------------------------------------------------------ lifecycle
     async def open(self) -> None:
@@ -227,14 +229,29 @@ class RedisState:
         pass  # results expire in Redis
 
     # ------------------------------------------------------------------ lookups
+    # Redis unreachable mid-run: lookups answer "not known" (the replica serves on what it knows
+    # itself) and count the failure, instead of failing the request.
+    def _lookup_failed(self) -> None:
+        self.read_errors += 1
+        if self.read_errors == 1 or self.read_errors % 1000 == 0:
+            log.exception("shared state read failed (%d so far)", self.read_errors)
+
     async def lookup_session(self, session_id: str) -> SessionRow | None:
-        v = await self.redis.get(f"{self.ns}:session:{session_id}")
+        try:
+            v = await self.redis.get(f"{self.ns}:session:{session_id}")
+        except RedisError:
+            self._lookup_failed()
+            return None
         if v is None:
             return None
         return SessionRow(session_id, *json.loads(v))
 
     async def lookup_result(self, request_id: str) -> tuple[int, bytes, float, str] | None:
-        h = await self.redis.hgetall(f"{self.ns}:result:{request_id}")
+        try:
+            h = await self.redis.hgetall(f"{self.ns}:result:{request_id}")
+        except RedisError:
+            self._lookup_failed()
+            return None
         if not h:
             return None
         return (int(h[b"status"]), bytes(h[b"body"]), float(h[b"at"]), _s(h[b"path"]))
@@ -242,7 +259,12 @@ class RedisState:
     async def turn_status(self, request_id: str) -> tuple[str | None, bool]:
         """(the replica that accepted the turn, whether it was answered); (None, False) for a
         request id never seen (or expired)."""
-        owner, done = await self.redis.hmget(f"{self.ns}:turn:{request_id}", "owner", "done")
+        try:
+            owner, done = await self.redis.hmget(f"{self.ns}:turn:{request_id}", "owner",
+                                                 "done")
+        except RedisError:
+            self._lookup_failed()
+            return None, False
         return (None if owner is None else _s(owner)), done is not None
 
     async def _rows(self, rids: Iterable[Any]) -> list[HeldTurnRow]:
@@ -296,7 +318,11 @@ class RedisState:
 
     # ------------------------------------------------------------------ KeyStore
     async def get_many(self, keys: list[str]) -> list[str | None]:
-        vals = await self.redis.mget([f"{self.ns}:key:{k}" for k in keys])
+        try:
+            vals = await self.redis.mget([f"{self.ns}:key:{k}" for k in keys])
+        except RedisError:
+            self._lookup_failed()
+            return [None] * len(keys)
         return [None if v is None else _s(v) for v in vals]
 
     def put_many(self, items: Iterable[tuple[str, str]]) -> None:
