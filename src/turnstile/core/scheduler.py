@@ -263,9 +263,9 @@ class Scheduler:
     ) -> list[Action]:
         """Work other drivers sharing these engines hold (other gateway replicas), per engine
         ``(released turns, released tokens, paused context tokens)``, plus the turns they hold
-        READY. Counted in the view the policies read (so routing, shadow load and the released-
-        work budget are global), replacing the previous report; this scheduler's own accounting
-        is unchanged underneath."""
+        READY. Counted in the view the policies read (so routing, shadow load and any released
+        work a policy reads from the view are global), replacing the previous report; this
+        scheduler's own accounting is unchanged underneath."""
         view = self.view
         for engine_id, (turns, tokens, paused) in engines.items():
             if engine_id not in view:

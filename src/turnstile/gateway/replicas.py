@@ -2,8 +2,8 @@
 
 * Every ``peer_sync_s`` the replica publishes its own load on each engine (released turns and
   tokens, paused context) and its held turns, refreshes its heartbeat, and hands the other
-  replicas' sum to its scheduler (``Scheduler.peer_load``): routing, shadow load and the
-  released-work budget are decided on the cluster's load, not one replica's share of it.
+  replicas' sum to its scheduler (``Scheduler.peer_load``): routing, shadow load and the budgets
+  policies read from the view are decided on the cluster's load, not one replica's share of it.
 * Every few syncs it claims the accepted turns of replicas whose heartbeat expired and serves
   them with no client attached, keeping the results for the clients' retries.
 * A request id another live replica is serving is not served again: the retry waits for that

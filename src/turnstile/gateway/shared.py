@@ -14,7 +14,7 @@ Every replica runs its own scheduler over the same engines; Redis carries what m
 * ``{ns}:load:{replica}`` — per engine the replica's released turns, released tokens and paused
   context (shadow load), and its held turns; each replica adds the others' to its scheduler's
   view (:meth:`~turnstile.core.scheduler.Scheduler.peer_load`), so routing, shadow load and the
-  release budget see the whole cluster.
+  budgets policies read from the view see the whole cluster.
 * ``{ns}:key:{hash}`` — conversation keys → session (:mod:`.affinity`).
 
 Writes are queued and sent in one pipeline per event-loop pass (ordered, one round trip per
