@@ -98,7 +98,7 @@ def test_conversations_without_keys_follow_their_kv_across_replicas(
     def first_turn(i: int) -> None:
         msgs = [{"role": "system", "content": "you are a coding agent"},
                 {"role": "user", "content": f"fix bug {i}"}]
-        r = post(gws[i % 3].url, {"model": "tiny", "messages": msgs, "max_tokens": 4 + i})
+        r = post(gws[i % 3].url, {"model": "tiny", "messages": msgs, "max_tokens": 20 + i})
         assert r.status_code == 200
         msgs.append(r.json()["choices"][0]["message"])
         convs[i] = msgs
@@ -116,11 +116,19 @@ def test_conversations_without_keys_follow_their_kv_across_replicas(
         for i in range(4):
             msgs = [*convs[i], {"role": "user", "content": f"tool result {turn}"}]
             r = post(gws[(i + turn) % 3].url, {"model": "tiny", "messages": msgs,
-                                                "max_tokens": 4 + i})
+                                                "max_tokens": 20 + i})
             assert r.status_code == 200
             assert (r.headers["x-session-id"], r.headers["x-turnstile-engine"]) == placed[i]
             msgs.append(r.json()["choices"][0]["message"])
             convs[i] = msgs
+    for i in range(4):
+        # a sub-agent whose task is the parent's last reply, through yet another replica
+        task = convs[i][-1]["content"]
+        r = post(gws[(i + 1) % 3].url, {"model": "tiny", "max_tokens": 4, "messages": [
+            {"role": "system", "content": "you are a sub-agent"},
+            {"role": "user", "content": task}]})
+        assert r.headers["x-session-id"] != placed[i][0]
+        assert r.headers["x-turnstile-engine"] == placed[i][1], i
 
 
 def test_release_budget_is_global(fake_engines: Callable[..., FakeServer],
