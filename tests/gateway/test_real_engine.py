@@ -128,7 +128,8 @@ def test_sessions_complete_and_stick_to_their_engine(engines: list[LlamaServerPr
                 break
             assert time.monotonic() < deadline, m["turnstile_gateway_requests_total"]
             time.sleep(0.02)
-        assert f'status="200"}} {float(SESSIONS * TURNS)}' in text
+        assert f'status="200"}} {float(SESSIONS * TURNS)}' in text, [
+            ln for ln in text.splitlines() if "requests_total" in ln]
         assert m["turnstile_gateway_turns_finished_total"] == SESSIONS * TURNS
         assert m["turnstile_gateway_output_tokens_total"] == SESSIONS * TURNS * 12
         assert m["turnstile_gateway_released_turns_total"] == SESSIONS * TURNS
