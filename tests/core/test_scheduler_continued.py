@@ -49,3 +49,13 @@ def test_peer_load_is_seen_by_policies_and_replaced_not_accumulated() -> None:
     assert (view["e0"].outstanding_turns, view["e0"].outstanding_tokens) == (1, 100)
     assert view.released_turns == 2 and view.ready_turns == 0
     assert s.own_load("e0") == (0, 0, 0)
+
+
+def test_peer_observations_teach_the_policies_through_their_hooks() -> None:
+    s = Scheduler(PolicySet.from_spec("cvar+kv-affinity+ttl"), ["e0"])
+    for i in range(40):
+        s.peer_observed(100.0 + i, flow_time_s=10.0 + i, tool_time_s=2.0)
+    assert 35.0 < s.release.flow_q.q < 50.0  # the flow-time tail learned from peers
+    assert s.retention.estimator.count("") == 40
+    assert s.retention.estimator.quantile("", 0.9) == 2.0
+    assert not s.workflows  # nothing of the peers' is tracked here

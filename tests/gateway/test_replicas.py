@@ -54,6 +54,13 @@ def replicas(tmp_path: Path, redis_url: str
         g.close()
 
 
+def redis_rows(gw: GatewayProcess, sid: str) -> Any:
+    import redis
+
+    url = gw.config.read_text().split('state = "')[1].split('"')[0]
+    return redis.Redis.from_url(url).get(f"ts:session:{sid}")
+
+
 def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
          timeout: float = 30.0) -> httpx.Response:
     return httpx.post(url + "/v1/chat/completions", json=body, headers=headers or {},
@@ -211,7 +218,8 @@ def test_residency_survives_replica_restart(fake_engines: Callable[..., FakeServ
     (again,) = replicas([e.url for e in engines], 1, names=["solo-restarted"])
     for sid, engine in placed.items():
         r = post(again.url, chat_body("next"), {"x-session-id": sid})
-        assert r.status_code == 200 and r.headers["x-turnstile-engine"] == engine, sid
+        assert r.status_code == 200 and r.headers["x-turnstile-engine"] == engine, (
+            sid, again.tail(), redis_rows(gw, sid))
 
 
 def test_a_replica_keeps_serving_when_redis_goes_away(fake_engines: Callable[..., FakeServer],
@@ -233,3 +241,33 @@ def test_a_replica_keeps_serving_when_redis_goes_away(fake_engines: Callable[...
             gw.close()
     finally:
         redis.stop()
+
+
+def test_replicas_learn_tool_times_and_flow_times_from_each_other(
+        fake_engines: Callable[..., FakeServer], redis_url: str) -> None:
+    from turnstile.gateway.embedded import start_gateway
+    from turnstile.gateway.shared import RedisState
+
+    engine = fake_engines()
+    gws = [start_gateway([engine.url], policy="cvar+kv-affinity+ttl", kind="openai",
+                         session_idle_s=1.0, backend=RedisState(redis_url, replica_id=f"l{i}"))
+           for i in range(2)]
+    try:
+        for sid in ("u", "v"):
+            for turn in range(3):
+                if turn:
+                    time.sleep(0.2)  # the client's tool call
+                assert post(gws[0].url, chat_body(f"{sid} {turn}"),
+                            {"x-session-id": sid}).status_code == 200
+        other = gws[1].gateway.scheduler
+        deadline = time.monotonic() + 10
+        # 4 tool gaps of ~0.2 s and 2 sessions closed (idle) on l0, learned by l1
+        while (other.retention.estimator.count("") < 4
+               or other.release.flow_q._n < 2) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert other.retention.estimator.count("") == 4
+        assert 0.15 <= other.retention.estimator.quantile("", 0.5) < 1.0
+        assert other.release.flow_q._n == 2
+    finally:
+        for g in gws:
+            g.stop()

@@ -33,7 +33,7 @@ from turnstile.core.state import (
     report_stats,
     resume_session,
 )
-from turnstile.workload.model import Turn, Workflow
+from turnstile.workload.model import ToolCall, Turn, Workflow
 
 
 class SchedulerError(RuntimeError):
@@ -81,6 +81,7 @@ class Scheduler:
         # load reported by other drivers on the same engines (see peer_load)
         self._peer: dict[str, tuple[int, int, int]] = {}
         self._peer_ready = 0
+        self._peer_seq = 0
 
     # ------------------------------------------------------------------ events
     def workflow_arrived(self, now: float, workflow: Workflow) -> list[Action]:
@@ -278,6 +279,30 @@ class Scheduler:
         count_ready(view, ready_turns - self._peer_ready)
         self._peer_ready = ready_turns
         return self._release(now)
+
+    def peer_observed(
+        self,
+        now: float,
+        *,
+        flow_time_s: float | None = None,
+        tool_time_s: float | None = None,
+        tools: tuple[ToolCall, ...] = (),
+    ) -> None:
+        """What another driver sharing these engines observed (another gateway replica): a
+        workflow's flow time, a tool call's duration. The policies learn from it through their
+        declared hooks (``on_workflow_done``, ``on_tool_end``), handed a stand-in record of the
+        peer's workflow that this scheduler does not track."""
+        self._peer_seq += 1
+        wf_id = f"peer-{self._peer_seq}"
+        if flow_time_s is not None:
+            wf = WorkflowRecord(wf_id, now - flow_time_s, "default", None)
+            wf.finished_s = now
+            self.release.on_workflow_done(wf, now)
+        if tool_time_s is not None:
+            wf = WorkflowRecord(wf_id, now - tool_time_s, "default", None)
+            rec = TurnRecord(wf, 0, Turn(0, 0, tools=tuple(tools)))
+            rec.finished_s = now - tool_time_s
+            self.retention.on_tool_end(rec, now)
 
     def own_load(self, engine_id: str) -> tuple[int, int, int]:
         """This scheduler's own ``(released turns, released tokens, paused context tokens)``

@@ -22,7 +22,7 @@ from turnstile.gateway.protocol import (
     started,
 )
 from turnstile.gateway.sessions import PendingTurn, SessionTable
-from turnstile.gateway.store import HeldTurnRow
+from turnstile.gateway.store import HeldTurnRow, SessionRow
 from turnstile.workload.model import Turn
 
 __all__ = ["Recovery", "RecoveryHost"]
@@ -62,13 +62,16 @@ class Recovery:
             log.warning("restored %d sessions, %d held turns, %d kept results",
                         len(host.table), len(host.by_request), len(self.results))
 
-    def adopt(self, h: HeldTurnRow) -> None:
-        """Serve an accepted turn nobody waits for here, keeping its result."""
+    def adopt(self, h: HeldTurnRow, session: SessionRow | None = None) -> None:
+        """Serve an accepted turn nobody waits for here, keeping its result; ``session``: its
+        session's row when another replica served it (residency, context)."""
         host = self.host
         durable = host.durable
         assert durable is not None
         s = host.table.open(h.session_id, "default", h.session_id.startswith("req-"),
                             h.ready_s)
+        if session is not None and not s.in_scheduler:
+            s.load(session)
         if s.active is not None or h.request_id in host.by_request:
             durable.backend.drop_turn(h.request_id)
             return

@@ -4,6 +4,8 @@
   tokens, paused context) and its held turns, refreshes its heartbeat, and hands the other
   replicas' sum to its scheduler (``Scheduler.peer_load``): routing, shadow load and the budgets
   policies read from the view are decided on the cluster's load, not one replica's share of it.
+* It feeds the other replicas' observations (flow times, tool-call durations) to its policies,
+  so what they learn is learned from the whole cluster's traffic.
 * Every few syncs it claims the accepted turns of replicas whose heartbeat expired and serves
   them with no client attached, keeping the results for the clients' retries.
 * A request id another live replica is serving is not served again: the retry waits for that
@@ -25,7 +27,7 @@ from turnstile.core.scheduler import Scheduler
 from turnstile.gateway.protocol import GatewayError, Outcome, TurnRequest
 from turnstile.gateway.sessions import Session
 from turnstile.gateway.shared import RedisState
-from turnstile.gateway.store import HeldTurnRow
+from turnstile.gateway.store import HeldTurnRow, SessionRow
 
 __all__ = ["ReplicaHost", "ReplicaSync"]
 
@@ -38,7 +40,7 @@ _CLAIM_EVERY = 5
 class ReplicaHost(Protocol):
     scheduler: Scheduler
 
-    def adopt(self, row: HeldTurnRow) -> None: ...
+    def adopt(self, row: HeldTurnRow, session: SessionRow | None = None) -> None: ...
 
     async def cached_outcome(self, rid: str, req: TurnRequest) -> Outcome | None: ...
 
@@ -55,6 +57,8 @@ class ReplicaSync:
         #: how long a retry waits for the replica serving its turn
         self.wait_s = wait_s
         self.claimed = 0
+        #: load syncs done (each also reads the others' observations)
+        self.learned = 0
 
     async def loop(self) -> None:
         n = 0
@@ -75,6 +79,10 @@ class ReplicaSync:
         for eid in sched.view.ids:
             peers.setdefault(eid, (0, 0, 0))
         self.host._apply(sched.peer_load(self.now(), peers, held))
+        now = self.now()
+        for flow_s, tool_s in await self.state.read_observations():
+            sched.peer_observed(now, flow_time_s=flow_s, tool_time_s=tool_s)
+        self.learned += 1
 
     async def claim(self) -> None:
         rows = await self.state.claim_orphans()
@@ -83,7 +91,7 @@ class ReplicaSync:
                         len(rows))
             self.claimed += len(rows)
         for row in rows:
-            self.host.adopt(row)
+            self.host.adopt(row, await self.state.lookup_session(row.session_id))
 
     async def refresh(self, s: Session) -> None:
         """Before a turn of a session named by its client: what another replica learned about

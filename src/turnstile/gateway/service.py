@@ -59,7 +59,7 @@ from turnstile.gateway.replicas import ReplicaSync
 from turnstile.gateway.resolve import SessionResolver
 from turnstile.gateway.sessions import PendingTurn, Session, SessionTable
 from turnstile.gateway.shared import RedisState
-from turnstile.gateway.store import HeldTurnRow, StateBackend, Store
+from turnstile.gateway.store import HeldTurnRow, SessionRow, StateBackend, Store
 from turnstile.policies import PolicySet
 from turnstile.workload.model import Turn
 
@@ -218,8 +218,8 @@ class Gateway:
     def results(self) -> dict[str, tuple[int, bytes, float, str]]:
         return self.recovery.results
 
-    def adopt(self, h: HeldTurnRow) -> None:
-        self.recovery.adopt(h)
+    def adopt(self, h: HeldTurnRow, session: SessionRow | None = None) -> None:
+        self.recovery.adopt(h, session)
 
     def serve_detached(self, p: PendingTurn) -> None:
         self.recovery.serve_detached(p)
@@ -279,11 +279,17 @@ class Gateway:
             turn, p.prompt_chars = await self.estimator.estimate(p.path, p.body,
                                                                  session.context_tokens)
             self._ready(p, turn)
-            if self.durable is not None and self.durable.backend.shared:
-                # another replica serves it if this one dies (written in the next batch, not
-                # waited for: until then its client's retry is what serves it elsewhere)
-                self.durable.accepted(p)
-            return await self._run(p)
+            if self.durable is None or not self.durable.backend.shared:
+                return await self._run(p)
+            # another replica serves it if this one dies (written in the next batch, not
+            # waited for: until then its client's retry is what serves it elsewhere)
+            self.durable.accepted(p)
+            out = await self._run(p)
+            if out.events is None:
+                # marked answered before the answer goes out: a replica that dies now leaves
+                # nothing for another to run again
+                await self.durable.backend.flush()
+            return out
         except BaseException:
             if p.state == PENDING and p.rec is None:  # never became READY
                 self._forget(p)
@@ -329,6 +335,9 @@ class Gateway:
                 now, s.id, s.tenant, arrival_s=s.arrival_s if s.turns else None,
                 attained_tokens=s.attained_tokens, last_engine=s.last_engine)
             s.in_scheduler = True
+        elif s.turns and p.rec is None and self.replicas is not None:
+            # the gap since its last turn is the client's tool call: the others learn it too
+            self.replicas.state.publish_observation(tool_time_s=max(now - s.last_active_s, 0.0))
         p.state = READY
         p.waker = asyncio.get_running_loop().create_future()
         rec, actions = self.scheduler.turn_ready(now, s.id, turn, engine_hint=p.engine_hint,
@@ -400,6 +409,8 @@ class Gateway:
         last = max((t.finished_s for t in wf.turns), default=-1.0)
         if last >= 0:
             self.metrics.flow.observe(max(last - wf.arrival_s, 0.0))
+            if self.replicas is not None:  # the other replicas' policies learn from it too
+                self.replicas.state.publish_observation(flow_time_s=last - wf.arrival_s)
 
     # ================================================================== turn events (relay)
     def turn_started(self, p: PendingTurn) -> ForwardHints:

@@ -16,6 +16,10 @@ Every replica runs its own scheduler over the same engines; Redis carries what m
   view (:meth:`~turnstile.core.scheduler.Scheduler.peer_load`), so routing, shadow load and the
   budgets policies read from the view see the whole cluster.
 * ``{ns}:key:{hash}`` — conversation keys → session (:mod:`.affinity`).
+* ``{ns}:learn`` — a stream of what each replica observed (a session's flow time, a tool call's
+  duration), capped at ``learn_max`` entries; every replica feeds the others' to its policies
+  (``Scheduler.peer_observed``), so learned tool latencies and flow-time quantiles are the
+  cluster's; a new replica starts from the stream's history.
 
 Writes are queued and sent in one pipeline per event-loop pass (ordered, one round trip per
 batch); :meth:`RedisState.flush` waits for the queue, and an accepted turn is flushed before it
@@ -105,12 +109,15 @@ class RedisState:
         self.key_ttl_s = key_ttl_s
         self.redis: aioredis.Redis = aioredis.Redis.from_url(url)
         self._queue: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
-        self._flushed: asyncio.Future[None] | None = None
+        self._flushed: asyncio.Future[None] | None = None  # the next batch's completion
+        self._inflight: asyncio.Future[None] | None = None  # the batch being sent
         self._writer: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._origin = 0.0
         self._held: list[HeldTurnRow] = []
         self._claim: Any = None
+        self.learn_max = 10_000
+        self._learn_from = "0-0"
         self.write_errors = 0
         self.read_errors = 0
 
@@ -148,12 +155,14 @@ class RedisState:
             self._wake.set()
 
     async def flush(self) -> None:
-        """Wait until every write queued so far reached Redis."""
-        if not self._queue and self._flushed is None:
-            return
-        if self._flushed is None:
-            self._flushed = asyncio.get_running_loop().create_future()
-        await asyncio.shield(self._flushed)
+        """Wait until every write queued so far reached Redis (the batch being sent, and the
+        next one when writes are queued)."""
+        if self._queue:
+            if self._flushed is None:
+                self._flushed = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._flushed)
+        elif self._inflight is not None:
+            await asyncio.shield(self._inflight)
 
     async def _write_loop(self) -> None:
         assert self._wake is not None
@@ -162,6 +171,9 @@ class RedisState:
             self._wake.clear()
             batch, self._queue = self._queue, []
             done, self._flushed = self._flushed, None
+            if done is None and batch:
+                done = asyncio.get_running_loop().create_future()
+            self._inflight = done
             if batch:
                 pipe = self.redis.pipeline(transaction=False)
                 for cmd, args, kw in batch:
@@ -174,6 +186,7 @@ class RedisState:
                 except Exception:
                     self.write_errors += 1
                     log.exception("shared state write failed (%d commands)", len(batch))
+            self._inflight = None
             if done is not None and not done.done():
                 done.set_result(None)
             if self._queue:
@@ -315,6 +328,27 @@ class RedisState:
                     for i in range(3):
                         t[i] += int(v[i])
         return {k: (v[0], v[1], v[2]) for k, v in total.items()}, held_total
+
+    # ------------------------------------------------------------------ learning
+    def publish_observation(self, *, flow_time_s: float | None = None,
+                            tool_time_s: float | None = None) -> None:
+        fields = {"r": self.replica, "f": "" if flow_time_s is None else repr(flow_time_s),
+                  "t": "" if tool_time_s is None else repr(tool_time_s)}
+        self._put("xadd", f"{self.ns}:learn", fields, maxlen=self.learn_max, approximate=True)
+
+    async def read_observations(self, count: int = 1000
+                                ) -> list[tuple[float | None, float | None]]:
+        """The other replicas' observations since the last call: (flow time, tool time)."""
+        got = await self.redis.xread({f"{self.ns}:learn": self._learn_from}, count=count)
+        out: list[tuple[float | None, float | None]] = []
+        for _, entries in got:
+            for entry_id, fields in entries:
+                self._learn_from = _s(entry_id)
+                if _s(fields.get(b"r", b"")) == self.replica:
+                    continue
+                f, t = _s(fields.get(b"f", b"")), _s(fields.get(b"t", b""))
+                out.append((float(f) if f else None, float(t) if t else None))
+        return out
 
     # ------------------------------------------------------------------ KeyStore
     async def get_many(self, keys: list[str]) -> list[str | None]:
