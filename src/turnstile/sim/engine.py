@@ -113,6 +113,7 @@ class EngineModel(StepExecutor):
                 f"{req!r} needs {need} KV blocks ({kv_max} tokens) but engine "
                 f"{self.engine_id} has {self.config.num_gpu_blocks}: it can never run"
             )
+        self._cut_out = None
         self.sched.add(req)
 
     def has_work(self) -> bool:
@@ -124,6 +125,7 @@ class EngineModel(StepExecutor):
         unused ones to the CPU tier now (no tier: same as ``lru``); ``discard`` frees the unused
         ones and drops their CPU copies now; ``lru`` leaves them to the LRU. Blocks a running
         request holds are never moved or freed."""
+        self._cut_out = None
         self.pool.retain(session, decision, now)
 
     def session_blocks(self, session: str) -> tuple[int, int]:
