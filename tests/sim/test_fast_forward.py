@@ -97,15 +97,16 @@ def test_a_fitted_perf_model_is_unchanged_too():
     assert_same(request_trace(150, seed=9), "eager", groups)
 
 
+def engine() -> EngineModel:
+    """Six requests of different lengths queued at 0 on one H100 engine."""
+    eng = EngineModel("e", EngineConfig(num_gpu_blocks=400, max_num_seqs=8),
+                      RooflinePerf("H100", "llama-3.1-8b"))
+    for i in range(6):
+        eng.submit(SimRequest(i, f"s{i}", 100 + 37 * i, 50 + 29 * i), 0.0)
+    return eng
+
+
 def test_leap_matches_stepping_one_iteration_at_a_time():
-    perf = RooflinePerf("H100", "llama-3.1-8b")
-
-    def engine():
-        eng = EngineModel("e", EngineConfig(num_gpu_blocks=400, max_num_seqs=8), perf)
-        for i in range(6):
-            eng.submit(SimRequest(i, f"s{i}", 100 + 37 * i, 50 + 29 * i), 0.0)
-        return eng
-
     stepped, leaped = engine(), engine()
     ends_a, ends_b = [], []
     now = 0.0
@@ -133,14 +134,6 @@ def test_leap_matches_stepping_one_iteration_at_a_time():
 
 
 def test_resume_continues_a_cut_leap_exactly_and_only_when_nothing_reached_the_engine():
-    perf = RooflinePerf("H100", "llama-3.1-8b")
-
-    def engine():
-        eng = EngineModel("e", EngineConfig(num_gpu_blocks=400, max_num_seqs=8), perf)
-        for i in range(6):
-            eng.submit(SimRequest(i, f"s{i}", 100 + 37 * i, 50 + 29 * i), 0.0)
-        return eng
-
     def cuts(resume: bool) -> tuple[list, dict, int]:
         """Leap in slices of 0.01 s (as if other engines' events cut it), resuming or not."""
         eng = engine()
