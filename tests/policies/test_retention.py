@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from turnstile.core.actions import LRU, RetentionDecision
-from turnstile.core.state import EngineLoad, TurnRecord, WorkflowRecord
+from turnstile.core.state import EngineLoad, TurnRecord, WorkflowRecord, charge
 from turnstile.policies import RETENTION, PolicySet
 from turnstile.policies.retention import (
     BudgetKeepRetention,
@@ -84,7 +84,7 @@ def test_infercept_discard_gets_dearer_with_a_busy_engine():
     pol = RETENTION.create("infercept")
     observe(pol, "slow", [60.0] * 3)
     busy = EngineLoad("e0")
-    busy.outstanding_tokens = 500_000  # recomputing would stall a big running batch
+    charge(busy, 500_000)  # recomputing would stall a big running batch
     assert pol.on_tool_start(finished_turn("slow", prompt=40), busy, 0.0).action == "offload"
 
 

@@ -4,9 +4,9 @@ the offload tier, and the next-finish heap of the batch scheduler."""
 from __future__ import annotations
 
 from turnstile.sim.batch_scheduler import BatchScheduler
-from turnstile.sim.block_pool import BlockPool, Seg
+from turnstile.sim.block_pool import BlockPool
 from turnstile.sim.engine_config import EngineConfig
-from turnstile.sim.request import SimRequest
+from turnstile.sim.request import Seg, SimRequest
 
 
 def pool_state(pool: BlockPool) -> tuple:

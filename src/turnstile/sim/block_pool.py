@@ -34,31 +34,7 @@ from typing import Any
 
 from turnstile.sim.engine_config import EngineConfig
 from turnstile.sim.kv_retention import FIRST, KEEP, MRU, RetentionTier
-from turnstile.sim.request import SimRequest
-
-
-class Seg:
-    """The session-named blocks of one session (from block ``lo`` on) on one engine.
-
-    Blocks ``[lo, g)`` are cached on the GPU and ``[g, c)`` in the CPU tier (``c == g``: none).
-    Running requests holding a prefix are ``users`` (request → end block); the evictable part
-    is ``[floor, g)`` with ``floor`` the longest held prefix, unless the segment is pinned.
-    """
-
-    __slots__ = ("c", "ev", "g", "key", "lo", "pin_until", "users")
-
-    def __init__(self, key: tuple[str, int], lo: int) -> None:
-        self.key = key
-        self.lo = self.g = self.c = lo
-        self.users: dict[SimRequest, int] = {}
-        self.pin_until = 0.0  # > 0 while pinned
-        self.ev = 0  # evictable blocks as last counted in the pool's total
-
-    def floor(self) -> int:
-        return max(self.users.values()) if self.users else self.lo
-
-    def __repr__(self) -> str:
-        return f"<Seg {self.key} gpu=[{self.lo},{self.g}) cpu=[{self.g},{self.c})>"
+from turnstile.sim.request import Seg, SimRequest
 
 
 class PrefixMatch:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from turnstile.core.actions import RetentionDecision
-    from turnstile.sim.block_pool import Seg
+    from turnstile.sim.request import Seg
 
 # where BlockPool.sync puts a segment in the LRU: where it is, most recent, oldest
 KEEP, MRU, FIRST = 0, 1, 2

@@ -9,10 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from turnstile.sim.block_pool import Seg
 
 # request states (engine-private)
 NEW = 0
@@ -129,3 +125,26 @@ class StepOutcome:
     end_s: float = 0.0
     #: iterations it covers (more than 1 after a leap)
     iterations: int = 1
+
+class Seg:
+    """The session-named blocks of one session (from block ``lo`` on) on one engine.
+
+    Blocks ``[lo, g)`` are cached on the GPU and ``[g, c)`` in the CPU tier (``c == g``: none).
+    Running requests holding a prefix are ``users`` (request → end block); the evictable part
+    is ``[floor, g)`` with ``floor`` the longest held prefix, unless the segment is pinned.
+    """
+
+    __slots__ = ("c", "ev", "g", "key", "lo", "pin_until", "users")
+
+    def __init__(self, key: tuple[str, int], lo: int) -> None:
+        self.key = key
+        self.lo = self.g = self.c = lo
+        self.users: dict[SimRequest, int] = {}
+        self.pin_until = 0.0  # > 0 while pinned
+        self.ev = 0  # evictable blocks as last counted in the pool's total
+
+    def floor(self) -> int:
+        return max(self.users.values()) if self.users else self.lo
+
+    def __repr__(self) -> str:
+        return f"<Seg {self.key} gpu=[{self.lo},{self.g}) cpu=[{self.g},{self.c})>"
