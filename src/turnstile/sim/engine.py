@@ -22,6 +22,10 @@ Contract with the driver (the cluster event loop):
 * ``leap(outcome, until)`` (optional) extends that outcome over the following event-free decode
   iterations that start before ``until`` (the driver's next event); the driver then calls
   ``step`` again at ``outcome.end_s``. Results are identical to stepping one at a time.
+* ``resume(outcome, now, until)`` (optional), at ``now = outcome.end_s``: when the leap stopped
+  only at ``until`` and nothing reached the engine since (no submit, retention or step), it
+  continues the same decode run in ``outcome`` instead of a ``step``; False means "call
+  ``step``".
 * Requests are :class:`SimRequest` objects the driver creates; the engine fills in progress
   fields. ``num_output`` of a *decoding* request is only brought up to date at events
   (preemption, finish); everything else is exact at all times.
