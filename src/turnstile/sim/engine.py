@@ -100,7 +100,7 @@ class EngineModel(StepExecutor):
             if self.pool.cpu_cap
             else 0.0
         )
-        self._init_counters()
+        self._init_executor()
 
     # -- driver API ----------------------------------------------------------------------------
 

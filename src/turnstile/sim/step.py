@@ -1,5 +1,6 @@
-"""The engine model's step executor: one iteration (:meth:`StepExecutor.step`) and the exact
-fast-forward over event-free decode iterations (:meth:`StepExecutor.leap`).
+"""The engine model's step executor: one iteration (:meth:`StepExecutor.step`), the exact
+fast-forward over event-free decode iterations (:meth:`StepExecutor.leap`), and the
+continuation of a leap that an unrelated event cut short (:meth:`StepExecutor.resume`).
 
 A step is schedule → time → apply, as nano-vllm's: the batch scheduler picks the decodes and
 prefill chunks, the :class:`~turnstile.sim.perf.PerfModel` prices them from O(1) running sums,
@@ -29,7 +30,8 @@ class StepExecutor:
     #: seconds to copy one block back from the CPU tier
     reload_s_per_block: float
 
-    def _init_counters(self) -> None:
+    def _init_executor(self) -> None:
+        """Counters and the resumable leap (called by the engine's constructor)."""
         #: the outcome whose leap stopped only at ``until``, while nothing has reached the
         #: engine since (see :meth:`resume`)
         self._cut_out: StepOutcome | None = None
