@@ -17,17 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
-from sim_speed import full_stack_once, machine, request_rows, trace_groups
+from sim_speed import full_stack_once, request_rows, results_header, trace_groups, write_results
 
 from turnstile.workload.model import Turn, Workflow
 
@@ -125,13 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = a.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     con = Console(width=None if sys.stdout.isatty() else 180)
-    command = "benchmarks/sim_scaling.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-    results: dict[str, Any] = {"command": command, "machine": machine(),
-                               "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    results = results_header("sim_scaling.py", argv)
     results["scaling"] = scaling([int(x) for x in a.sizes.split(",")], out, con)
-    results["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     path = out / "sim_scaling.json"
-    path.write_text(json.dumps(results, indent=2, default=str))
+    write_results(results, path)
     con.print(f"wrote {path} and {out / 'sim_scaling.png'}")
     return 0
 

@@ -287,6 +287,19 @@ def machine() -> dict[str, Any]:
             "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None}
 
 
+def results_header(script: str, argv: list[str] | None) -> dict[str, Any]:
+    """The command, machine and start time every results JSON of these benchmarks begins with."""
+    command = f"benchmarks/{script} " + shlex.join(sys.argv[1:] if argv is None else argv)
+    return {"command": command, "machine": machine(),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def write_results(results: dict[str, Any], path: Path) -> None:
+    """Add the load average at the end and write ``results`` as JSON."""
+    results["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    path.write_text(json.dumps(results, indent=2, default=str))
+
+
 def _met(m: bool | None) -> str:
     return "n/a" if m is None else "[green]met[/]" if m else "[red]not met[/]"
 
@@ -329,9 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = a.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     con = Console(width=None if sys.stdout.isatty() else 180)
-    command = "benchmarks/sim_speed.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-    results: dict[str, Any] = {"command": command, "machine": machine(),
-                               "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    results = results_header("sim_speed.py", argv)
     rows: list[dict[str, Any]] = []
 
     # 1. engine alone
@@ -458,12 +469,11 @@ def main(argv: list[str] | None = None) -> int:
             (ag_rate >= GOAL_ITERS, ag_cpu >= GOAL_ITERS),
     }
     results["goals"] = goals
-    results["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     for g, met in goals.items():
         shown = " | ".join(_met(m) for m in met) if isinstance(met, tuple) else _met(met)
         con.print(f"  goal {g}: {shown}")
     path = out / "sim_speed.json"
-    path.write_text(json.dumps(results, indent=2, default=str))
+    write_results(results, path)
     con.print(f"wrote {path}")
     return 0
 
