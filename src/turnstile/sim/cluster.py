@@ -23,6 +23,7 @@ from turnstile.workload.model import Workflow
 
 # event kinds (ints: cheap to compare)
 _ARRIVE, _STEP_END, _TOOL_END, _KICK, _WAKE = range(5)
+_NEVER = float("inf")
 
 
 @dataclass
@@ -147,7 +148,14 @@ class ClusterSim:
                 if outcome.first_token or outcome.finished:
                     self._apply_outcome(now, i, outcome)
                     self._touched = True
-                self._step(now, i)
+                    self._step(now, i)
+                elif ff and engines[i].resume(outcome, now, q.peek_time_or(_NEVER)):
+                    # a leap cut short by an event that did not reach this engine goes on: the
+                    # iterations a step and a leap would run (this event scheduled nothing else)
+                    self.iterations += outcome.iterations
+                    q.push(outcome.end_s, _STEP_END, payload)
+                else:
+                    self._step(now, i)
             elif kind == _ARRIVE:
                 self._act(now, sched.workflow_arrived(now, payload))
                 self._touched = True
