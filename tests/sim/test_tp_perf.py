@@ -24,8 +24,10 @@ from turnstile.sim.tp_perf import (
 GPUS = ("H100-SXM", "A800-80G", "A100-80G", "H200")
 MODELS = ("llama-3.1-8b", "qwen3-8b")
 
-#: the largest |error| docs/rollout-tp-model.md states for the published figures
+#: the largest |error| docs/rollout-tp-model.md states for the published figures: batch 1 (the
+#: TP speedup a straggler gets), and large batch (the roofline is optimistic there)
 REFERENCE_TOLERANCE = 0.30
+LARGE_BATCH_TOLERANCE = 0.40
 
 
 def test_every_interconnect_entry_has_a_source_and_a_loadable_gpu() -> None:
@@ -113,22 +115,25 @@ def test_the_slower_link_loses_more_to_tp() -> None:
 
 def test_published_tp_scaling_figures_within_the_stated_tolerance() -> None:
     checks = check_tp_reference()
-    assert len(checks) == 7
+    assert len(checks) == 10 and {c.reference for c in checks} == {"gpt-fast", "sglang-1008"}
     for c in checks:
-        assert abs(c.rel_err) <= REFERENCE_TOLERANCE, c
+        tol = REFERENCE_TOLERANCE if c.batch == 1 else LARGE_BATCH_TOLERANCE
+        assert abs(c.rel_err) <= tol, c
     # the speedup shape, not just the level: TP8 over TP1/TP2 within the same tolerance
-    by = {(c.model, c.tp): c for c in checks}
-    for model, lo in (("llama-2-7b", 1), ("llama-2-70b", 2)):
-        pub = by[model, 8].published / by[model, lo].published
-        pred = by[model, 8].predicted / by[model, lo].predicted
+    by = {(c.reference, c.model, c.tp, c.batch): c for c in checks}
+    for ref, model, lo in (("gpt-fast", "llama-2-7b", 1), ("gpt-fast", "llama-2-70b", 2),
+                           ("sglang-1008", "llama-3.1-8b", 1)):
+        pub = by[ref, model, 8, 1].published / by[ref, model, lo, 1].published
+        pred = by[ref, model, 8, 1].predicted / by[ref, model, lo, 1].predicted
         assert abs(pred / pub - 1) <= REFERENCE_TOLERANCE
 
 
 def test_the_per_layer_overhead_is_what_narrows_the_error() -> None:
-    with_it = check_tp_reference()
-    without = check_tp_reference(layer_overhead_s=0.0)
+    # on gpt-fast (little per-step overhead) the model without it is optimistic at every TP
+    with_it = [c for c in check_tp_reference() if c.reference == "gpt-fast"]
+    without = [c for c in check_tp_reference(layer_overhead_s=0.0) if c.reference == "gpt-fast"]
     for a, b in zip(with_it, without, strict=True):
-        assert abs(a.rel_err) < abs(b.rel_err)
+        assert 0 < a.rel_err < b.rel_err
 
 
 def test_scaling_table_skips_layouts_the_weights_do_not_fit() -> None:

@@ -306,7 +306,8 @@ class ReferenceCheck:
     model: str
     gpu: str
     tp: int
-    metric: str
+    #: sequences decoding together; the metric is decode tokens per second of the replica
+    batch: int
     published: float
     predicted: float
 
@@ -352,11 +353,12 @@ def check_tp_reference(**overrides: Any) -> list[ReferenceCheck]:
         for pt in ref["points"]:
             model = _reference_model(pt["model"])
             tp = int(pt["tp"])
+            batch = int(pt.get("batch", 1))
             perf = TpRooflinePerf(ref["gpu"], model, tp, **settings)
-            if ref["metric"] != "decode_tokens_per_s_batch1":
+            if ref["metric"] != "decode_tokens_per_s":
                 raise ValueError(f"unknown reference metric {ref['metric']!r}")
-            predicted = 1.0 / decode_latency_s(perf, 1, context)
-            out.append(ReferenceCheck(ref["name"], model.name, perf.gpu.name, tp, ref["metric"],
+            predicted = batch / decode_latency_s(perf, batch, context)
+            out.append(ReferenceCheck(ref["name"], model.name, perf.gpu.name, tp, batch,
                                       float(pt["value"]), predicted))
     return out
 
