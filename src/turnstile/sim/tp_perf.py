@@ -235,15 +235,16 @@ class TpRooflinePerf(RooflinePerf):
         kv_read_tokens: int,
         prefill_attn_tokens2: float = 0.0,
     ) -> float:
-        tokens = prefill_tokens + decode_seqs
-        compute = self._flop_s * tokens + self._attn_s * (kv_read_tokens + prefill_attn_tokens2)
-        memory = self._weights_s + self._kv_s * kv_read_tokens
-        busy = compute if compute > memory else memory
+        # the parent's roofline and overheads (its linear all-reduce term is zeroed above)
+        t = RooflinePerf.step_time(
+            self, prefill_tokens, decode_seqs, kv_read_tokens, prefill_attn_tokens2
+        )
         if not self._n_ar:
-            return busy + self._overhead_s
+            return t
+        tokens = prefill_tokens + decode_seqs
         small = self._ar_a_small + self._ar_b_small * tokens
         large = self._ar_a_large + self._ar_b_large * tokens
-        return busy + self._overhead_s + self._n_ar * (small if small < large else large)
+        return t + self._n_ar * (small if small < large else large)
 
     def __repr__(self) -> str:
         return f"<TpRooflinePerf {self.name} eff={self.flops_eff}/{self.bw_eff}>"
