@@ -27,11 +27,11 @@ from typing import Any
 
 from turnstile.rollout.experiment import make_router
 from turnstile.rollout.planner import Plan, PlannerConfig, RLLoop, best_static
-from turnstile.rollout.sim import RolloutSim, SimConfig, parse_mix, simulate_batch
+from turnstile.rollout.sim import SimConfig, parse_mix, simulate_batch
 from turnstile.rollout.workload import RolloutSpec, RolloutTrajectory, RolloutWorkload
 from turnstile.sim.perf import RooflinePerf
 
-POLICIES = ("load-balance", "load-balance:nosticky", "length-predict", "cmlfq")
+POLICIES = ("least-open", "least-open:nosticky", "length-predict", "cmlfq", "cmlfq-adaptive")
 
 
 def critical_path_s(batch: list[RolloutTrajectory], cfg: SimConfig, tp: int) -> float:
@@ -97,7 +97,7 @@ def rl_bench(steps: int, policy: str, gpus: int = 16) -> dict[str, Any]:
     static_wall = time.perf_counter() - t0
     half = Plan(parse_mix(f"tp1x{gpus // 2}"), gpus // 2)
     half_total = next(t for p, t in all_static if p == half)
-    lb_half = RLLoop(RolloutWorkload(wl_spec), "load-balance",
+    lb_half = RLLoop(RolloutWorkload(wl_spec), "least-open",
                      planner=PlannerConfig(total_gpus=gpus, static=half)).run(steps)
     return {
         "policy": policy,
@@ -118,74 +118,20 @@ def rl_bench(steps: int, policy: str, gpus: int = 16) -> dict[str, Any]:
     }
 
 
-def _speed(n: int = 600, seed: int = 0) -> dict[str, Any]:
-    """One TP1 engine, ``n`` turn-like requests (prompt 2k-40k tokens, outputs drawn from the
-    fitted distribution) arriving as a Poisson stream that keeps ~20-30 of them in flight:
-    ``sim.engine.EngineModel`` stepped per iteration vs this simulator's leaping engine."""
-    import heapq
-
-    import numpy as np
-
-    from turnstile.sim.engine import EngineConfig, EngineModel, SimRequest
-    from turnstile.workload import synth
-    from turnstile.workload.model import Turn, Workflow
-
-    rng = np.random.default_rng(seed)
-    prompts = rng.integers(2_000, 40_000, n)
-    outs = np.maximum(1, np.rint(synth.default_spec().output_tokens.sample(rng, n))).astype(int)
-    outs = np.minimum(outs, 4096)
-    arrivals = np.cumsum(rng.exponential(1.0, n))
-    perf = RooflinePerf("H100", "qwen3-8b", 1)
-    eng = EngineModel("e0", EngineConfig.sized_for("H100", "qwen3-8b", 1), perf)
-    t0 = time.perf_counter()
-    pending = [(float(arrivals[i]), i) for i in range(n)]
-    heapq.heapify(pending)
-    now, iters, done, end = 0.0, 0, 0, 0.0
-    while done < n:
-        while pending and pending[0][0] <= now:
-            _, i = heapq.heappop(pending)
-            eng.submit(SimRequest(i, f"s{i}", int(prompts[i]), int(outs[i])), now)
-        o = eng.step(now)
-        if o is None:
-            now = pending[0][0]
-            continue
-        now += o.duration_s
-        iters += 1
-        done += len(o.finished)
-        end = now
-    em_wall = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    sim = RolloutSim(parse_mix("tp1x1"), make_router("load-balance"), SimConfig())
-    for i in range(n):
-        wf = Workflow(f"t{i}", 0.0, (Turn(int(prompts[i]), int(outs[i])),))
-        sim.add_batch([RolloutTrajectory(wf, f"p{i}", 0, 0, int(prompts[i]), 0.0)],
-                      float(arrivals[i]))
-    sim.run()
-    leap_wall = time.perf_counter() - t0
-    leap_end = max(sim.trajectory(f"t{i}").done_s for i in range(n))
-    return {
-        "requests": n,
-        "engine_model": {"iterations": iters, "wall_s": em_wall, "iters_per_s": iters / em_wall,
-                         "makespan_s": end},
-        "rollout_sim": {"iterations": sim.engines[0].it, "events": sim.events,
-                        "wall_s": leap_wall, "iters_per_s": sim.engines[0].it / leap_wall,
-                        "makespan_s": leap_end},
-    }
-
-
 def _five_steps() -> dict[str, Any]:
     """Wall time of the rollout simulator alone: 5 steps × 256 trajectories on 16 GPUs."""
     wl = RolloutWorkload(RolloutSpec())
     batches = [wl.batch(k) for k in range(5)]
     out = {}
-    for pol in ("load-balance", "cmlfq"):
+    for pol in ("least-open", "cmlfq"):
         router = make_router(pol)
         t0 = time.perf_counter()
         iters = events = 0
         for b in batches:
             _, sim, _ = simulate_batch(b, parse_mix("tp1x8,tp2x2,tp4x1"), router, SimConfig())
-            iters += sum(e.it for e in sim.engines)
-            events += sim.events
+            st = sim.stats()
+            iters += st["iterations"]
+            events += st["events"]
         out[pol] = {"wall_s": time.perf_counter() - t0, "iterations": iters, "events": events}
     return out
 
@@ -197,11 +143,11 @@ def _md_makespan(rows: list[dict[str, Any]]) -> str:
     lines = []
     for r in rows:
         p = r["policies"]
-        lb = p["load-balance"]["mean_makespan_s"]
+        lb = p["least-open"]["mean_makespan_s"]
         cm = p["cmlfq"]["mean_makespan_s"]
         lines.append(
             f"| x{r['tool_scale']} | {r['mix']} | {r['lower_bound_s']:,.0f} s | {lb:,.0f} s | "
-            f"{p['load-balance:nosticky']['mean_makespan_s']:,.0f} s | "
+            f"{p['least-open:nosticky']['mean_makespan_s']:,.0f} s | "
             f"{p['length-predict']['mean_makespan_s']:,.0f} s | {cm:,.0f} s | "
             f"**{lb / cm:.2f}×** |"
         )
@@ -243,16 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     print("# Rollout benchmarks (all simulated: roofline H100, qwen3-8b, fitted workload)\n")
     print(f"Command: `.venv/bin/python benchmarks/rollout_bench.py --steps {args.steps} "
           f"--rl-steps {args.rl_steps}`\n")
-    speed = _speed()
-    em, rs = speed["engine_model"], speed["rollout_sim"]
-    print(f"## Simulator speed (one TP1 engine, {speed['requests']} turn-like requests, "
-          "Poisson arrivals)\n")
-    print("| engine model | simulated iterations | wall | simulated iterations/s | last finish "
-          "|\n|---|---:|---:|---:|---:|")
-    print(f"| sim.engine.EngineModel (per iteration) | {em['iterations']:,} | "
-          f"{em['wall_s']:.3f} s | {em['iters_per_s']:,.0f} | {em['makespan_s']:.1f} s |")
-    print(f"| rollout.sim (leaping spans) | {rs['iterations']:,} | {rs['wall_s']:.3f} s | "
-          f"{rs['iters_per_s']:,.0f} | {rs['makespan_s']:.1f} s |\n")
     five = _five_steps()
     for pol, d in five.items():
         print(f"5 steps × 256 trajectories on 16 GPUs (tp1x8,tp2x2,tp4x1), {pol}: "
@@ -269,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
           "included). Reproduce one cell: `.venv/bin/turnstile rollout sim --steps "
           f"{args.steps} --gpus 16 --mix tp1x8,tp2x2,tp4x1 --train-gpus 0 --policy "
           "load-balance,load-balance:nosticky,length-predict,cmlfq`\n")
-    doc: dict[str, Any] = {"simulated": True, "speed": speed, "five_steps": five,
+    doc: dict[str, Any] = {"simulated": True, "five_steps": five,
                            "makespan": rows}
     if not args.skip_rl:
         rl = rl_bench(args.rl_steps, "cmlfq")

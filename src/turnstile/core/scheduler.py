@@ -14,13 +14,14 @@ methods with the same policy objects; that is what makes "simulate, then deploy"
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, TurnState, WorkflowRecord
-from turnstile.policies.base import RetentionDecision
-from turnstile.workload.model import Turn, Workflow
+from turnstile.policies.base import RetentionDecision, WorkflowObserver
+from turnstile.workload.model import ToolCall, Turn, Workflow
 
 if TYPE_CHECKING:
     from turnstile.policies import PolicySet
@@ -86,6 +87,8 @@ class Scheduler:
         self.released_total = 0
         # optional hook: a release policy that tracks workflows (flow-time quantiles, KV)
         self._release_sees_done = hasattr(self.release, "on_workflow_done")
+        # declared hook: a routing policy that learns from finished workflows (cmlfq)
+        self._routing_sees_done = isinstance(self.routing, WorkflowObserver)
         # running mean of observed output lengths: the core's only work estimate, learned online
         self._out_sum = prior_output_tokens
         self._out_n = 1
@@ -114,12 +117,20 @@ class Scheduler:
         self._new_workflow(session_id, now, tenant, None)
 
     def turn_ready(
-        self, now: float, session_id: str, turn: Turn, *, engine_hint: str | None = None
+        self,
+        now: float,
+        session_id: str,
+        turn: Turn,
+        *,
+        engine_hint: str | None = None,
+        tool_returns: Sequence[ToolCall] = (),
     ) -> tuple[TurnRecord, list[Action]]:
         """The next turn of an open session arrived; the previous turn's tool call has ended.
 
         ``engine_hint`` (an engine id the client asked for) is set on the new record before
-        any release; only routing policies that read it (``hinted``) act on it."""
+        any release; only routing policies that read it (``hinted``) act on it.
+        ``tool_returns``: the previous turn's tool calls as the client reports them with this
+        turn (name, result size, status), recorded on that turn (C-MLFQ reads them)."""
         wf = self._get(session_id)
         if wf.source is not None:
             raise SchedulerError(f"workflow {session_id!r} has known turns; use tool_finished")
@@ -128,6 +139,8 @@ class Scheduler:
         if wf.turns:
             prev = wf.turns[-1]
             if prev.state == TurnState.TOOL:
+                if tool_returns:
+                    prev.turn = dataclasses.replace(prev.turn, tools=tuple(tool_returns))
                 self._tool_done(prev, now)
             elif prev.state != TurnState.DONE:
                 raise SchedulerError(f"{prev!r}: a session runs one turn at a time")
@@ -245,6 +258,15 @@ class Scheduler:
             e.healthy = healthy
         return self._release(now)
 
+    def add_engine(self, now: float, engine: EngineLoad) -> list[Action]:
+        """An engine joined the cluster (an elastic pool growing); held turns may go there."""
+        self.view.add(engine)
+        return self._release(now)
+
+    def drain_engine(self, now: float, engine_id: str) -> None:
+        """Route no new work to ``engine_id``; what it holds finishes there."""
+        self.view[engine_id].accepting = False
+
     def tick(self, now: float) -> list[Action]:
         """No event, but a policy timer (see :meth:`next_wakeup`) expired."""
         return self._release(now)
@@ -293,8 +315,12 @@ class Scheduler:
     def _release(self, now: float) -> list[Action]:
         if not len(self.release):
             return _NO_ACTIONS
-        out: list[Action] = []
         view = self.view
+        if not view.any_accepting():
+            # no engine takes work (all down, or an elastic pool between engines): hold; an
+            # engine that recovers or joins releases them
+            return _NO_ACTIONS
+        out: list[Action] = []
         for rec in self.release.select(view, now):
             if rec.state != TurnState.READY:
                 raise SchedulerError(f"release policy returned {rec!r}, which is not READY")
@@ -351,6 +377,8 @@ class Scheduler:
         self.finished_workflows += 1
         if self._release_sees_done:
             self.release.on_workflow_done(wf, now)  # type: ignore[attr-defined]
+        if self._routing_sees_done:
+            self.routing.on_workflow_done(wf, now)  # type: ignore[attr-defined]
         if self.on_workflow_done is not None:
             self.on_workflow_done(wf)
         if self.forget_finished:

@@ -39,7 +39,7 @@ from typing import Any
 
 from turnstile.core.clock import WallClock
 from turnstile.core.scheduler import Action, Release, Scheduler
-from turnstile.core.state import EngineLoad, TurnRecord, WorkflowRecord
+from turnstile.core.state import TurnRecord, WorkflowRecord
 from turnstile.gateway.adapters import (
     EngineAdapter,
     ForwardHints,
@@ -49,6 +49,8 @@ from turnstile.gateway.adapters import (
 )
 from turnstile.gateway.config import GatewayConfig, build_policies
 from turnstile.gateway.metrics import GatewayMetrics
+from turnstile.gateway.signals import engine_loads as _engine_loads
+from turnstile.gateway.signals import tool_returns
 from turnstile.gateway.store import HeldTurnRow, SessionRow, Store
 from turnstile.policies import PolicySet
 from turnstile.workload.model import Turn
@@ -269,7 +271,7 @@ class Gateway:
         self.policies = policies or build_policies(config.policy, config.policy_params)
         self.scheduler = Scheduler(
             self.policies,
-            [EngineLoad(a.id, weight=a.weight) for a in adapters],
+            _engine_loads(adapters, config.engines),
             on_workflow_done=self._workflow_done,
             forget_finished=True,
         )
@@ -498,7 +500,8 @@ class Gateway:
                     wf.last_engine = s.last_engine
         p.state = HELD
         p.waker = asyncio.get_running_loop().create_future()
-        rec, actions = self.scheduler.turn_ready(now, s.id, turn, engine_hint=p.engine_hint)
+        rec, actions = self.scheduler.turn_ready(now, s.id, turn, engine_hint=p.engine_hint,
+                                                 tool_returns=tool_returns(p.body))
         if ready_s is not None:
             rec.ready_s = ready_s
         p.rec = rec

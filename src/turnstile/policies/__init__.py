@@ -12,6 +12,8 @@ from dataclasses import dataclass
 # importing the modules registers their policies
 from turnstile.policies import (  # noqa: F401
     admission,
+    buckets,
+    cmlfq,
     cvar,
     gated,
     release,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal, Protocol, runtime_checkable
 
 from turnstile.core.registry import Registry
-from turnstile.core.state import ClusterView, EngineLoad, TurnRecord
+from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, WorkflowRecord
 
 
 @runtime_checkable
@@ -53,6 +53,14 @@ class RoutingPolicy(Protocol):
     name: ClassVar[str]
 
     def route(self, turn: TurnRecord, view: ClusterView, now: float) -> str: ...
+
+
+@runtime_checkable
+class WorkflowObserver(Protocol):
+    """Declared hook: a policy (routing) that learns from each finished workflow — its turns'
+    real output lengths and tool returns, all in the past by then."""
+
+    def on_workflow_done(self, workflow: WorkflowRecord, now: float) -> None: ...
 
 
 @runtime_checkable

@@ -33,7 +33,7 @@ class RoundRobinRouting:
         for _ in range(len(ids)):
             engine = view[ids[self._next % len(ids)]]
             self._next += 1
-            if engine.healthy:
+            if engine.healthy and engine.accepting:
                 return engine.id
         raise NoHealthyEngineError("no healthy engine to route to")
 
@@ -108,7 +108,7 @@ class KvAffinityRouting:
     def route(self, turn: TurnRecord, view: ClusterView, now: float) -> str:
         engines = _healthy(view)
         last = turn.workflow.last_engine
-        if last is not None and last in view and view[last].healthy and self.balanced(engines):
+        if last is not None and last in view and view[last] in engines and self.balanced(engines):
             return last
         return min(engines, key=lambda e: e.outstanding_tokens / e.weight).id
 
@@ -213,7 +213,7 @@ class HintedRouting:
 
     def route(self, turn: TurnRecord, view: ClusterView, now: float) -> str:
         hint = turn.engine_hint
-        if hint is not None and hint in view and view[hint].healthy:
+        if hint is not None and hint in view and view[hint].healthy and view[hint].accepting:
             self.hinted += 1
             return hint
         self.fell_back += 1

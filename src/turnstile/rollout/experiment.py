@@ -13,42 +13,45 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from turnstile.policies import ROUTING, RoutingPolicy
 from turnstile.rollout.planner import Plan, PlannerConfig, RLLoop, StepRecord
-from turnstile.rollout.routing import (
-    ROLLOUT_ROUTING,
-    CMLFQRouter,
-    LoadBalanceRouter,
-    RolloutRouter,
-)
-from turnstile.rollout.sim import DrainMode, SimConfig, parse_mix
+from turnstile.rollout.sim import SimConfig, parse_mix
 from turnstile.rollout.workload import RolloutSpec, RolloutWorkload
 
 __all__ = ["RolloutSimRequest", "make_router", "run_rollout_sim"]
 
 
-def make_router(spec: str) -> RolloutRouter:
-    """A router from a CLI spec: a registry name, optionally ``load-balance:nosticky`` or the
-    ``cmlfq:notree`` / ``cmlfq:nohistory`` / ``cmlfq:nocost`` ablations."""
+#: ``name:option`` ablations the CLI accepts, as constructor arguments
+_OPTIONS: dict[tuple[str, str], dict[str, object]] = {
+    ("least-open", "nosticky"): {"sticky": False},
+    ("least-open", "pergpu"): {"weighted": True},
+    ("cmlfq-adaptive", "notree"): {"use_tree": False},
+    ("cmlfq-adaptive", "nohistory"): {"use_history": False},
+    ("cmlfq-adaptive", "nocost"): {"cost_aware": False},
+}
+
+
+def make_router(spec: str) -> RoutingPolicy:
+    """A core routing policy from a CLI spec: a registry name (``least-open``, ``cmlfq``,
+    ``cmlfq-adaptive``, ``length-predict`` ...), optionally with an ablation
+    (``least-open:nosticky``, ``cmlfq-adaptive:notree`` ...)."""
     name, _, opt = spec.partition(":")
-    if name not in ROLLOUT_ROUTING:
-        ROLLOUT_ROUTING.create(name)  # raises with the valid names
+    if name not in ROUTING:
+        ROUTING.create(name)  # raises with the valid names
     if not opt:
-        return ROLLOUT_ROUTING.create(name)
-    if opt == "nosticky" and name == "load-balance":
-        return LoadBalanceRouter(sticky=False)
-    if name == "cmlfq" and opt in ("notree", "nohistory", "nocost"):
-        kw: dict[str, bool] = {"notree": {"use_tree": False},
-                               "nohistory": {"use_history": False},
-                               "nocost": {"cost_aware": False}}[opt]
-        return CMLFQRouter(**kw)
-    raise ValueError(f"unknown option {opt!r} for policy {name!r}")
+        return ROUTING.create(name)
+    kw = _OPTIONS.get((name, opt))
+    if kw is None:
+        valid = ", ".join(f"{n}:{o}" for n, o in _OPTIONS)
+        raise ValueError(f"unknown option {opt!r} for policy {name!r}; valid: {valid}")
+    return ROUTING.create(name, **kw)
 
 
 @dataclass
 class RolloutSimRequest:
     steps: int = 5
     gpus: int = 16
-    policies: Sequence[str] = ("load-balance", "cmlfq")
+    policies: Sequence[str] = ("least-open", "cmlfq")
     prompts: int = 32
     samples: int = 8
     seed: int = 0
@@ -62,7 +65,6 @@ class RolloutSimRequest:
     tiered: bool = True
     mode: str = "off-policy"
     partial_frac: float = 1.0
-    drain_mode: DrainMode = "finish"
     replan_every: int = 10
     spec_overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -71,7 +73,7 @@ class RolloutSimRequest:
                            tool_time_scale=self.tool_time_scale, **self.spec_overrides)
 
     def sim_config(self) -> SimConfig:
-        return SimConfig(gpu=self.gpu, model=self.model, drain_mode=self.drain_mode)
+        return SimConfig(gpu=self.gpu, model=self.model)
 
     def planner_config(self) -> PlannerConfig:
         static = None

@@ -17,11 +17,11 @@ is accepted only if ``gain × horizon − reconfiguration cost > 0`` and the gai
 ``min_gain`` (5%) of the current period.
 
 **Elastic pool.** A plan change takes effect at the next step boundary. Engines leaving the
-rollout pool drain: no new trajectories, in-flight ones finish there (``drain_mode="finish"``) or
-move at their next turn (``"migrate"``) — never dropped; the GPUs are released when the engine is
-empty. New engines start only on free GPUs and load weights first (``engine_start_s``). GPUs
-joining training contribute from the next step (a joining worker adds zero gradients for one
-step); a training pool that changes size pays ``reshard_s`` once.
+rollout pool drain: no new placements, running turns finish there and the trajectories paused on
+them move at their next turn (re-prefilling their context) — never dropped; the GPUs are
+released when the engine's last turn ends. New engines start only on free GPUs and load weights
+first (``engine_start_s``). GPUs joining training contribute from the next step (a joining
+worker adds zero gradients for one step); a training pool that changes size pays ``reshard_s`` once.
 
 **Partial rollout** (``partial_frac < 1``, off by default, RollPacker-style tail batching): a
 step's rollout ends when that fraction of its batch is done; the rest keep running into the
@@ -36,9 +36,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from turnstile.rollout.routing import RolloutRouter, create_router
-from turnstile.rollout.sim import Bucket, RolloutSim, SimConfig, format_mix, simulate_batch
-from turnstile.rollout.training import ParallelConfig, TrainModel
+from turnstile.policies import ROUTING, RoutingPolicy
+from turnstile.rollout.sim import Bucket, RolloutCluster, SimConfig, format_mix, simulate_batch
+from turnstile.rollout.training import TrainModel
 from turnstile.rollout.workload import RolloutTrajectory, RolloutWorkload, training_tokens
 
 __all__ = [
@@ -185,9 +185,6 @@ class RLResult:
         """Trajectories per simulated second over the whole run (final training included)."""
         return self.trajectories / self.total_s if self.total_s > 0 else 0.0
 
-    @property
-    def mean_rollout_s(self) -> float:
-        return sum(s.rollout_s for s in self.steps) / max(1, len(self.steps))
 
 
 class Planner:
@@ -199,9 +196,6 @@ class Planner:
         self.train = train
         self.evals = 0
         self._fast: dict[int, float] = {}
-
-    def train_time(self, plan: Plan, tokens: int) -> tuple[float, ParallelConfig | None]:
-        return self.train.step_time(plan.train_gpus, tokens)
 
     def period(self, rollout_s: float, train_s: float) -> float:
         if self.cfg.mode == "sync":
@@ -231,7 +225,7 @@ class Planner:
         self,
         mix: tuple[Bucket, ...],
         probe: Sequence[RolloutTrajectory],
-        router: RolloutRouter,
+        router: RoutingPolicy,
         cache: dict[tuple[Bucket, ...], float],
     ) -> float:
         if mix not in cache:
@@ -243,7 +237,7 @@ class Planner:
     def search(
         self,
         probe: Sequence[RolloutTrajectory],
-        router: RolloutRouter,
+        router: RoutingPolicy,
         extra: Sequence[Plan] = (),
     ) -> list[tuple[float, float, float, Plan]]:
         """``(period, rollout_s, train_s, plan)`` of the plans tried, best first.
@@ -301,7 +295,7 @@ class RLLoop:
     def __init__(
         self,
         workload: RolloutWorkload,
-        policy: str | Callable[[], RolloutRouter] = "cmlfq",
+        policy: str | Callable[[], RoutingPolicy] = "cmlfq",
         *,
         sim_config: SimConfig | None = None,
         planner: PlannerConfig | None = None,
@@ -313,7 +307,7 @@ class RLLoop:
         self.sim_cfg = sim_config or SimConfig()
         self.cfg = planner or PlannerConfig()
         self.train = train or TrainModel.for_names(self.sim_cfg.gpu, self.sim_cfg.model)
-        self._make_router = (lambda: create_router(policy)) if isinstance(policy, str) else policy
+        self._make_router = (lambda: ROUTING.create(policy)) if isinstance(policy, str) else policy
         self.router = self._make_router()
         self.planner = Planner(self.cfg, self.sim_cfg, self.train)
         self.partial_frac = partial_frac
@@ -322,7 +316,7 @@ class RLLoop:
             max(self.sim_cfg.engine_start_s, self.cfg.reshard_s) if reconfig_s is None
             else reconfig_s
         )
-        self.sim: RolloutSim | None = None
+        self.sim: RolloutCluster | None = None
         self._pending: list[int] = []  # TPs of engines waiting for free GPUs
         self._train_gpus = 0
 
@@ -353,23 +347,22 @@ class RLLoop:
         return plan.rollout_gpus > min(splits)
 
     # -- elastic pool --------------------------------------------------------------------------
-    def _apply(self, sim: RolloutSim, old: Plan, new: Plan, now: float) -> dict[str, Any]:
+    def _apply(self, sim: RolloutCluster, old: Plan, new: Plan, now: float) -> dict[str, Any]:
         """Move engines at a boundary: drain surplus engines, start missing ones on free GPUs."""
         have: dict[int, list[str]] = {}
-        for e in sim.engines:
-            if not e.retired and e.info.accepting:
-                have.setdefault(e.info.tp, []).append(e.info.id)
+        for eid, tp, accepting in sim.engines():
+            if accepting:
+                have.setdefault(tp, []).append(eid)
         want = {b.tp: b.count for b in new.mix}
         drained: list[str] = []
         for tp, ids in have.items():
             extra = len(ids) - want.get(tp, 0)
             if extra > 0:
                 # drain the emptiest engines first
-                ids = sorted(ids, key=lambda i: sim.pool[i].open_trajectories)
+                ids = sorted(ids, key=sim.open_on)
                 drained += ids[:extra]
         if drained:
-            sim.drain(drained, now)
-            sim.run_until(now)  # apply the drain events now (idle engines retire at once)
+            sim.drain(drained)  # idle engines retire at once
         for tp, n in want.items():
             missing = n - len(have.get(tp, []))
             self._pending += [tp] * max(0, missing)
@@ -377,10 +370,10 @@ class RLLoop:
         started = self._start_pending(sim, now)
         return {"drained": drained, "started": started, "waiting_for_gpus": list(self._pending)}
 
-    def _free_gpus(self, sim: RolloutSim) -> int:
+    def _free_gpus(self, sim: RolloutCluster) -> int:
         return self.cfg.total_gpus - self._train_gpus - sim.gpus_in_use()
 
-    def _start_pending(self, sim: RolloutSim, now: float) -> list[str]:
+    def _start_pending(self, sim: RolloutCluster, now: float) -> list[str]:
         started: list[str] = []
         keep: list[int] = []
         for tp in sorted(self._pending, reverse=True):
@@ -398,8 +391,8 @@ class RLLoop:
             raise ValueError("partial rollout needs the off-policy mode")
         probe = self.workload.forecast(0)  # before any step: a batch drawn from the model
         plan, _ = self._choose(None, probe)
-        sim = RolloutSim(plan.mix, self.router, self.sim_cfg)
-        sim.on_retire = lambda eng, t: self._start_pending(sim, t)
+        sim = RolloutCluster(plan.mix, self.router, self.sim_cfg)
+        sim.on_retire = lambda eid, tp, t: self._start_pending(sim, t)
         self.sim = sim
         self._train_gpus = plan.train_gpus if c.mode != "sync" else 0
         records: list[StepRecord] = []
@@ -481,7 +474,7 @@ class RLLoop:
         return RLResult(records, now, total_trajs, sim.stats(), self.planner.evals)
 
     @staticmethod
-    def _finished_since(sim: RolloutSim, n_before: int) -> set[str]:
+    def _finished_since(sim: RolloutCluster, n_before: int) -> set[str]:
         done = sim.done_order[n_before:]
         return set(done)
 
