@@ -68,3 +68,16 @@ def test_rollout_live_reports_engine_errors(monkeypatch) -> None:
     monkeypatch.setattr(live, "run_live", fake_run_live)
     res = CliRunner().invoke(_app(), ["rollout", "live", "--policy", "cmlfq"])
     assert res.exit_code == 2 and "gateway exited" in res.output
+
+
+def test_rollout_sim_libra_workload(tmp_path: Path) -> None:
+    runner = CliRunner()
+    ok = runner.invoke(_app(), ["rollout", "sim", "--workload", "search-r1", "--steps", "1",
+                                "--gpus", "8", "--mix", "tp2x2,tp4x1", "--train-gpus", "0",
+                                "--policy", "least-open,cmlfq", "--out", str(tmp_path)])
+    assert ok.exit_code == 0, ok.output
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["config"]["workload"]["name"] == "search-r1"
+    assert doc["policies"]["cmlfq"]["steps"][0]["trajectories_done"] == 80  # 16 × 5, as cited
+    bad = runner.invoke(_app(), ["rollout", "sim", "--workload", "nope"])
+    assert bad.exit_code == 2 and "valid" in bad.output

@@ -16,7 +16,7 @@ from turnstile.rollout.planner import (
     accept_plan,
     candidate_mixes,
 )
-from turnstile.rollout.sim import Bucket, RolloutCluster, SimConfig, parse_mix
+from turnstile.rollout.sim import Bucket, GpuPool, RolloutCluster, SimConfig, parse_mix
 from turnstile.rollout.training import ParallelConfig, TrainModel
 from turnstile.rollout.workload import RolloutSpec, RolloutWorkload, training_tokens
 
@@ -77,35 +77,37 @@ def test_training_model() -> None:
 def test_elastic_move_never_drops_in_flight_trajectories() -> None:
     batch = simple_batch(24, turns=6, out=200, tool_s=1.0)
     old, new = Plan(parse_mix("tp1x4"), 4), Plan(parse_mix("tp2x3"), 2)
-    loop = RLLoop(RolloutWorkload(RolloutSpec(n_prompts=2, group_size=2)), "least-open",
-                  sim_config=THROUGHPUT_CFG, planner=PlannerConfig(total_gpus=8, tps=(1, 2)))
-    sim = RolloutCluster(old.mix, loop.router, THROUGHPUT_CFG)
+    sim = RolloutCluster(old.mix, LeastOpenRouting(), THROUGHPUT_CFG)
+    pool = GpuPool(sim, total_gpus=8, train_gpus=old.train_gpus)
     retired: list[float] = []
-
-    def on_retire(eid: str, tp: int, t: float) -> None:
-        retired.append(t)
-        loop._start_pending(sim, t)
-
-    sim.on_retire = on_retire
-    loop._train_gpus = old.train_gpus
+    sim.on_retire = lambda eid, tp, t: (retired.append(t), pool.start_pending(t))
     res = sim.add_batch(batch, 0.0)
     sim.run_until(2.0)
     assert res.done == 0
-    moves = loop._apply(sim, old, new, sim.now)
+    moves = pool.apply(new.mix, new.train_gpus, sim.now)
     assert len(moves["drained"]) == 4
     # drained engines with no running turn retire at once and free their GPUs; the rest of
     # the TP2 engines wait for GPUs
     assert len(moves["started"]) + len(moves["waiting_for_gpus"]) == 3
-    assert sim.gpus_in_use() <= 8 - loop._train_gpus
+    assert sim.gpus_in_use() <= 8 - pool.train_gpus
     sim.run_batch(res)
     assert res.done == len(batch)
     done = {wf.id: wf for wf in sim.sim.finished}
     for tr in batch:
         assert len(done[tr.id].turns) == tr.num_turns
-    tp2 = [eid for eid, tp, _ in sim.engines() if tp == 2]
-    assert len(tp2) == 3  # the other two started once the drained engines freed their GPUs
-    assert len(retired) == 4
-    assert sim.gpus_in_use() <= 8 - loop._train_gpus
+    assert pool.mix() == parse_mix("tp2x3")  # the rest started once GPUs were freed
+    assert len(retired) == 4 and not pool.pending
+
+
+def test_lending_a_replica_and_giving_it_back() -> None:
+    sim = RolloutCluster(parse_mix("tp1x4"), LeastOpenRouting(), THROUGHPUT_CFG)
+    pool = GpuPool(sim, total_gpus=8, train_gpus=4)
+    assert pool.lend(min_rollout_gpus=2) is not None
+    assert pool.lend(min_rollout_gpus=2) is not None
+    assert pool.lend(min_rollout_gpus=2) is None  # would leave 1 GPU rolling out
+    assert pool.train_gpus == 6 and pool.mix() == parse_mix("tp1x2")
+    assert pool.give_back(sim.now) is not None
+    assert pool.train_gpus == 5 and pool.mix() == parse_mix("tp1x3")
 
 
 def test_rl_loop_with_partial_rollout_completes_everything() -> None:

@@ -96,7 +96,9 @@ def _agreeing_level(obs: RecentWindow, bounds: LevelBounds, gpus: tuple[int, ...
 class CmlfqRouting:
     """Libra's C-MLFQ (see the module docstring).
 
-    ``bounds``: level bounds on remaining output tokens (learned by default); ``window``,
+    ``bounds``: level bounds on remaining output tokens — Libra configures them (short bucket
+    ≤ 5,000 remaining tokens, then ≤ 20,000, then the rest; ``None``: learned from the GPU
+    shares, :class:`LevelBounds`); ``window``,
     ``min_obs``, ``max_depth``: the prefix trees; ``rebuild_every``: RL steps between tree
     rebuilds (sessions of unknown step: every ``rebuild_every_done`` finished trajectories);
     ``history``: recent trajectories the trees are rebuilt from; ``cap``: open trajectories per
@@ -108,7 +110,7 @@ class CmlfqRouting:
     def __init__(
         self,
         *,
-        bounds: LevelBounds | Sequence[float] | None = None,
+        bounds: LevelBounds | Sequence[float] | None = (5_000.0, 20_000.0),
         window: int = 200,
         min_obs: int = 8,
         max_depth: int = 32,

@@ -97,8 +97,16 @@ def sim_cmd(
                           "cmlfq-adaptive:notree ...)")
     ] = "least-open,cmlfq",
     out: Annotated[Path | None, typer.Option("--out", help="Write results.json here")] = None,
-    prompts: Annotated[int, typer.Option(min=1, help="Prompts per step (N)")] = 32,
-    samples: Annotated[int, typer.Option(min=1, help="Samples per prompt (G)")] = 8,
+    workload: Annotated[
+        str, typer.Option(help="tool-heavy (fitted agent sessions), r2e-gym, search-r1 or "
+                          "dapo-math (Libra-like)")
+    ] = "tool-heavy",
+    prompts: Annotated[
+        int | None, typer.Option(min=1, help="Prompts per step (N; default: the workload's)")
+    ] = None,
+    samples: Annotated[
+        int | None, typer.Option(min=1, help="Samples per prompt (G; default: the workload's)")
+    ] = None,
     seed: Annotated[int, typer.Option()] = 0,
     tool_time_scale: Annotated[
         float, typer.Option(help="Multiply fitted tool latencies (1 = as in the traces)")
@@ -136,11 +144,16 @@ def sim_cmd(
         raise _fail("--partial must be in (0, 1]")
     req = RolloutSimRequest(
         steps=steps, gpus=gpus, policies=_policies(policy), prompts=prompts, samples=samples,
+        workload=workload,
         seed=seed, tool_time_scale=tool_time_scale, gpu=gpu, model=model, mix=mix,
         train_gpus=train_gpus, tiered=not any_mix, mode=mode, partial_frac=partial,
     )
+    try:
+        n = len(req.make_workload().batch(0))
+    except (ValueError, UnknownNameError) as e:
+        raise _fail(str(e)) from None
     console.print(
-        f"[bold]simulated[/] {steps} RL steps × {prompts}×{samples} trajectories on {gpus}× {gpu}"
+        f"[bold]simulated[/] {steps} RL steps × {n} {workload} trajectories on {gpus}× {gpu}"
         f" ({model}); policies: {', '.join(req.policies)}"
     )
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

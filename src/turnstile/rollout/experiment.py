@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turnstile.policies import ROUTING, RoutingPolicy
+from turnstile.rollout.libra_workloads import make_workload
 from turnstile.rollout.planner import Plan, PlannerConfig, RLLoop, StepRecord
 from turnstile.rollout.sim import SimConfig, parse_mix
 from turnstile.rollout.workload import RolloutSpec, RolloutWorkload
@@ -52,8 +53,11 @@ class RolloutSimRequest:
     steps: int = 5
     gpus: int = 16
     policies: Sequence[str] = ("least-open", "cmlfq")
-    prompts: int = 32
-    samples: int = 8
+    #: prompts per step and samples per prompt (None: the workload's own)
+    prompts: int | None = None
+    samples: int | None = None
+    #: ``tool-heavy`` (agent sessions fitted to the traces) or a Libra-like one
+    workload: str = "tool-heavy"
     seed: int = 0
     tool_time_scale: float = 1.0
     gpu: str = "H100"
@@ -69,8 +73,20 @@ class RolloutSimRequest:
     spec_overrides: dict[str, Any] = field(default_factory=dict)
 
     def rollout_spec(self) -> RolloutSpec:
-        return RolloutSpec(n_prompts=self.prompts, group_size=self.samples, seed=self.seed,
-                           tool_time_scale=self.tool_time_scale, **self.spec_overrides)
+        return RolloutSpec(n_prompts=self.prompts or 32, group_size=self.samples or 8,
+                           seed=self.seed, tool_time_scale=self.tool_time_scale,
+                           **self.spec_overrides)
+
+    def make_workload(self) -> Any:
+        """A fresh workload (the same seeded batches for every policy)."""
+        if self.workload == "tool-heavy":
+            return RolloutWorkload(self.rollout_spec())
+        kw: dict[str, Any] = {"seed": self.seed, **self.spec_overrides}
+        if self.prompts is not None:
+            kw["n_prompts"] = self.prompts
+        if self.samples is not None:
+            kw["group_size"] = self.samples
+        return make_workload(self.workload, **kw)
 
     def sim_config(self) -> SimConfig:
         return SimConfig(gpu=self.gpu, model=self.model)
@@ -98,7 +114,7 @@ def run_rollout_sim(
         raise ValueError("steps must be >= 1")
     for p in req.policies:
         make_router(p)  # validate names before any work
-    workload_spec = req.rollout_spec()
+    spec = req.make_workload().spec
     planner_cfg = req.planner_config()
     sim_cfg = req.sim_config()
     out: dict[str, Any] = {
@@ -107,7 +123,7 @@ def run_rollout_sim(
         "config": {
             **{k: v for k, v in dataclasses.asdict(req).items() if k != "policies"},
             "policies": list(req.policies),
-            "workload": workload_spec.to_dict(),
+            "workload": {"name": req.workload, **dataclasses.asdict(spec)},
             "sim": sim_cfg.describe(),
             "planner": {
                 "mode": planner_cfg.mode,
@@ -128,7 +144,7 @@ def run_rollout_sim(
         "policies": {},
     }
     for policy in req.policies:
-        workload = RolloutWorkload(workload_spec)
+        workload = req.make_workload()
         t0 = time.perf_counter()
         loop = RLLoop(
             workload,

@@ -201,6 +201,9 @@ class LiveConfig:
     prompt_divisor: int = 200
     #: constructor arguments of the gateway's routing policy (TOML-able values)
     routing_params: dict[str, Any] = field(default_factory=dict)
+    #: the gateway closes a trajectory's session this long after its last turn (the router
+    #: learns from it then); the driver waits this long between steps
+    session_idle_s: float = 1.0
 
 
 class LiveDriver:
@@ -301,7 +304,8 @@ def gateway_toml(cfg: LiveConfig, engine_urls: Sequence[str], port: int) -> str:
     bucket (what the bucket router groups by)."""
     lines = ["[gateway]", 'host = "127.0.0.1"', f"port = {port}",
              f"policy = {_toml_value('eager+' + cfg.policy)}",
-             f"read_timeout_s = {float(cfg.request_timeout_s)!r}", "stats_interval_s = 0.0", ""]
+             f"read_timeout_s = {float(cfg.request_timeout_s)!r}", "stats_interval_s = 0.0",
+             f"session_idle_s = {float(cfg.session_idle_s)!r}", ""]
     if cfg.routing_params:
         lines.append("[policy.routing]")
         lines += [f"{k} = {_toml_value(v)}" for k, v in cfg.routing_params.items()]
@@ -422,6 +426,8 @@ def run_live(cfg: LiveConfig, log: Callable[[str], None] = lambda m: None) -> di
                     "per_trajectory": trajs,
                 })
                 log(f"step {k}: {len(trajs)} trajectories in {res['makespan_s']:.2f} s")
+                # let the gateway close the sessions (the router learns from finished ones)
+                time.sleep(cfg.session_idle_s + 0.6)
             turns = _turns_per_engine(httpx.get(f"{url}/metrics", timeout=5.0).text)
         finally:
             if gw is not None:

@@ -37,7 +37,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from turnstile.policies import ROUTING, RoutingPolicy
-from turnstile.rollout.sim import Bucket, RolloutCluster, SimConfig, format_mix, simulate_batch
+from turnstile.rollout.sim import (
+    Bucket,
+    GpuPool,
+    RolloutCluster,
+    SimConfig,
+    format_mix,
+    simulate_batch,
+)
 from turnstile.rollout.training import TrainModel
 from turnstile.rollout.workload import RolloutTrajectory, RolloutWorkload, training_tokens
 
@@ -96,6 +103,9 @@ class PlannerConfig:
     switch_s: float = 10.0
     #: fix the GPU split (no planner): a static plan for baselines
     static: Plan | None = None
+    #: rollout batches in flight at once (asynchronous RL with staleness s: s + 1); the probe
+    #: then holds that many batches and the rollout time per step is its makespan / overlap
+    overlap: int = 1
 
 
 def accept_plan(
@@ -126,7 +136,7 @@ def candidate_mixes(
                 continue
             for n_tail in (1, 2):
                 rest = gpus - tail * n_tail
-                if rest >= base and rest % base == 0 and rest >= tail * n_tail:
+                if rest >= base and rest % base == 0:
                     out.add((Bucket(base, rest // base), Bucket(tail, n_tail)))
     if 1 in tps and 2 in tps and 4 in tps and gpus >= 10:
         out.add((Bucket(1, gpus - 8), Bucket(2, 2), Bucket(4, 1)))
@@ -198,6 +208,9 @@ class Planner:
         self._fast: dict[int, float] = {}
 
     def period(self, rollout_s: float, train_s: float) -> float:
+        """Libra's objective: max(T_train, T_rollout) per step (sync: their sum plus the
+        switch); rollout time per step is the probe's makespan over the batches in flight."""
+        rollout_s /= max(1, self.cfg.overlap)
         if self.cfg.mode == "sync":
             return rollout_s + train_s + self.cfg.switch_s
         return max(rollout_s, train_s)
@@ -249,7 +262,7 @@ class Planner:
            current one) is simulated on the same probe.
         """
         c = self.cfg
-        tokens = training_tokens(probe)
+        tokens = training_tokens(probe) // max(1, c.overlap)
         cache: dict[tuple[Bucket, ...], float] = {}
         splits = self.splits()
         if not splits:
@@ -270,7 +283,8 @@ class Planner:
         while lo < hi:  # first split whose rollout is no longer than its training
             mid = (lo + hi) // 2
             g = splits[mid]
-            if self._rollout_s(self.reference_mix(g, c.tps), probe, router, cache) <= t_train(g):
+            r = self._rollout_s(self.reference_mix(g, c.tps), probe, router, cache)
+            if r / max(1, c.overlap) <= t_train(g):
                 hi = mid
             else:
                 lo = mid + 1
@@ -317,8 +331,7 @@ class RLLoop:
             else reconfig_s
         )
         self.sim: RolloutCluster | None = None
-        self._pending: list[int] = []  # TPs of engines waiting for free GPUs
-        self._train_gpus = 0
+        self.pool: GpuPool | None = None
 
     # -- planning ----------------------------------------------------------------------------
     def _choose(
@@ -346,44 +359,6 @@ class RLLoop:
             return plan.rollout_gpus < max(splits)
         return plan.rollout_gpus > min(splits)
 
-    # -- elastic pool --------------------------------------------------------------------------
-    def _apply(self, sim: RolloutCluster, old: Plan, new: Plan, now: float) -> dict[str, Any]:
-        """Move engines at a boundary: drain surplus engines, start missing ones on free GPUs."""
-        have: dict[int, list[str]] = {}
-        for eid, tp, accepting in sim.engines():
-            if accepting:
-                have.setdefault(tp, []).append(eid)
-        want = {b.tp: b.count for b in new.mix}
-        drained: list[str] = []
-        for tp, ids in have.items():
-            extra = len(ids) - want.get(tp, 0)
-            if extra > 0:
-                # drain the emptiest engines first
-                ids = sorted(ids, key=sim.open_on)
-                drained += ids[:extra]
-        if drained:
-            sim.drain(drained)  # idle engines retire at once
-        for tp, n in want.items():
-            missing = n - len(have.get(tp, []))
-            self._pending += [tp] * max(0, missing)
-        self._train_gpus = new.train_gpus if self.cfg.mode != "sync" else 0
-        started = self._start_pending(sim, now)
-        return {"drained": drained, "started": started, "waiting_for_gpus": list(self._pending)}
-
-    def _free_gpus(self, sim: RolloutCluster) -> int:
-        return self.cfg.total_gpus - self._train_gpus - sim.gpus_in_use()
-
-    def _start_pending(self, sim: RolloutCluster, now: float) -> list[str]:
-        started: list[str] = []
-        keep: list[int] = []
-        for tp in sorted(self._pending, reverse=True):
-            if self._free_gpus(sim) >= tp:
-                started += sim.add_engines(tp, 1, now)
-            else:
-                keep.append(tp)
-        self._pending = keep
-        return started
-
     # -- the loop ------------------------------------------------------------------------------
     def run(self, steps: int, on_step: Callable[[StepRecord], None] | None = None) -> RLResult:
         c = self.cfg
@@ -392,9 +367,9 @@ class RLLoop:
         probe = self.workload.forecast(0)  # before any step: a batch drawn from the model
         plan, _ = self._choose(None, probe)
         sim = RolloutCluster(plan.mix, self.router, self.sim_cfg)
-        sim.on_retire = lambda eid, tp, t: self._start_pending(sim, t)
         self.sim = sim
-        self._train_gpus = plan.train_gpus if c.mode != "sync" else 0
+        self.pool = pool = GpuPool(sim, c.total_gpus,
+                                   plan.train_gpus if c.mode != "sync" else 0)
         records: list[StepRecord] = []
         now = 0.0
         prev_train_s = 0.0
@@ -461,7 +436,8 @@ class RLLoop:
                         last_early = k + 1
                     if new != plan:
                         rec.replanned = True
-                        rec.moves = self._apply(sim, plan, new, now)
+                        rec.moves = pool.apply(new.mix, new.train_gpus if c.mode != "sync"
+                                               else 0, now)
                         plan = new
             records.append(rec)
             prev_train_s = train_s

@@ -18,6 +18,7 @@ retires and frees its GPUs when its last turn ends). Everything it reports is si
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -29,10 +30,12 @@ from turnstile.policies import ADMISSION, RELEASE, RETENTION, ROUTING, PolicySet
 from turnstile.rollout.workload import RolloutTrajectory
 from turnstile.sim.cluster import ClusterSim, EngineGroup
 from turnstile.sim.perf import PerfModel
+from turnstile.sim.tp_perf import tp_perf_model
 
 __all__ = [
     "BatchResult",
     "Bucket",
+    "GpuPool",
     "RolloutCluster",
     "SimConfig",
     "format_mix",
@@ -96,16 +99,22 @@ class SimConfig:
     block_size: int = 64
     #: an engine joining the pool loads weights for this long before it takes work
     engine_start_s: float = 20.0
-    #: tp → performance model (the per-TP model, a fitted one, tests' simple ones); None: the
-    #: roofline of gpu/model at that TP
+    #: tp → performance model (a fitted one, tests' simple ones); None: the per-TP roofline
+    #: of gpu/model (:mod:`turnstile.sim.tp_perf`: all-reduce costs by message size), or the
+    #: plain roofline with ``tp_model=False``
     perf: Callable[[int], PerfModel] | None = None
+    tp_model: bool = True
+
+    def perf_for(self, tp: int) -> PerfModel | None:
+        if self.perf is not None:
+            return self.perf(tp)
+        return _tp_perf(self.gpu, self.model, tp) if self.tp_model else None
 
     def group(self, tp: int, count: int) -> EngineGroup:
         return EngineGroup(
             gpu=self.gpu, model=self.model, tp=tp, count=count, gpu_mem_util=self.gpu_mem_util,
             kv_tokens=self.kv_tokens, max_num_seqs=self.max_num_seqs,
-            max_batched_tokens=self.max_batched_tokens,
-            perf=self.perf(tp) if self.perf is not None else None,
+            max_batched_tokens=self.max_batched_tokens, perf=self.perf_for(tp),
         )
 
     def describe(self) -> dict[str, Any]:
@@ -118,7 +127,8 @@ class SimConfig:
             "max_batched_tokens": self.max_batched_tokens,
             "block_size": self.block_size,
             "engine_start_s": self.engine_start_s,
-            "perf": "custom" if self.perf is not None else "roofline",
+            "perf": "custom" if self.perf is not None else (
+                "tp-roofline (sim.tp_perf)" if self.tp_model else "roofline"),
             "engine": "sim.engine.EngineModel via sim.cluster.ClusterSim",
         }
 
@@ -139,6 +149,11 @@ class BatchResult:
     @property
     def makespan_s(self) -> float:
         return self.end_s - self.start_s if self.end_s >= 0 else math.nan
+
+
+@functools.cache
+def _tp_perf(gpu: str, model: str, tp: int) -> PerfModel:
+    return tp_perf_model(gpu, model, tp)
 
 
 def _policies(routing: RoutingPolicy | str) -> PolicySet:
@@ -248,8 +263,16 @@ class RolloutCluster:
         self.done_order.append(wf.id)
 
     # -- run ------------------------------------------------------------------------------------
-    def run_until(self, t_s: float = math.inf) -> float:
-        now = self.sim.run_until(t_s)
+    def run_until(self, t_s: float = math.inf, stop: Callable[[], bool] | None = None) -> float:
+        """Run to ``t_s`` or until ``stop()`` (which sees every batch's progress so far)."""
+        fin = self.sim.finished
+
+        def check() -> bool:
+            if self._seen < len(fin):
+                self._collect()
+            return stop() if stop is not None else False
+
+        now = self.sim.run_until(t_s, check if stop is not None else None)
         self._collect()
         return now
 
@@ -278,6 +301,92 @@ class RolloutCluster:
         out["events"] = self.sim.events
         out["migrations"] = self.migrations
         return out
+
+
+class GpuPool:
+    """The GPU budget of a rollout cluster and training: moves the cluster to a plan's bucket
+    mix (drains surplus replicas, starts missing ones once their GPUs are free) and lends
+    whole replicas to training and back."""
+
+    def __init__(self, cluster: RolloutCluster, total_gpus: int, train_gpus: int) -> None:
+        self.cluster = cluster
+        self.total_gpus = total_gpus
+        self.train_gpus = train_gpus
+        #: TPs of replicas waiting for free GPUs
+        self.pending: list[int] = []
+        #: TPs of replicas lent to training
+        self.lent: list[int] = []
+        cluster.on_retire = lambda eid, tp, t: self.start_pending(t)
+
+    def free_gpus(self) -> int:
+        return self.total_gpus - self.train_gpus - self.cluster.gpus_in_use()
+
+    def start_pending(self, now: float) -> list[str]:
+        started: list[str] = []
+        keep: list[int] = []
+        for tp in sorted(self.pending, reverse=True):
+            if self.free_gpus() >= tp:
+                started += self.cluster.add_engines(tp, 1, now)
+            else:
+                keep.append(tp)
+        self.pending = keep
+        return started
+
+    def rollout_engines(self) -> list[tuple[str, int]]:
+        """(id, TP) of the replicas taking rollout work (joining ones included)."""
+        return [(eid, tp) for eid, tp, accepting in self.cluster.engines() if accepting]
+
+    def mix(self) -> tuple[Bucket, ...]:
+        counts: dict[int, int] = {}
+        for _, tp in self.rollout_engines():
+            counts[tp] = counts.get(tp, 0) + 1
+        return tuple(Bucket(tp, n) for tp, n in sorted(counts.items()))
+
+    def apply(self, mix: Sequence[Bucket], train_gpus: int, now: float) -> dict[str, Any]:
+        """Move to ``mix`` with ``train_gpus`` training: drain the emptiest surplus replicas
+        (idle ones retire at once), start the missing ones on free GPUs (the rest when drained
+        replicas free theirs)."""
+        have: dict[int, list[str]] = {}
+        for eid, tp in self.rollout_engines():
+            have.setdefault(tp, []).append(eid)
+        want = {b.tp: b.count for b in mix}
+        drained: list[str] = []
+        for tp, ids in have.items():
+            extra = len(ids) - want.get(tp, 0)
+            if extra > 0:
+                drained += sorted(ids, key=self.cluster.open_on)[:extra]
+        self.pending = []
+        self.train_gpus = train_gpus
+        self.lent = []
+        if drained:
+            self.cluster.drain(drained)  # idle ones retire now, freeing their GPUs
+        for tp, n in want.items():
+            self.pending += [tp] * max(0, n - len(have.get(tp, [])))
+        started = self.start_pending(now)
+        return {"drained": drained, "started": started, "waiting_for_gpus": list(self.pending)}
+
+    def lend(self, min_rollout_gpus: int) -> str | None:
+        """Lend the emptiest rollout replica to training (not below ``min_rollout_gpus``)."""
+        engines = self.rollout_engines()
+        if not engines:
+            return None
+        eid, tp = min(engines, key=lambda e: (self.cluster.open_on(e[0]), -e[1]))
+        if sum(t for _, t in engines) - tp < min_rollout_gpus:
+            return None
+        self.cluster.drain([eid])
+        self.train_gpus += tp
+        self.lent.append(tp)
+        return f"lent {eid} (tp{tp}) to training"
+
+    def give_back(self, now: float) -> str | None:
+        """Return the last lent replica's GPUs to rollout (a new replica loads weights)."""
+        if not self.lent:
+            return None
+        tp = self.lent.pop()
+        self.train_gpus -= tp
+        self.pending.append(tp)
+        self.start_pending(now)
+        return f"returned a tp{tp} replica to rollout"
 
 
 def simulate_batch(
