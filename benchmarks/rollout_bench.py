@@ -44,6 +44,9 @@ from turnstile.rollout.training import TrainModel
 
 CONFIGS = ("control", "layout", "cmlfq", "cmlfq-adaptive", "cmlfq+planner",
            "cmlfq+planner+elastic", "async-control")
+#: configurations run in the control's loop (synchronous): their makespans compare directly;
+#: the others overlap batches, so a batch's makespan grows while steps per hour rise
+SAME_LOOP = ("layout", "cmlfq", "cmlfq-adaptive")
 #: batch shapes kept small enough for 2 shared cores (the Libra-like ones are as cited)
 WORKLOAD_ARGS: dict[str, dict[str, Any]] = {
     "tool-heavy": {"n_prompts": 16, "group_size": 8},
@@ -131,10 +134,14 @@ def goals(doc: dict[str, Any]) -> list[str]:
     th = doc["workloads"].get("tool-heavy")
     if th:
         c = th["control"]
-        worse = [n for n, r in th.items() if n != "control"
-                 and r["steps_per_h"] < c["steps_per_h"] * 0.999]
-        out.append("tool-heavy: never worse than load-balance in step throughput: "
-                   + ("met" if not worse else f"missed by {', '.join(worse)}"))
+        ours = [n for n in th if n.startswith("cmlfq")]
+        worse = [f"{n} ({th[n]['steps_per_h'] / c['steps_per_h']:.2f}× throughput, "
+                 f"{c['mean_makespan_s'] / th[n]['mean_makespan_s']:.2f}× makespan)"
+                 for n in ours if th[n]["steps_per_h"] < c["steps_per_h"] * 0.999
+                 or (n in SAME_LOOP and th[n]["mean_makespan_s"] > c["mean_makespan_s"] * 1.001)]
+        out.append(f"tool-heavy: {', '.join(ours)} never worse than load-balance (step "
+                   "throughput; makespan too for those in the control's loop): "
+                   + ("met" if not worse else f"missed by {'; '.join(worse)}"))
     return out
 
 
