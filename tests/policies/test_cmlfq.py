@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from turnstile.core.state import EngineLoad
 from turnstile.policies import ROUTING
 from turnstile.policies.buckets import LeastOpenRouting, LengthPredictRouting
 from turnstile.policies.cmlfq import AdaptiveCmlfqRouting, CmlfqRouting
@@ -99,7 +100,8 @@ def test_adaptive_demotes_by_attained_tokens() -> None:
 
 def test_adaptive_move_must_pay_for_the_reprefill() -> None:
     engines = two_level()
-    engines[2].prefill_s_per_token = 1e-4  # re-prefilling on b0 is slow
+    engines[2] = EngineLoad("b0", 400_000, tp=4, tpot_s=0.005,
+                            prefill_s_per_token=1e-4)  # re-prefilling on b0 is slow
     d = Driver(AdaptiveCmlfqRouting(bounds=LevelBounds(bounds=(1000,)), min_dwell_turns=1,
                                     idle_load=0.0, same_step=True), engines)
     for i in range(6):  # trajectories that passed 1,200 tokens ended right after

@@ -15,13 +15,14 @@ from typing import ClassVar
 from turnstile.core.state import ClusterView, TurnRecord, WorkflowRecord
 from turnstile.policies.base import ROUTING
 from turnstile.policies.estimators import LevelBounds, RidgePredictor, StagedUpdates
+from turnstile.policies.routing import StatelessRouting
 from turnstile.policies.trajectory import Levels, TrajectoryTracker, home_engine, least_open
 
 __all__ = ["LeastOpenRouting", "LengthPredictRouting"]
 
 
 @ROUTING.register("least-open")
-class LeastOpenRouting:
+class LeastOpenRouting(StatelessRouting):
     """Least open trajectories (tool time included), sticky to the engine holding the KV.
 
     ``weighted``: compare open trajectories per GPU (``False``, the default: per engine, as

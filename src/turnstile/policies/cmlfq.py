@@ -194,6 +194,19 @@ class _Memo:
         #: the engine it is homed on, and the attained tokens counted there
         self.engine: str | None = None
         self.charged = 0
+
+    def set_level(self, level: int) -> None:
+        self.level = level
+
+    def moved(self, turns_done: int, wait_s: float) -> None:
+        self.moved_turn = turns_done
+        self.wait_at_move = wait_s
+        self.moves += 1
+
+    def home(self, engine_id: str, charged: int, level: int) -> None:
+        self.engine = engine_id
+        self.charged = charged
+        self.level = level
         self.moved_turn = 0
         self.wait_at_move = 0.0
         self.moves = 0
@@ -359,16 +372,14 @@ class AdaptiveCmlfqRouting:
             e = least_open(levels.nearest(memo.level), weighted=True)
             return self._place(tr, memo, e, levels)
         if here is not None:
-            memo.level = levels.level_of[here.id]  # levels renumber when the pool changes
-        memo.level = min(memo.level, len(levels) - 1)
+            memo.set_level(levels.level_of[here.id])  # levels renumber when the pool changes
+        memo.set_level(min(memo.level, len(levels) - 1))
         if memo.moves == 0 or tr.turns_done - memo.moved_turn >= self.min_dwell_turns:
             target, reason, tree_mean = self._target(tr, memo, levels, here)
             if target != memo.level:
                 dst = self._destination(tr, levels, here, memo.level, target, tree_mean, reason)
                 if dst is not None:
-                    memo.moved_turn = tr.turns_done
-                    memo.wait_at_move = tr.wait_s
-                    memo.moves += 1
+                    memo.moved(tr.turns_done, tr.wait_s)
                     self.moves += 1
                     self.moves_by_reason[reason] = self.moves_by_reason.get(reason, 0) + 1
                     return self._place(tr, memo, dst, levels)
@@ -385,9 +396,7 @@ class AdaptiveCmlfqRouting:
         s = self._attained.setdefault(e.id, [0, 0])
         s[0] += tr.attained_output_tokens
         s[1] += 1
-        memo.engine = e.id
-        memo.charged = tr.attained_output_tokens
-        memo.level = levels.level_of[e.id]
+        memo.home(e.id, tr.attained_output_tokens, levels.level_of[e.id])
         return e.id
 
     def on_workflow_done(self, workflow: WorkflowRecord, now: float) -> None:

@@ -187,6 +187,13 @@ class _TreeNode:
         self.children: dict[str, _TreeNode] = {}
         self.obs = RecentWindow(window)
 
+    def child(self, key: str) -> _TreeNode:
+        """The child under ``key``, created empty (same window) when new."""
+        nxt = self.children.get(key)
+        if nxt is None:
+            nxt = self.children[key] = _TreeNode(self.obs._vals.maxlen or 1)
+        return nxt
+
 
 class PrefixTree:
     """A trie over tool-return codes; each node keeps the remaining output tokens observed
@@ -203,11 +210,8 @@ class PrefixTree:
         node = self.root
         node.obs.add(remaining[0])
         for i, k in enumerate(keys[: self.max_depth]):
-            nxt = node.children.get(k)
-            if nxt is None:
-                nxt = node.children[k] = _TreeNode(self.window)
-            nxt.obs.add(remaining[i + 1])
-            node = nxt
+            node = node.child(k)
+            node.obs.add(remaining[i + 1])
 
     def lookup(self, keys: Sequence[str], min_obs: int) -> tuple[int, RecentWindow] | None:
         """The deepest node on ``keys`` with at least ``min_obs`` observations, and its depth."""

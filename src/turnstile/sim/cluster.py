@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from turnstile.core.scheduler import Release, Scheduler
+from turnstile.core.actions import Release
+from turnstile.core.scheduler import Scheduler
 from turnstile.core.state import EngineLoad, TurnRecord, TurnState, WorkflowRecord
 from turnstile.policies import PolicySet
 from turnstile.sim.engine import EngineConfig, EngineModel, SimRequest
@@ -318,11 +319,11 @@ class ClusterSim:
         outcome = engine.step(now)
         if outcome is None:
             self._busy[i] = False
-            load = self.scheduler.view[engine.engine_id]
-            load.queue_len = 0
-            self._act(now, self.scheduler.engine_stats(now, engine.engine_id, running=0))
+            # reported through the core's API (the view is read-only to drivers)
+            self._act(now, self.scheduler.engine_stats(now, engine.engine_id, queue_len=0,
+                                                        running=0))
             self._touched = True
-            if not load.accepting:
+            if not self.scheduler.view[engine.engine_id].accepting:
                 self._retire(i, now)  # a drained engine ran its last turn
             return
         self._busy[i] = True
