@@ -161,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     print("# Rollout benchmark (all simulated: 16× H100, Qwen3-8B, per-TP roofline, "
           "EngineModel on ClusterSim)\n")
     print(f"Command: `.venv/bin/python benchmarks/rollout_bench.py --steps {args.steps} "
-          f"--workloads {args.workloads} --staleness {args.staleness}` "
+          f"--workloads {args.workloads} --staleness {args.staleness}"
+          + ("" if args.configs == ",".join(CONFIGS) else f" --configs {args.configs}")
+          + "` "
           f"(load average at start {load:.1f})\n")
     doc: dict[str, Any] = {"simulated": True, "args": vars(args) | {"out": str(args.out)},
                            "sim": sim_cfg.describe(), "workloads": {}}

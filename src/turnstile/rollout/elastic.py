@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from turnstile.policies import ROUTING, RoutingPolicy
-from turnstile.rollout.planner import Plan, Planner, PlannerConfig, accept_plan
+from turnstile.rollout.planner import Plan, Planner, PlannerConfig
 from turnstile.rollout.sim import BatchResult, GpuPool, RolloutCluster, SimConfig, format_mix
 from turnstile.rollout.training import TrainModel
 from turnstile.rollout.workload import RolloutTrajectory, training_tokens
@@ -152,14 +152,11 @@ class AsyncRLLoop:
                 ) -> tuple[Plan, str]:
         if self.cfg.static is not None:
             return self.cfg.static, ""
-        ranked = self.planner.search(probe, self.router, extra=[current] if current else [])
-        best_period, _, _, best = ranked[0]
+        plan, gain, period = self.planner.choose(current, probe, self.router, self.reconfig_s)
         if current is None:
-            return best, f"initial plan {best}"
-        cur = next((r[0] for r in ranked if r[3] == current), math.inf)
-        if best != current and accept_plan(cur, best_period, self.cfg.replan_every,
-                                           self.reconfig_s, self.cfg.min_gain):
-            return best, f"replan: {cur:,.0f} s → {best_period:,.0f} s per step"
+            return plan, f"initial plan {plan}"
+        if plan != current:
+            return plan, f"replan: {gain:.0%} gain, {period:,.0f} s per step"
         return current, ""
 
     # -- the loop -----------------------------------------------------------------------------

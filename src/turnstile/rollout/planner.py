@@ -302,6 +302,30 @@ class Planner:
         return tried
 
 
+    def choose(
+        self,
+        current: Plan | None,
+        probe: Sequence[RolloutTrajectory],
+        router: RoutingPolicy,
+        reconfig_s: float,
+    ) -> tuple[Plan, float | None, float]:
+        """The plan to run next, its predicted per-step gain over ``current`` (a fraction;
+        None for the first plan) and its predicted period: the best plan :meth:`search` finds,
+        taken only when :func:`accept_plan` holds (gain over ``replan_every`` steps beats
+        ``reconfig_s``, and at least ``min_gain``)."""
+        ranked = self.search(probe, router, extra=[current] if current else [])
+        best_period, _, _, best = ranked[0]
+        if current is None:
+            return best, None, best_period
+        cur = next(r[0] for r in ranked if r[3] == current)
+        if best == current or cur <= 0:
+            return current, 0.0, cur
+        gain = (cur - best_period) / cur
+        if accept_plan(cur, best_period, self.cfg.replan_every, reconfig_s, self.cfg.min_gain):
+            return best, gain, best_period
+        return current, gain, cur
+
+
 class RLLoop:
     """Simulated RL: rollout batches through one continuous rollout simulator and the training
     model, with a planner (or a static plan) and an elastic pool."""
@@ -339,18 +363,8 @@ class RLLoop:
     ) -> tuple[Plan, float | None]:
         if self.cfg.static is not None:
             return self.cfg.static, None
-        ranked = self.planner.search(probe, self.router, extra=[current] if current else [])
-        best_period, _, _, best = ranked[0]
-        if current is None:
-            return best, None
-        cur_period = next(r[0] for r in ranked if r[3] == current)
-        if best == current or cur_period <= 0:
-            return current, 0.0
-        gain = cur_period - best_period
-        if accept_plan(cur_period, best_period, self.cfg.replan_every, self.reconfig_s,
-                       self.cfg.min_gain):
-            return best, gain / cur_period
-        return current, gain / cur_period
+        plan, gain, _ = self.planner.choose(current, probe, self.router, self.reconfig_s)
+        return plan, gain
 
     def _can_rebalance(self, plan: Plan, rollout_s: float, train_s: float) -> bool:
         """Pressure is worth a replan only if GPUs can move towards the slower side."""
