@@ -24,11 +24,8 @@ Scenarios (all single-threaded Python, so one core; ``--pin CPU`` pins the proce
   Without ``--vidur``, or when Vidur cannot run, the ratio is taken against the DESIGN.md anchor
   (280-400 simulated requests/s) and labelled so.
 
-* **scaling** (``--scaling``): the full stack on a seeded synthetic request stream shaped like
-  the request trace (Poisson 5.5 requests/s, lognormal prompts and outputs, one engine) at
-  10k, 100k and 1M requests, each size in a fresh process: wall and CPU time of ``run()`` and the
-  process's peak RSS (``getrusage``) before and after it. Writes ``DIR/sim_scaling.json`` and
-  ``DIR/sim_scaling.png``.
+* **scaling** (``--scaling``, done by ``benchmarks/sim_scaling.py``): the full stack on a seeded
+  synthetic request stream shaped like the request trace at 10k, 100k and 1M requests.
 
 Wall times exclude building the workload; turnstile figures are the median of ``--repeat`` runs
 (the request-trace runs are repeated after Vidur's too, to bracket load drift on a shared machine);
@@ -218,90 +215,6 @@ def profile_full_stack(wfs: list[Workflow], groups: list[EngineGroup], out: Path
     return text
 
 
-# ----------------------------------------------------------------------------- scaling
-
-SCALING_SIZES = (10_000, 100_000, 1_000_000)
-
-
-def _max_rss_mb() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-def scaling_one(n: int) -> dict[str, Any]:
-    """One size, in this (fresh) process: build the stream, then time ``run()``."""
-    rows, src = request_rows(n, synthetic=True)
-    wfs = [Workflow(f"r{i}", t, (Turn(p, o),)) for i, (t, p, o) in enumerate(rows)]
-    del rows
-    rss_before = _max_rss_mb()
-    rec = full_stack_once(wfs, trace_groups())
-    rec.update(source=src, rss_before_run_mb=rss_before, peak_rss_mb=_max_rss_mb())
-    return rec
-
-
-def scaling(sizes: list[int], out: Path, con: Console) -> dict[str, Any]:
-    """Every size in its own process (peak RSS is per process), smallest first."""
-    runs = []
-    for n in sizes:
-        with con.status(f"scaling: {n:,} requests"):
-            p = subprocess.run([sys.executable, __file__, "--scaling-one", str(n)],
-                               capture_output=True, text=True, check=True)
-        rec = json.loads(p.stdout.strip().splitlines()[-1])
-        rec["loadavg"] = os.getloadavg() if hasattr(os, "getloadavg") else None
-        runs.append(rec)
-    t = Table(title="simulated-throughput scaling: request stream, 1 engine, eager (one run each)")
-    for c in ("requests", "iterations", "simulated s", "wall s", "CPU s", "requests/s",
-              "wall µs/request", "peak RSS MB", "RSS growth in run MB", "load avg"):
-        t.add_column(c, justify="right")
-    for r in runs:
-        t.add_row(f"{r['requests']:,}", f"{r['iterations']:,}", f"{r['simulated_s']:,.0f}",
-                  f"{r['wall_s']:.2f}", f"{r['cpu_s']:.2f}",
-                  f"{r['requests'] / r['wall_s']:,.0f}", f"{1e6 * r['wall_s'] / r['requests']:.1f}",
-                  f"{r['peak_rss_mb']:,.0f}", f"{r['peak_rss_mb'] - r['rss_before_run_mb']:,.0f}",
-                  f"{r['loadavg'][0]:.1f}" if r["loadavg"] else "-")
-    con.print(t)
-    plot_scaling(runs, out / "sim_scaling.png")
-    return {"runs": runs, "plot": str(out / "sim_scaling.png")}
-
-
-def plot_scaling(runs: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    n = np.array([r["requests"] for r in runs], dtype=float)
-    wall = np.array([r["wall_s"] for r in runs])
-    cpu = np.array([r["cpu_s"] for r in runs])
-    rss = np.array([r["peak_rss_mb"] for r in runs])
-    grew = rss - np.array([r["rss_before_run_mb"] for r in runs])
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.loglog(n, wall, "o-", label="wall s (shared host, see load)")
-    a.loglog(n, cpu, "s-", label="CPU s")
-    a.loglog(n, cpu[0] * n / n[0], "k:", label="linear (from the smallest CPU time)")
-    for x, y, r in zip(n, wall, runs, strict=True):
-        if r.get("loadavg"):
-            a.annotate(f"load {r['loadavg'][0]:.1f}", (x, y), textcoords="offset points",
-                       xytext=(-10, 6), fontsize=8, ha="right")
-    a.set_xlabel("requests (turns)")
-    a.set_ylabel("seconds in run()")
-    a.set_title("time of the simulated run")
-    a.legend(fontsize=8)
-    b.loglog(n, rss, "o-", label="peak RSS of the process")
-    b.loglog(n, grew, "s-", label="RSS growth during run()")
-    b.loglog(n, grew[-1] * n / n[-1], "k:", label="linear (through the largest growth)")
-    b.set_xlabel("requests (turns)")
-    b.set_ylabel("MB")
-    b.set_title("memory (workload + simulator)")
-    b.legend(fontsize=8)
-    fig.suptitle("turnstile simulator, request stream on 1 engine "
-                 "(simulated-throughput measurement)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 # ----------------------------------------------------------------------------- Vidur
 
 
@@ -374,6 +287,19 @@ def machine() -> dict[str, Any]:
             "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None}
 
 
+def results_header(script: str, argv: list[str] | None) -> dict[str, Any]:
+    """The command, machine and start time every results JSON of these benchmarks begins with."""
+    command = f"benchmarks/{script} " + shlex.join(sys.argv[1:] if argv is None else argv)
+    return {"command": command, "machine": machine(),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def write_results(results: dict[str, Any], path: Path) -> None:
+    """Add the load average at the end and write ``results`` as JSON."""
+    results["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    path.write_text(json.dumps(results, indent=2, default=str))
+
+
 def _met(m: bool | None) -> str:
     return "n/a" if m is None else "[green]met[/]" if m else "[red]not met[/]"
 
@@ -399,13 +325,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pin", type=int, default=None, metavar="CPU",
                     help="pin this process (and Vidur's) to one CPU")
     ap.add_argument("--out", type=Path, default=Path("/tmp/turnstile-sim-speed"))
-    ap.add_argument("--scaling", nargs="?", const=",".join(map(str, SCALING_SIZES)),
-                    metavar="N,N,...", help="only the scaling runs (default sizes 10k,100k,1M)")
-    ap.add_argument("--scaling-one", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--scaling", nargs="?", const="10000,100000,1000000", metavar="N,N,...",
+                    help="only the scaling runs (benchmarks/sim_scaling.py; default 10k,100k,1M)")
     a = ap.parse_args(argv)
-    if a.scaling_one:
-        print(json.dumps(scaling_one(a.scaling_one)))
-        return 0
+    if a.scaling:
+        from sim_scaling import main as scaling_main
+
+        return scaling_main(["--sizes", a.scaling, "--out", str(a.out)])
     q = a.quick
     n_req = a.requests or (2_000 if q else 10_000)
     n_sess = a.sessions or (50 if q else 200)
@@ -416,16 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = a.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     con = Console(width=None if sys.stdout.isatty() else 180)
-    command = "benchmarks/sim_speed.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-    results: dict[str, Any] = {"command": command, "machine": machine(),
-                               "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    results = results_header("sim_speed.py", argv)
     rows: list[dict[str, Any]] = []
-    if a.scaling:
-        results["scaling"] = scaling([int(x) for x in a.scaling.split(",")], out, con)
-        path = out / "sim_scaling.json"
-        path.write_text(json.dumps(results, indent=2, default=str))
-        con.print(f"wrote {path} and {out / 'sim_scaling.png'}")
-        return 0
 
     # 1. engine alone
     for seqs in (1, 32, 256):
@@ -551,12 +469,11 @@ def main(argv: list[str] | None = None) -> int:
             (ag_rate >= GOAL_ITERS, ag_cpu >= GOAL_ITERS),
     }
     results["goals"] = goals
-    results["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     for g, met in goals.items():
         shown = " | ".join(_met(m) for m in met) if isinstance(met, tuple) else _met(met)
         con.print(f"  goal {g}: {shown}")
     path = out / "sim_speed.json"
-    path.write_text(json.dumps(results, indent=2, default=str))
+    write_results(results, path)
     con.print(f"wrote {path}")
     return 0
 

@@ -48,7 +48,8 @@ def test_traces_synth_is_reproducible(tmp_path):
 
 
 def test_traces_fit_writes_a_spec_that_generates(tmp_path):
-    from turnstile.workload.synth import generate, load_spec
+    from turnstile.workload.synth import generate
+    from turnstile.workload.synth_spec import load_spec
 
     wl, spec_path = tmp_path / "w.jsonl", tmp_path / "spec.json"
     res = runner.invoke(app, ["traces", "synth", "-o", str(wl), "-n", "60", "--seed", "1"])

@@ -24,6 +24,7 @@ from turnstile.workload.model import Workflow
 
 # event kinds (ints: cheap to compare)
 _ARRIVE, _STEP_END, _TOOL_END, _KICK, _WAKE, _POOL = range(6)
+_NEVER = float("inf")
 
 
 @dataclass
@@ -124,8 +125,7 @@ class ClusterSim:
         self.iterations = 0
         self.events = 0
         self.now = 0.0
-        #: elastic pool: per engine, its load record, TP, and when it retired (-1: has not)
-        self._loads = loads
+        #: elastic pool: per engine, its TP and when it retired (-1: has not)
         self._tps = [int(ld.tp) for ld in loads]
         self.retired_s = [-1.0] * len(self.engines)
         #: called with (engine id, TP, time) when a drained engine retires and frees its GPUs
@@ -157,7 +157,6 @@ class ClusterSim:
         ids = []
         for _ in range(group.count):
             load = self._new_engine(group, perf)
-            self._loads.append(load)
             self._tps.append(group.tp)
             self._busy.append(False)
             self._kicked.append(False)
@@ -178,10 +177,6 @@ class ClusterSim:
     def gpus_in_use(self) -> int:
         """GPUs of the engines not retired (joining and draining ones included)."""
         return sum(tp for tp, r in zip(self._tps, self.retired_s, strict=True) if r < 0)
-
-    def accepting_engines(self) -> list[str]:
-        return [ld.id for ld in self._loads if ld.accepting and self.retired_s[
-            self._by_id[ld.id]] < 0 and ld.id in self.scheduler.view]
 
     def _retire(self, i: int, now: float) -> None:
         if self.retired_s[i] >= 0:
@@ -240,7 +235,14 @@ class ClusterSim:
                 if outcome.first_token or outcome.finished:
                     self._apply_outcome(now, i, outcome)
                     self._touched = True
-                self._step(now, i)
+                    self._step(now, i)
+                elif ff and engines[i].resume(outcome, now, q.peek_time_or(_NEVER)):
+                    # a leap cut short by an event that did not reach this engine goes on: the
+                    # iterations a step and a leap would run (this event scheduled nothing else)
+                    self.iterations += outcome.iterations
+                    q.push(outcome.end_s, _STEP_END, payload)
+                else:
+                    self._step(now, i)
             elif kind == _ARRIVE:
                 self._act(now, sched.workflow_arrived(now, payload))
                 self._touched = True

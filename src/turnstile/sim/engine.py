@@ -22,6 +22,10 @@ Contract with the driver (the cluster event loop):
 * ``leap(outcome, until)`` (optional) extends that outcome over the following event-free decode
   iterations that start before ``until`` (the driver's next event); the driver then calls
   ``step`` again at ``outcome.end_s``. Results are identical to stepping one at a time.
+* ``resume(outcome, now, until)`` (optional), at ``now = outcome.end_s``: when the leap stopped
+  only at ``until`` and nothing reached the engine since (no submit, retention or step), it
+  continues the same decode run in ``outcome`` instead of a ``step``; False means "call
+  ``step``".
 * Requests are :class:`SimRequest` objects the driver creates; the engine fills in progress
   fields. ``num_output`` of a *decoding* request is only brought up to date at events
   (preemption, finish); everything else is exact at all times.
@@ -96,7 +100,7 @@ class EngineModel(StepExecutor):
             if self.pool.cpu_cap
             else 0.0
         )
-        self._init_counters()
+        self._init_executor()
 
     # -- driver API ----------------------------------------------------------------------------
 
@@ -113,6 +117,7 @@ class EngineModel(StepExecutor):
                 f"{req!r} needs {need} KV blocks ({kv_max} tokens) but engine "
                 f"{self.engine_id} has {self.config.num_gpu_blocks}: it can never run"
             )
+        self._cut_out = None
         self.sched.add(req)
 
     def has_work(self) -> bool:
@@ -124,6 +129,7 @@ class EngineModel(StepExecutor):
         unused ones to the CPU tier now (no tier: same as ``lru``); ``discard`` frees the unused
         ones and drops their CPU copies now; ``lru`` leaves them to the LRU. Blocks a running
         request holds are never moved or freed."""
+        self._cut_out = None
         self.pool.retain(session, decision, now)
 
     def session_blocks(self, session: str) -> tuple[int, int]:

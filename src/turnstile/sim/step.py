@@ -1,5 +1,6 @@
-"""The engine model's step executor: one iteration (:meth:`StepExecutor.step`) and the exact
-fast-forward over event-free decode iterations (:meth:`StepExecutor.leap`).
+"""The engine model's step executor: one iteration (:meth:`StepExecutor.step`), the exact
+fast-forward over event-free decode iterations (:meth:`StepExecutor.leap`), and the
+continuation of a leap that an unrelated event cut short (:meth:`StepExecutor.resume`).
 
 A step is schedule → time → apply, as nano-vllm's: the batch scheduler picks the decodes and
 prefill chunks, the :class:`~turnstile.sim.perf.PerfModel` prices them from O(1) running sums,
@@ -29,7 +30,12 @@ class StepExecutor:
     #: seconds to copy one block back from the CPU tier
     reload_s_per_block: float
 
-    def _init_counters(self) -> None:
+    def _init_executor(self) -> None:
+        """Counters and the resumable leap (called by the engine's constructor)."""
+        #: the outcome whose leap stopped only at ``until``, while nothing has reached the
+        #: engine since (see :meth:`resume`)
+        self._cut_out: StepOutcome | None = None
+        self._cut_plan: tuple = ()
         self.decode_tokens = 0
         self.iterations = 0
         self.busy_s = 0.0
@@ -39,6 +45,7 @@ class StepExecutor:
         """Run one iteration starting at ``now``; ``None`` when there is nothing to do."""
         pool = self.pool
         s = self.sched
+        self._cut_out = None
         if pool.pin_heap and pool.pin_heap[0][0] <= now + EPS:
             pool.expire_pins(now + EPS)
         if not s.running and not s.waiting:
@@ -109,17 +116,10 @@ class StepExecutor:
         would have been due after the last of them. The driver must pass as ``until`` the time
         of the next event that could reach this engine (a submit, a retention, or any event of
         its loop), so that no such event falls inside the leap."""
-        end = out.end_s
         s = self.sched
         n_dec = s.n_dec
-        if (
-            end >= until
-            or not n_dec
-            or out.finished
-            or out.first_token
-            or not out.busy
-            or s.prefilling
-        ):
+        self._cut_out = None
+        if not n_dec or out.finished or out.first_token or not out.busy or s.prefilling:
             return
         pool = self.pool
         waiting = s.waiting
@@ -138,18 +138,29 @@ class StepExecutor:
             else:
                 return
         pin_heap = pool.pin_heap
-        pin_t = pin_heap[0][0] if pin_heap else float("inf")  # no pin changes in a leap
-        blk_avail = s.blk_avail
         perf = self.perf
-        step_time = perf.step_time
-        roof = type(perf) is RooflinePerf
-        if roof:
-            c_tok = perf._flop_s * n_dec
-            attn_s = perf._attn_s
-            weights_s = perf._weights_s
-            kv_s = perf._kv_s
-            overhead_s = perf._overhead_s
-            ar_tok = perf._ar_tok_s * n_dec
+        if type(perf) is RooflinePerf:  # its step_time(0, n_dec, kv, 0.0) inlined in _run
+            roof: tuple[float, ...] | None = (
+                perf._flop_s * n_dec, perf._attn_s, perf._weights_s, perf._kv_s,
+                perf._overhead_s, perf._ar_tok_s * n_dec)
+        else:
+            roof = None
+        # all of it holds until something reaches the engine (see resume)
+        plan = (n_dec, blocked, s.blk_avail,
+                pin_heap[0][0] if pin_heap else None,  # no pin changes in a leap
+                s.next_finish() + 1,  # no further than the next finish
+                roof)
+        self._run(out, plan, until)
+
+    def _run(self, out: StepOutcome, plan: tuple, until: float) -> None:
+        """The leap's decode iterations from ``out.end_s`` on (see :meth:`leap`)."""
+        n_dec, blocked, blk_avail, pin_t, stop, roof = plan
+        s = self.sched
+        pool = self.pool
+        if roof is not None:
+            c_tok, attn_s, weights_s, kv_s, overhead_s, ar_tok = roof
+        step_time = self.perf.step_time
+        end = out.end_s
         phase = s.phase
         bs = s.bs
         it0 = s.it
@@ -164,12 +175,14 @@ class StepExecutor:
         avail = free + pool.n_evict
         taken = 0
         tier = pool.cpu_cap > 0
-        check_pin = pin_t != float("inf")
         total = 0.0
-        stop = s.next_finish() + 1  # no further than the next finish
         it = it0
         for it in range(it0, stop):
-            if end >= until or (check_pin and pin_t <= end + EPS):
+            if end >= until:
+                self._cut_out = out
+                self._cut_plan = plan
+                break
+            if pin_t is not None and pin_t <= end + EPS:
                 break
             need = phase[it % bs]
             if need:
@@ -186,7 +199,7 @@ class StepExecutor:
                     free = pool.free
             elif blocked and avail > blk_avail:
                 break
-            if roof:  # RooflinePerf.step_time(0, n_dec, kv, 0.0), the same float operations
+            if roof is not None:  # the same float operations as RooflinePerf.step_time
                 compute = c_tok + attn_s * kv
                 memory = weights_s + kv_s * kv
                 dur = (compute if compute > memory else memory) + overhead_s + ar_tok
@@ -215,6 +228,24 @@ class StepExecutor:
         if it == stop:
             bucket = s.fin.pop(stop - 1)
             s.finish_decoders(bucket, it, end, out.finished)
+
+    def resume(self, out: StepOutcome, now: float, until: float) -> bool:
+        """The driver's next step, due at ``now = out.end_s``, when ``out``'s leap stopped only
+        because of ``until`` and nothing reached the engine since (no submit, no retention, no
+        step): continue the same decode run in ``out`` (reset to start at ``now``) as
+        :meth:`leap` would after a :meth:`step` at ``now``, with the same results, but without
+        the step's bookkeeping. Returns False, with no change to the engine, when that does not
+        hold or the iteration at ``now`` is not such a decode iteration; the driver then calls
+        ``step``."""
+        if self._cut_out is not out or out.end_s != now:
+            return False
+        self._cut_out = None
+        out.duration_s = 0.0
+        out.iterations = 0
+        if out.started:
+            out.started = []
+        self._run(out, self._cut_plan, until)
+        return out.iterations > 0
 
     def _idle(self, now: float) -> StepOutcome:
         """Requests wait, nothing can run: KV is held by pinned sessions. Wait for a pin."""
