@@ -11,7 +11,7 @@ decode work its share of the GPUs can take).
   nodes hold the mean and p90 of the remaining output tokens of recent trajectories (window 200);
   the trajectory moves only when mean and p90 map to the same bucket; the trees are rebuilt every
   ``rebuild_every`` RL steps from the recent finished trajectories; least connections with a
-  per-instance cap inside a bucket.
+  per-instance cap inside a bucket (``cap``; off by default).
 * ``cmlfq-adaptive`` — turnstile's variant: also demotes by attained tokens, keeps a prompt's
   history for the first placement, holds a move for ``min_dwell_turns`` (no bouncing), moves only
   when the move pays for its re-prefill, moves over-committed or aged trajectories, and fills
