@@ -1,287 +1,194 @@
-"""Rollout benchmarks (all simulated): makespan by router, RL throughput with the planner, speed.
+"""Rollout benchmark (all simulated): Libra's control vs C-MLFQ, the planner and the elastic
+pool, per workload, with an ablation of what each piece adds.
 
-    .venv/bin/python benchmarks/rollout_bench.py [--steps 8] [--rl-steps 10] [--out DIR]
+    .venv/bin/python benchmarks/rollout_bench.py [--steps 6] [--workloads r2e-gym,...] [--out DIR]
 
-1. **Rollout-step makespan** of ``cmlfq`` vs ``load-balance`` (with and without per-trajectory
-   stickiness) vs ``length-predict`` on long-tailed batches, on fixed bucketed mixes (Libra's
-   setting: the GPUs all roll out), with the critical-path lower bound of each step (the longest
-   trajectory alone on the mix's fastest engine: no router can beat it). Tool latencies as
-   fitted to the traces (``tool x1``) and 10× faster (``tool x0.1``, sandboxed tools).
-2. **End-to-end RL throughput**: the planner (per-step split and mix, elastic moves) vs every
-   static split in a grid (the best one in hindsight and a typical half/half one), one-step
-   off-policy (rollout of step k overlaps training of step k−1).
-3. **Simulator speed**: the rollout simulator's leaping engine vs ``sim.engine.EngineModel``
-   stepped iteration by iteration, on the same decode-heavy engine.
+Every configuration runs the same seeded batches on the same simulated cluster: 16 H100s,
+Qwen3-8B, ``EngineModel`` engines on ``ClusterSim`` with the per-TP performance model
+(``sim.tp_perf``), the analytic training model. Per workload and configuration it reports the
+mean rollout-step makespan (batch start → its last trajectory) and the step throughput (RL steps
+per hour, training included). Configurations, in ablation order:
 
-Prints markdown tables and the commands; ``--out`` also writes ``rollout_bench.json``.
+1. ``control``: Libra's load-balance control — uniform TP2, least connections (``least-open``),
+   synchronous on-policy RL colocated on all GPUs (roll out, then train: verl's loop);
+2. ``layout``: the same, on the tiered layout (``--layout``: TP2 engines plus a TP8 one) — what
+   the TP layout alone does;
+3. ``cmlfq``: Libra's C-MLFQ on the tiered layout, same loop — what the routing adds;
+4. ``cmlfq-adaptive``: turnstile's variant, same;
+5. ``cmlfq+planner``: the planner picks the split and the layout (Libra's objective
+   ``max(T_train, T_rollout)``), one-step off-policy on disjoint pools;
+6. ``cmlfq+planner+elastic``: asynchronous RL with bounded staleness (``--staleness``), the
+   planner sizing the pool for the batches in flight, replicas lent to training when it lags;
+7. ``async-control``: the control's routing and layout with the same asynchronous loop and a
+   static split (no planner, no lending) — what asynchrony alone does.
+
+Prints markdown tables; ``--out`` also writes ``rollout_bench.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from turnstile.rollout.experiment import make_router
-from turnstile.rollout.planner import Plan, PlannerConfig, RLLoop, best_static
-from turnstile.rollout.sim import RolloutSim, SimConfig, parse_mix, simulate_batch
-from turnstile.rollout.workload import RolloutSpec, RolloutTrajectory, RolloutWorkload
-from turnstile.sim.perf import RooflinePerf
+from turnstile.rollout.elastic import AsyncRLLoop, ElasticConfig
+from turnstile.rollout.libra_workloads import make_workload
+from turnstile.rollout.planner import Plan, PlannerConfig, RLLoop
+from turnstile.rollout.sim import SimConfig, parse_mix
+from turnstile.rollout.training import TrainModel
 
-POLICIES = ("load-balance", "load-balance:nosticky", "length-predict", "cmlfq")
-
-
-def critical_path_s(batch: list[RolloutTrajectory], cfg: SimConfig, tp: int) -> float:
-    """The longest trajectory alone on a ``tp`` engine: prefill of each turn's new input,
-    decode at batch 1, and its tool time (a lower bound on the step's makespan)."""
-    perf = RooflinePerf(cfg.gpu, cfg.model, tp)
-    best = 0.0
-    for tr in batch:
-        t = 0.0
-        for turn in tr.workflow.turns:
-            t += perf.step_time(turn.input_tokens, 0, turn.context_tokens,
-                                turn.input_tokens * (turn.input_tokens + 1) / 2)
-            t += turn.output_tokens * perf.step_time(
-                0, 1, turn.prompt_tokens + turn.output_tokens // 2)
-            t += turn.tool_duration_s
-        best = max(best, t)
-    return best
+CONFIGS = ("control", "layout", "cmlfq", "cmlfq-adaptive", "cmlfq+planner",
+           "cmlfq+planner+elastic", "async-control")
+#: configurations run in the control's loop (synchronous): their makespans compare directly;
+#: the others overlap batches, so a batch's makespan grows while steps per hour rise
+SAME_LOOP = ("layout", "cmlfq", "cmlfq-adaptive")
+#: batch shapes kept small enough for 2 shared cores (the Libra-like ones are as cited)
+WORKLOAD_ARGS: dict[str, dict[str, Any]] = {
+    "tool-heavy": {"n_prompts": 16, "group_size": 8},
+    "r2e-gym": {},
+    "search-r1": {},
+    "dapo-math": {"n_prompts": 16, "group_size": 8},
+}
 
 
-def makespan_bench(steps: int, mixes: list[str], scales: list[float]) -> list[dict[str, Any]]:
-    rows = []
-    cfg = SimConfig()
-    for scale in scales:
-        wl = RolloutWorkload(RolloutSpec(tool_time_scale=scale))
-        batches = [wl.batch(k) for k in range(steps)]
-        for mix_s in mixes:
-            mix = parse_mix(mix_s)
-            tp_max = max(b.tp for b in mix)
-            lb = [critical_path_s(b, cfg, tp_max) for b in batches]
-            row: dict[str, Any] = {"tool_scale": scale, "mix": mix_s,
-                                   "lower_bound_s": sum(lb) / len(lb), "policies": {}}
-            for pol in POLICIES:
-                router = make_router(pol)  # one router across steps: it learns
-                ms, wall = [], 0.0
-                for b in batches:
-                    res, _, w = simulate_batch(b, mix, router, cfg)
-                    ms.append(res.makespan_s)
-                    wall += w
-                row["policies"][pol] = {"mean_makespan_s": sum(ms) / len(ms),
-                                        "makespan_s": ms, "wall_s": wall}
-                print(f"  tool x{scale} {mix_s} {pol}: {sum(ms) / len(ms):,.0f} s "
-                      f"({wall:.1f} s wall)", file=sys.stderr)
-            rows.append(row)
-    return rows
+def run_config(name: str, workload: str, steps: int, gpus: int, layout: str, staleness: int,
+               sim_cfg: SimConfig) -> dict[str, Any]:
+    def wl() -> Any:
+        return make_workload(workload, **WORKLOAD_ARGS.get(workload, {}))
 
-
-def rl_bench(steps: int, policy: str, gpus: int = 16) -> dict[str, Any]:
-    wl_spec = RolloutSpec()
-    planner_cfg = PlannerConfig(total_gpus=gpus)
+    uniform = parse_mix(f"tp2x{gpus // 2}")
+    tiered = parse_mix(layout)
+    train = TrainModel.for_names(sim_cfg.gpu, sim_cfg.model)
+    min_train = train.min_gpus()
     t0 = time.perf_counter()
-    planned = RLLoop(RolloutWorkload(wl_spec), policy, planner=planner_cfg).run(steps)
-    planned_wall = time.perf_counter() - t0
-    grid = []
-    for g in (4, 8, 10, 12):
-        for mix in (f"tp1x{g}", f"tp4x{g // 4}" if g % 4 == 0 else "",
-                    f"tp1x{g - 4},tp4x1" if g > 4 else "",
-                    "tp1x4,tp2x2,tp4x1" if g == 12 else ""):
-            if mix:
-                grid.append(Plan(parse_mix(mix), gpus - g))
-    t0 = time.perf_counter()
-    best, best_res, all_static = best_static(RolloutWorkload(wl_spec), steps, policy, grid,
-                                             planner=planner_cfg)
-    static_wall = time.perf_counter() - t0
-    half = Plan(parse_mix(f"tp1x{gpus // 2}"), gpus // 2)
-    half_total = next(t for p, t in all_static if p == half)
-    lb_half = RLLoop(RolloutWorkload(wl_spec), "load-balance",
-                     planner=PlannerConfig(total_gpus=gpus, static=half)).run(steps)
-    return {
-        "policy": policy,
-        "steps": steps,
-        "trajectories": steps * wl_spec.batch_size,
-        "planner": {
-            "total_s": planned.total_s,
-            "plans": [f"{s.step}: {s.plan}" + (" (replanned after)" if s.replanned else "")
-                      for s in planned.steps],
-            "evaluations": planned.planner_evals,
-            "wall_s": planned_wall,
-        },
-        "best_static": {"plan": str(best), "total_s": best_res.total_s},
-        "half_half_static": {"plan": str(half), "total_s": half_total},
-        "half_half_load_balance": {"plan": str(half), "total_s": lb_half.total_s},
-        "static_grid": [{"plan": str(p), "total_s": t} for p, t in all_static],
-        "static_wall_s": static_wall,
-    }
-
-
-def _speed(n: int = 600, seed: int = 0) -> dict[str, Any]:
-    """One TP1 engine, ``n`` turn-like requests (prompt 2k-40k tokens, outputs drawn from the
-    fitted distribution) arriving as a Poisson stream that keeps ~20-30 of them in flight:
-    ``sim.engine.EngineModel`` stepped per iteration vs this simulator's leaping engine."""
-    import heapq
-
-    import numpy as np
-
-    from turnstile.sim.engine import EngineConfig, EngineModel, SimRequest
-    from turnstile.workload import synth
-    from turnstile.workload.model import Turn, Workflow
-
-    rng = np.random.default_rng(seed)
-    prompts = rng.integers(2_000, 40_000, n)
-    outs = np.maximum(1, np.rint(synth.default_spec().output_tokens.sample(rng, n))).astype(int)
-    outs = np.minimum(outs, 4096)
-    arrivals = np.cumsum(rng.exponential(1.0, n))
-    perf = RooflinePerf("H100", "qwen3-8b", 1)
-    eng = EngineModel("e0", EngineConfig.sized_for("H100", "qwen3-8b", 1), perf)
-    t0 = time.perf_counter()
-    pending = [(float(arrivals[i]), i) for i in range(n)]
-    heapq.heapify(pending)
-    now, iters, done, end = 0.0, 0, 0, 0.0
-    while done < n:
-        while pending and pending[0][0] <= now:
-            _, i = heapq.heappop(pending)
-            eng.submit(SimRequest(i, f"s{i}", int(prompts[i]), int(outs[i])), now)
-        o = eng.step(now)
-        if o is None:
-            now = pending[0][0]
-            continue
-        now += o.duration_s
-        iters += 1
-        done += len(o.finished)
-        end = now
-    em_wall = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    sim = RolloutSim(parse_mix("tp1x1"), make_router("load-balance"), SimConfig())
-    for i in range(n):
-        wf = Workflow(f"t{i}", 0.0, (Turn(int(prompts[i]), int(outs[i])),))
-        sim.add_batch([RolloutTrajectory(wf, f"p{i}", 0, 0, int(prompts[i]), 0.0)],
-                      float(arrivals[i]))
-    sim.run()
-    leap_wall = time.perf_counter() - t0
-    leap_end = max(sim.trajectory(f"t{i}").done_s for i in range(n))
-    return {
-        "requests": n,
-        "engine_model": {"iterations": iters, "wall_s": em_wall, "iters_per_s": iters / em_wall,
-                         "makespan_s": end},
-        "rollout_sim": {"iterations": sim.engines[0].it, "events": sim.events,
-                        "wall_s": leap_wall, "iters_per_s": sim.engines[0].it / leap_wall,
-                        "makespan_s": leap_end},
-    }
-
-
-def _five_steps() -> dict[str, Any]:
-    """Wall time of the rollout simulator alone: 5 steps × 256 trajectories on 16 GPUs."""
-    wl = RolloutWorkload(RolloutSpec())
-    batches = [wl.batch(k) for k in range(5)]
-    out = {}
-    for pol in ("load-balance", "cmlfq"):
-        router = make_router(pol)
-        t0 = time.perf_counter()
-        iters = events = 0
-        for b in batches:
-            _, sim, _ = simulate_batch(b, parse_mix("tp1x8,tp2x2,tp4x1"), router, SimConfig())
-            iters += sum(e.it for e in sim.engines)
-            events += sim.events
-        out[pol] = {"wall_s": time.perf_counter() - t0, "iterations": iters, "events": events}
+    out: dict[str, Any] = {"config": name}
+    if name in ("control", "layout", "cmlfq", "cmlfq-adaptive"):
+        policy = {"control": "least-open", "layout": "least-open"}.get(name, name)
+        mix = uniform if name == "control" else tiered
+        res = RLLoop(wl(), policy, sim_config=sim_cfg, planner=PlannerConfig(
+            total_gpus=gpus, mode="sync", static=Plan(mix, gpus))).run(steps)
+        out.update(makespans=[s.rollout_s for s in res.steps], total_s=res.total_s,
+                   plan=f"{','.join(b.name for b in mix)}; sync", stats=res.sim_stats)
+    elif name == "cmlfq+planner":
+        res = RLLoop(wl(), "cmlfq", sim_config=sim_cfg, planner=PlannerConfig(
+            total_gpus=gpus, tps=(2, 4, 8), replan_every=4)).run(steps)
+        plans = list(dict.fromkeys(str(s.plan) for s in res.steps))
+        out.update(makespans=[s.rollout_s for s in res.steps], total_s=res.total_s,
+                   plan="; ".join(plans) + "; off-policy", stats=res.sim_stats,
+                   planner_evals=res.planner_evals)
+    else:
+        elastic = name == "cmlfq+planner+elastic"
+        static = None if elastic else Plan(parse_mix(f"tp2x{(gpus - min_train) // 2}"),
+                                           gpus - 2 * ((gpus - min_train) // 2))
+        loop = AsyncRLLoop(
+            wl(), "cmlfq" if elastic else "least-open", sim_config=sim_cfg,
+            planner=PlannerConfig(total_gpus=gpus, tps=(2, 4, 8), replan_every=4,
+                                  static=static),
+            elastic=ElasticConfig(staleness=staleness, lend=elastic))
+        res = loop.run(steps)
+        plans = list(dict.fromkeys(f"{s.mix} / train {s.train_gpus}" for s in res.steps))
+        out.update(makespans=[s.rollout_s for s in res.steps], total_s=res.total_s,
+                   plan=f"{' | '.join(plans)}; async, staleness ≤{staleness}",
+                   stats=res.sim_stats, planner_evals=res.planner_evals,
+                   lends=res.lends, returns=res.returns,
+                   staleness=[s.staleness for s in res.steps])
+    out["mean_makespan_s"] = sum(out["makespans"]) / len(out["makespans"])
+    out["steps_per_h"] = steps / out["total_s"] * 3600
+    out["wall_s"] = time.perf_counter() - t0
     return out
 
 
-def _md_makespan(rows: list[dict[str, Any]]) -> str:
-    head = ("| tool latency | mix (16 GPUs) | lower bound | load-balance | load-balance, "
-            "no stickiness | length-predict | cmlfq | cmlfq vs load-balance |\n"
-            "|---|---|---:|---:|---:|---:|---:|---:|\n")
-    lines = []
-    for r in rows:
-        p = r["policies"]
-        lb = p["load-balance"]["mean_makespan_s"]
-        cm = p["cmlfq"]["mean_makespan_s"]
+def _md(workload: str, rows: dict[str, dict[str, Any]]) -> str:
+    base = rows["control"]
+    lines = [f"### {workload}\n",
+             "| configuration | layout / split / loop | mean makespan | makespan vs control | "
+             "steps/h | throughput vs control |", "|---|---|---:|---:|---:|---:|"]
+    for name, r in rows.items():
         lines.append(
-            f"| x{r['tool_scale']} | {r['mix']} | {r['lower_bound_s']:,.0f} s | {lb:,.0f} s | "
-            f"{p['load-balance:nosticky']['mean_makespan_s']:,.0f} s | "
-            f"{p['length-predict']['mean_makespan_s']:,.0f} s | {cm:,.0f} s | "
-            f"**{lb / cm:.2f}×** |"
-        )
-    return head + "\n".join(lines)
+            f"| {name} | {r['plan']} | {r['mean_makespan_s']:,.0f} s | "
+            f"{base['mean_makespan_s'] / r['mean_makespan_s']:.2f}× | {r['steps_per_h']:,.1f} | "
+            f"{r['steps_per_h'] / base['steps_per_h']:.2f}× |")
+    return "\n".join(lines)
 
 
-def _md_rl(rl: dict[str, Any]) -> str:
-    n = rl["trajectories"]
-
-    def thr(total: float) -> str:
-        return f"{n / total * 3600:,.0f}"
-
-    p, b, h, lbh = rl["planner"], rl["best_static"], rl["half_half_static"], rl[
-        "half_half_load_balance"]
-    return (
-        "| configuration | plan | RL time | trajectories/h | planner gain |\n"
-        "|---|---|---:|---:|---:|\n"
-        f"| planner + {rl['policy']} | per step (below) | {p['total_s']:,.0f} s | "
-        f"{thr(p['total_s'])} | 1.00× |\n"
-        f"| best static split + {rl['policy']} (hindsight) | {b['plan']} | {b['total_s']:,.0f} s"
-        f" | {thr(b['total_s'])} | **{b['total_s'] / p['total_s']:.2f}×** |\n"
-        f"| half/half static + {rl['policy']} | {h['plan']} | {h['total_s']:,.0f} s | "
-        f"{thr(h['total_s'])} | {h['total_s'] / p['total_s']:.2f}× |\n"
-        f"| half/half static + load-balance | {lbh['plan']} | {lbh['total_s']:,.0f} s | "
-        f"{thr(lbh['total_s'])} | {lbh['total_s'] / p['total_s']:.2f}× |"
-    )
+def goals(doc: dict[str, Any]) -> list[str]:
+    out = []
+    r2e = doc["workloads"].get("r2e-gym")
+    if r2e:
+        c = r2e["control"]
+        el = r2e.get("cmlfq+planner+elastic")
+        cm = r2e.get("cmlfq")
+        if el:
+            x = el["steps_per_h"] / c["steps_per_h"]
+            out.append(f"R2E-Gym-like cmlfq+planner+elastic step throughput {x:.2f}× the "
+                       f"control (goal ≥3×: {'met' if x >= 3 else 'missed'})")
+        if cm:
+            x = c["mean_makespan_s"] / cm["mean_makespan_s"]
+            out.append(f"R2E-Gym-like cmlfq rollout makespan {x:.2f}× better than the control "
+                       f"(goal ≥1.5×: {'met' if x >= 1.5 else 'missed'})")
+    th = doc["workloads"].get("tool-heavy")
+    if th:
+        c = th["control"]
+        ours = [n for n in th if n.startswith("cmlfq")]
+        worse = [f"{n} ({th[n]['steps_per_h'] / c['steps_per_h']:.2f}× throughput, "
+                 f"{c['mean_makespan_s'] / th[n]['mean_makespan_s']:.2f}× makespan)"
+                 for n in ours if th[n]["steps_per_h"] < c["steps_per_h"] * 0.999
+                 or (n in SAME_LOOP and th[n]["mean_makespan_s"] > c["mean_makespan_s"] * 1.001)]
+        out.append(f"tool-heavy: {', '.join(ours)} never worse than load-balance (step "
+                   "throughput; makespan too for those in the control's loop): "
+                   + ("met" if not worse else f"missed by {'; '.join(worse)}"))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=8, help="rollout steps per makespan cell")
-    ap.add_argument("--rl-steps", type=int, default=10, help="RL steps for the planner table")
-    ap.add_argument("--mixes", default="tp1x8,tp2x2,tp4x1;tp1x12,tp4x1;tp2x4,tp4x2")
-    ap.add_argument("--scales", default="1.0,0.1")
+    ap.add_argument("--steps", type=int, default=10, help="RL steps per configuration")
+    ap.add_argument("--workloads", default="r2e-gym,search-r1,dapo-math,tool-heavy")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--gpus", type=int, default=16)
+    ap.add_argument("--layout", default="tp2x4,tp8x1", help="the tiered layout (16 GPUs)")
+    ap.add_argument("--staleness", type=int, default=4, help="versions (Libra: 2-4)")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--skip-rl", action="store_true")
     args = ap.parse_args(argv)
+    sim_cfg = SimConfig(gpu="H100", model="qwen3-8b")
     t0 = time.perf_counter()
-    print("# Rollout benchmarks (all simulated: roofline H100, qwen3-8b, fitted workload)\n")
+    load = os.getloadavg()[0]
+    print("# Rollout benchmark (all simulated: 16× H100, Qwen3-8B, per-TP roofline, "
+          "EngineModel on ClusterSim)\n")
     print(f"Command: `.venv/bin/python benchmarks/rollout_bench.py --steps {args.steps} "
-          f"--rl-steps {args.rl_steps}`\n")
-    speed = _speed()
-    em, rs = speed["engine_model"], speed["rollout_sim"]
-    print(f"## Simulator speed (one TP1 engine, {speed['requests']} turn-like requests, "
-          "Poisson arrivals)\n")
-    print("| engine model | simulated iterations | wall | simulated iterations/s | last finish "
-          "|\n|---|---:|---:|---:|---:|")
-    print(f"| sim.engine.EngineModel (per iteration) | {em['iterations']:,} | "
-          f"{em['wall_s']:.3f} s | {em['iters_per_s']:,.0f} | {em['makespan_s']:.1f} s |")
-    print(f"| rollout.sim (leaping spans) | {rs['iterations']:,} | {rs['wall_s']:.3f} s | "
-          f"{rs['iters_per_s']:,.0f} | {rs['makespan_s']:.1f} s |\n")
-    five = _five_steps()
-    for pol, d in five.items():
-        print(f"5 steps × 256 trajectories on 16 GPUs (tp1x8,tp2x2,tp4x1), {pol}: "
-              f"{d['wall_s']:.2f} s wall, {d['iterations'] / 1e6:.2f} M simulated engine "
-              f"iterations in {d['events']:,} events "
-              f"({d['iterations'] / d['wall_s'] / 1e6:.1f} M iterations/s)")
-    print()
-    rows = makespan_bench(args.steps, args.mixes.split(";"),
-                          [float(x) for x in args.scales.split(",")])
-    print(f"## Rollout-step makespan, mean of {args.steps} steps (32 prompts × 8 samples, "
-          "drifting; simulated)\n")
-    print(_md_makespan(rows))
-    print("\nLower bound: the longest trajectory alone on the mix's largest engine (tool time "
-          "included). Reproduce one cell: `.venv/bin/turnstile rollout sim --steps "
-          f"{args.steps} --gpus 16 --mix tp1x8,tp2x2,tp4x1 --train-gpus 0 --policy "
-          "load-balance,load-balance:nosticky,length-predict,cmlfq`\n")
-    doc: dict[str, Any] = {"simulated": True, "speed": speed, "five_steps": five,
-                           "makespan": rows}
-    if not args.skip_rl:
-        rl = rl_bench(args.rl_steps, "cmlfq")
-        doc["rl"] = rl
-        print(f"## End-to-end RL, {args.rl_steps} steps on 16 GPUs (one-step off-policy; "
-              "simulated)\n")
-        print(_md_rl(rl))
-        print("\nPlanner's plan per step: " + "; ".join(rl["planner"]["plans"]))
-        print(f"\nReproduce: `.venv/bin/turnstile rollout sim --steps {args.rl_steps} --gpus 16 "
-              "--policy cmlfq --any-mix` (planner) and `... --mix tp1x8 --train-gpus 8` "
-              "(a static split)\n")
-    print(f"_benchmark wall time {time.perf_counter() - t0:.0f} s_")
+          f"--workloads {args.workloads} --staleness {args.staleness}"
+          + ("" if args.configs == ",".join(CONFIGS) else f" --configs {args.configs}")
+          + "` "
+          f"(load average at start {load:.1f})\n")
+    doc: dict[str, Any] = {"simulated": True, "args": vars(args) | {"out": str(args.out)},
+                           "sim": sim_cfg.describe(), "workloads": {}}
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if "control" not in configs:
+        configs.insert(0, "control")
+    progress: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    for wname in [w.strip() for w in args.workloads.split(",") if w.strip()]:
+        rows: dict[str, dict[str, Any]] = {}
+        for name in configs:
+            rows[name] = run_config(name, wname, args.steps, args.gpus, args.layout,
+                                    args.staleness, sim_cfg)
+            progress(f"  {wname} {name}: makespan {rows[name]['mean_makespan_s']:,.0f} s, "
+                     f"{rows[name]['steps_per_h']:,.1f} steps/h ({rows[name]['wall_s']:.0f} s "
+                     "wall)")
+        doc["workloads"][wname] = rows
+        print(_md(wname, rows) + "\n", flush=True)
+    doc["goals"] = goals(doc)
+    print("## Goals (simulated)\n")
+    for g in doc["goals"]:
+        print(f"- {g}")
+    wall = time.perf_counter() - t0
+    doc["wall_s"] = wall
+    print(f"\n_benchmark wall time {wall:.0f} s; load average at the end "
+          f"{os.getloadavg()[0]:.1f}_")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "rollout_bench.json").write_text(json.dumps(doc, indent=2, default=str))

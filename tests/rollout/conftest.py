@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import pytest
-
-from turnstile.rollout.state import EngineInfo, PoolView
 from turnstile.rollout.workload import RolloutTrajectory
 from turnstile.workload.model import ToolCall, ToolStatus, Turn, Workflow
 
@@ -55,21 +52,3 @@ def simple_batch(n: int, turns: int = 3, out: int = 50, tool_s: float = 1.0,
                   prompt_id=f"p{i % 4}", step=step)
         for i in range(n)
     ]
-
-
-def two_level_pool(*, tpot0: float = 0.02, tpot1: float = 0.005) -> PoolView:
-    """Two TP1 engines (level 0) and one TP4 engine (level 1)."""
-    engines = [
-        EngineInfo("a0", "tp1", 0, 1, capacity_tokens=100_000, idle_tpot_s=tpot0,
-                   prefill_s_per_token=1e-5),
-        EngineInfo("a1", "tp1", 0, 1, capacity_tokens=100_000, idle_tpot_s=tpot0,
-                   prefill_s_per_token=1e-5),
-        EngineInfo("b0", "tp4", 0, 4, capacity_tokens=400_000, idle_tpot_s=tpot1,
-                   prefill_s_per_token=3e-6),
-    ]
-    return PoolView(engines)
-
-
-@pytest.fixture
-def pool() -> PoolView:
-    return two_level_pool()

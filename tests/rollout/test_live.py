@@ -1,6 +1,6 @@
 """Live mode: tool-calling trajectories through the gateway and two real llama.cpp engines (two
-buckets), routed by the same C-MLFQ class the simulator uses (the gateway follows its placement
-through ``x-turnstile-engine``). Also the tool sandbox on its own."""
+buckets), routed by the gateway's own scheduler core with the same C-MLFQ policy class the
+simulator uses. Also the tool sandbox and the gateway config on their own."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from turnstile.rollout.live import LiveConfig, ToolSandbox, plan_tool, run_live
-from turnstile.rollout.routing import CMLFQRouter, LevelBounds
+from turnstile.gateway.config import load_config
+from turnstile.rollout.live import LiveConfig, ToolSandbox, gateway_toml, plan_tool, run_live
 from turnstile.workload.model import ToolCall
 
 
@@ -43,36 +43,41 @@ def test_planned_tools_fail_exactly_when_the_spec_fails(tmp_path: Path) -> None:
             assert got == status, (name, status, tool, arg)
 
 
+def test_gateway_config_names_the_policy_and_the_buckets(tmp_path: Path) -> None:
+    cfg = LiveConfig(policy="cmlfq", routing_params={"bounds": [12.0], "min_obs": 2})
+    path = tmp_path / "gw.toml"
+    path.write_text(gateway_toml(cfg, ["http://127.0.0.1:1", "http://127.0.0.1:2"], 9999))
+    gw = load_config(path)
+    assert gw.policy == "eager+cmlfq" and gw.port == 9999
+    assert gw.policy_params == {"routing": {"bounds": [12.0], "min_obs": 2}}
+    assert [(e.name, e.tp, e.bucket) for e in gw.engines] == [
+        ("e0-throughput", 1, "throughput"), ("e1-latency", 2, "latency")]
+    gw.validate()  # the policy builds with those parameters
+
+
 @pytest.mark.slow
 def test_live_batch_through_the_gateway_and_two_real_engines(
     tmp_path: Path, llama_server_binary: Path
 ) -> None:
-    # a small bound so that C-MLFQ demotes for real within a few short turns
-    router = CMLFQRouter(bounds=LevelBounds(bounds=(12.0,)), min_dwell_turns=1, cost_aware=False)
-    cfg = LiveConfig(trajectories=8, max_turns=4, max_tokens=16, steps=2, seed=1)
-    assert cfg.via_gateway  # the default: every turn goes through the gateway
+    # small bounds so that C-MLFQ moves for real within a few short turns: the trees learn from
+    # step 0 and move step 1's trajectories after their tool returns
+    cfg = LiveConfig(trajectories=8, max_turns=4, max_tokens=16, steps=3, seed=1,
+                     routing_params={"bounds": [12.0], "min_obs": 2, "rebuild_every_done": 4})
     t0 = time.perf_counter()
-    result = run_live(cfg, router=router)
-    assert time.perf_counter() - t0 < 60
-    assert result["simulated"] is False and result["router_name"] == "cmlfq"
-    assert result["via_gateway"] is True
-    gw = result["gateway"]
-    assert gw["policy"] == "eager+hinted"
-    assert set(gw["engine_ids"]) == set(result["requests_per_engine"])
-    turns = 0
+    result = run_live(cfg)
+    assert time.perf_counter() - t0 < 90
+    assert result["simulated"] is False
+    names = {"e0-throughput", "e1-latency"}
     for step in result["steps"]:
         assert step["completed"] == step["trajectories"] == 8
-        assert step["placement_mismatches"] == 0
         for tr in step["per_trajectory"]:
             assert tr["turns"] >= 1 and tr["output_tokens"] >= 2 * tr["turns"]
             assert all(not s.endswith("!") for s in tr["tools"])  # real outcome == spec
-            assert all(k.count(":") == 2 for k in tr["tool_keys"])
-            # the engine the gateway says served each turn is the one C-MLFQ placed it on
-            assert tr["served_by"] == tr["engines"] and len(tr["engines"]) == tr["turns"]
-        turns += step["turns"]
+            assert set(tr["served_by"]) <= names
     assert sum(s["tool_calls"] for s in result["steps"]) > 0
-    assert router.moves > 0  # demotions happened on real engines
-    assert all(n > 0 for n in result["requests_per_engine"].values())
-    # the gateway's own per-engine tally agrees with the router's placements, turn for turn
-    assert gw["turns_per_engine"] == result["requests_per_engine"]
-    assert (gw["hinted_turns"], gw["fallback_turns"]) == (turns, 0)
+    # every trajectory starts on the throughput bucket; C-MLFQ moved some after tool returns
+    first = [tr["served_by"][0] for s in result["steps"] for tr in s["per_trajectory"]]
+    assert set(first) == {"e0-throughput"}
+    assert sum(s["moves"] for s in result["steps"][1:]) > 0
+    # the gateway's own per-engine tally agrees with what the responses said
+    assert result["gateway_turns_per_engine"] == result["turns_per_engine"]

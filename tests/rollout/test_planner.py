@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from turnstile.policies.buckets import LeastOpenRouting
 from turnstile.rollout.planner import (
     Plan,
     Planner,
@@ -15,8 +16,7 @@ from turnstile.rollout.planner import (
     accept_plan,
     candidate_mixes,
 )
-from turnstile.rollout.routing import LoadBalanceRouter
-from turnstile.rollout.sim import Bucket, RolloutSim, SimConfig, parse_mix
+from turnstile.rollout.sim import Bucket, GpuPool, RolloutCluster, SimConfig, parse_mix
 from turnstile.rollout.training import ParallelConfig, TrainModel
 from turnstile.rollout.workload import RolloutSpec, RolloutWorkload, training_tokens
 
@@ -24,7 +24,7 @@ from .conftest import LinearPerf, make_traj, simple_batch
 
 # 1,000 output tokens/s per TP1 engine whatever the batch: rollout time = work / GPUs
 THROUGHPUT_CFG = SimConfig(perf=lambda tp: LinearPerf(tp, per_seq=1e-3, per_prefill=1e-6),
-                           kv_tokens=10**7, engine_start_s=5.0)
+                           kv_tokens=10**6, engine_start_s=5.0, block_size=256)
 
 
 def test_planner_finds_the_known_optimum() -> None:
@@ -39,7 +39,7 @@ def test_planner_finds_the_known_optimum() -> None:
     assert train.step_time(8, tokens)[0] == pytest.approx(8.0)
     cfg = PlannerConfig(total_gpus=16, tps=(1,), gpu_step=2)
     planner = Planner(cfg, THROUGHPUT_CFG, train)
-    ranked = planner.search(probe, LoadBalanceRouter())
+    ranked = planner.search(probe, LeastOpenRouting())
     period, rollout_s, train_s, plan = ranked[0]
     assert plan == Plan((Bucket(1, 8),), 8)
     assert rollout_s == pytest.approx(8.0, rel=0.01) and train_s == pytest.approx(8.0)
@@ -77,29 +77,37 @@ def test_training_model() -> None:
 def test_elastic_move_never_drops_in_flight_trajectories() -> None:
     batch = simple_batch(24, turns=6, out=200, tool_s=1.0)
     old, new = Plan(parse_mix("tp1x4"), 4), Plan(parse_mix("tp2x3"), 2)
-    loop = RLLoop(RolloutWorkload(RolloutSpec(n_prompts=2, group_size=2)), "load-balance",
-                  sim_config=THROUGHPUT_CFG, planner=PlannerConfig(total_gpus=8, tps=(1, 2)))
-    sim = RolloutSim(old.mix, loop.router, THROUGHPUT_CFG)
-    sim.on_retire = lambda eng, t: loop._start_pending(sim, t)
-    loop._train_gpus = old.train_gpus
+    sim = RolloutCluster(old.mix, LeastOpenRouting(), THROUGHPUT_CFG)
+    pool = GpuPool(sim, total_gpus=8, train_gpus=old.train_gpus)
+    retired: list[float] = []
+    sim.on_retire = lambda eid, tp, t: (retired.append(t), pool.start_pending(t))
     res = sim.add_batch(batch, 0.0)
     sim.run_until(2.0)
-    in_flight = {t.id: t.engine for t in sim.open_trajectories()}
-    assert len(in_flight) == len(batch)
-    moves = loop._apply(sim, old, new, sim.now)
+    assert res.done == 0
+    moves = pool.apply(new.mix, new.train_gpus, sim.now)
     assert len(moves["drained"]) == 4
-    assert len(moves["started"]) == 1  # training shrank by 2 GPUs: room for one TP2 engine
-    assert len(moves["waiting_for_gpus"]) == 2
-    sim.run()
+    # drained engines with no running turn retire at once and free their GPUs; the rest of
+    # the TP2 engines wait for GPUs
+    assert len(moves["started"]) + len(moves["waiting_for_gpus"]) == 3
+    assert sim.gpus_in_use() <= 8 - pool.train_gpus
+    sim.run_batch(res)
     assert res.done == len(batch)
+    done = {wf.id: wf for wf in sim.sim.finished}
     for tr in batch:
-        st = sim.trajectory(tr.id)
-        assert st.turns_done == tr.num_turns
-        assert st.engine == in_flight[tr.id]  # finished where it was (drain mode "finish")
-    tp2 = [e for e in sim.engines if e.info.tp == 2]
-    assert len(tp2) == 3  # the other two started once the drained engines freed their GPUs
-    freed = sorted(t for _, _, t in sim.retired)
-    assert tp2[1].started_s >= freed[1] + THROUGHPUT_CFG.engine_start_s - 1e-9
+        assert len(done[tr.id].turns) == tr.num_turns
+    assert pool.mix() == parse_mix("tp2x3")  # the rest started once GPUs were freed
+    assert len(retired) == 4 and not pool.pending
+
+
+def test_lending_a_replica_and_giving_it_back() -> None:
+    sim = RolloutCluster(parse_mix("tp1x4"), LeastOpenRouting(), THROUGHPUT_CFG)
+    pool = GpuPool(sim, total_gpus=8, train_gpus=4)
+    assert pool.lend(min_rollout_gpus=2) is not None
+    assert pool.lend(min_rollout_gpus=2) is not None
+    assert pool.lend(min_rollout_gpus=2) is None  # would leave 1 GPU rolling out
+    assert pool.train_gpus == 6 and pool.mix() == parse_mix("tp1x2")
+    assert pool.give_back(sim.now) is not None
+    assert pool.train_gpus == 5 and pool.mix() == parse_mix("tp1x3")
 
 
 def test_rl_loop_with_partial_rollout_completes_everything() -> None:

@@ -68,6 +68,11 @@ class RoutingPolicy(Protocol):
 
     def route(self, turn: TurnRecord, view: ClusterView, now: float) -> str: ...
 
+    def on_workflow_done(self, workflow: WorkflowRecord, now: float) -> None:
+        """``workflow`` finished (its turns' real output lengths and tool returns are now all
+        known): learn from it, forget it (bucket routers such as ``cmlfq``)."""
+        ...
+
 
 @runtime_checkable
 class AdmissionPolicy(Protocol):

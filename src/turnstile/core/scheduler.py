@@ -14,6 +14,7 @@ methods with the same policy objects; that is what makes "simulate, then deploy"
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 from turnstile.core.actions import Action, Release, Retain
@@ -24,6 +25,7 @@ from turnstile.core.state import (
     TurnRecord,
     TurnState,
     WorkflowRecord,
+    add_engine,
     add_peer_load,
     charge,
     count_ready,
@@ -32,6 +34,7 @@ from turnstile.core.state import (
     pause_session,
     report_stats,
     resume_session,
+    set_accepting,
 )
 from turnstile.workload.model import ToolCall, Turn, Workflow
 
@@ -137,13 +140,16 @@ class Scheduler:
         *,
         engine_hint: str | None = None,
         ready_s: float | None = None,
+        tool_returns: Sequence[ToolCall] = (),
     ) -> tuple[TurnRecord, list[Action]]:
         """The next turn of an open session arrived; the previous turn's tool call has ended.
 
         ``engine_hint`` (an engine id the client asked for) is set on the new record before
         any release; only routing policies that read it (``hinted``) act on it. ``ready_s``
         (default ``now``) keeps the original ready time of a turn accepted earlier (restored
-        after a restart, taken over from a dead replica)."""
+        after a restart, taken over from a dead replica). ``tool_returns``: the previous turn's
+        tool calls as the client reports them with this turn (name, result size, status),
+        recorded on that turn (bucket routers such as ``cmlfq`` read them)."""
         wf = self._get(session_id)
         if wf.source is not None:
             raise SchedulerError(f"workflow {session_id!r} has known turns; use tool_finished")
@@ -152,6 +158,8 @@ class Scheduler:
         if wf.turns:
             prev = wf.turns[-1]
             if prev.state == TurnState.TOOL:
+                if tool_returns:
+                    prev.turn = dataclasses.replace(prev.turn, tools=tuple(tool_returns))
                 self._tool_done(prev, now)
             elif prev.state != TurnState.DONE:
                 raise SchedulerError(f"{prev!r}: a session runs one turn at a time")
@@ -312,6 +320,15 @@ class Scheduler:
         return (e.outstanding_turns - turns, e.outstanding_tokens - tokens,
                 e.paused_context_tokens - paused)
 
+    def add_engine(self, now: float, engine: EngineLoad) -> list[Action]:
+        """An engine joined the cluster (an elastic pool growing); held turns may go there."""
+        add_engine(self.view, engine)
+        return self._release(now)
+
+    def drain_engine(self, now: float, engine_id: str) -> None:
+        """Route no new work to ``engine_id``; what runs there finishes there."""
+        set_accepting(self.view[engine_id], False)
+
     def tick(self, now: float) -> list[Action]:
         """No event, but a policy timer (see :meth:`next_wakeup`) expired."""
         return self._release(now)
@@ -357,8 +374,12 @@ class Scheduler:
     def _release(self, now: float) -> list[Action]:
         if not len(self.release):
             return _NO_ACTIONS
-        out: list[Action] = []
         view = self.view
+        if not view.any_accepting():
+            # no engine takes work (all down, or an elastic pool between engines): hold; an
+            # engine that recovers or joins releases them
+            return _NO_ACTIONS
+        out: list[Action] = []
         for rec in self.release.select(view, now):
             if rec.state != TurnState.READY:
                 raise SchedulerError(f"release policy returned {rec!r}, which is not READY")
@@ -411,6 +432,7 @@ class Scheduler:
         self.active_workflows -= 1
         self.finished_workflows += 1
         self.release.on_workflow_done(wf, now)
+        self.routing.on_workflow_done(wf, now)
         if self.on_workflow_done is not None:
             self.on_workflow_done(wf)
         if self.forget_finished:

@@ -151,6 +151,8 @@ class EngineLoad:
 
     __slots__ = (
         "_sessions",
+        "accepting",
+        "bucket",
         "cached_sessions",
         "capacity_tokens",
         "healthy",
@@ -159,19 +161,43 @@ class EngineLoad:
         "outstanding_tokens",
         "outstanding_turns",
         "paused_context_tokens",
+        "prefill_s_per_token",
         "queue_len",
         "running",
+        "tp",
+        "tpot_s",
         "weight",
     )
 
     __setattr__ = _read_only
 
-    def __init__(self, engine_id: str, capacity_tokens: int = 0, weight: float = 1.0) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        capacity_tokens: int = 0,
+        weight: float = 1.0,
+        *,
+        tp: int = 1,
+        bucket: str = "",
+        tpot_s: float = 0.0,
+        prefill_s_per_token: float = 0.0,
+    ) -> None:
         _set(self, "id", engine_id)
         #: KV capacity in tokens when known (0 = unknown)
         _set(self, "capacity_tokens", capacity_tokens)
         #: relative speed (heterogeneous clusters): loads are compared as load / weight
         _set(self, "weight", weight)
+        #: tensor-parallel degree (GPUs of the replica) and its bucket (default ``tp{tp}``):
+        #: driver metadata (the simulator's performance model, the gateway's engine config);
+        #: bucket routers (``cmlfq``) group engines by ``tp``
+        _set(self, "tp", tp)
+        _set(self, "bucket", bucket or f"tp{tp}")
+        #: seconds per output token of one sequence at small batch, and per uncached prompt
+        #: token (what a move to this engine re-prefills); 0 = unknown
+        _set(self, "tpot_s", tpot_s)
+        _set(self, "prefill_s_per_token", prefill_s_per_token)
+        #: False while the engine drains (an elastic move): no new work is routed to it
+        _set(self, "accepting", True)
         _set(self, "outstanding_turns", 0)  # released to this engine and not finished
         _set(self, "outstanding_tokens", 0)  # their prompt + expected output tokens
         #: "shadow load": context tokens of sessions paused in a tool call whose KV lives here
@@ -185,6 +211,19 @@ class EngineLoad:
         _set(self, "running", -1)
         _set(self, "kv_used_frac", -1.0)
         _set(self, "healthy", True)
+
+    @property
+    def open_sessions(self) -> int:
+        """Turns released here plus sessions paused in a tool call with their KV here (Libra's
+        load: open trajectories, tool time included)."""
+        return self.outstanding_turns + len(self.cached_sessions)
+
+    @property
+    def kv_pressure(self) -> float:
+        """KV demand (outstanding plus paused context tokens) over capacity; 0 when unknown."""
+        if not self.capacity_tokens:
+            return 0.0
+        return (self.outstanding_tokens + self.paused_context_tokens) / self.capacity_tokens
 
     def __repr__(self) -> str:
         return f"<Engine {self.id} turns={self.outstanding_turns} tokens={self.outstanding_tokens}>"
@@ -219,11 +258,17 @@ class ClusterView(Mapping[str, EngineLoad]):
         return self._order
 
     def healthy(self) -> list[EngineLoad]:
-        return [self._engines[i] for i in self._order if self._engines[i].healthy]
+        """Engines that take new work: healthy and not draining."""
+        return [e for i in self._order if (e := self._engines[i]).healthy and e.accepting]
+
+    def any_accepting(self) -> bool:
+        """Some engine takes new work."""
+        return any(e.healthy and e.accepting for e in self._engines.values())
 
     def any_idle(self) -> bool:
-        """Some healthy engine has nothing released to it."""
-        return any(e.outstanding_turns == 0 and e.healthy for e in self._engines.values())
+        """Some engine that takes new work has nothing released to it."""
+        return any(e.outstanding_turns == 0 and e.healthy and e.accepting
+                   for e in self._engines.values())
 
 
 # ------------------------------------------------------------------ the core's write path
@@ -236,6 +281,11 @@ def add_engine(view: ClusterView, engine: EngineLoad) -> None:
         raise ValueError(f"engine {engine.id!r} already registered")
     view._engines[engine.id] = engine
     _set(view, "_order", (*view._order, engine.id))
+
+
+def set_accepting(engine: EngineLoad, accepting: bool) -> None:
+    """The engine starts (True) or stops (False: it drains) taking new work."""
+    _set(engine, "accepting", accepting)
 
 
 def charge(engine: EngineLoad, work_tokens: int) -> None:

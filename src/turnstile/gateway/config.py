@@ -19,6 +19,8 @@ url = "http://127.0.0.1:8081"
 kind = "llama.cpp"          # llama.cpp | vllm | sglang | openai
 name = "llama-0"            # engine id (default: host:port)
 weight = 1.0
+tp = 1                      # tensor parallelism and bucket (for the rollout routers: cmlfq)
+bucket = "tp1"
 # api_key, priority (vllm/sglang), offload (llama.cpp), slots (llama.cpp)
 ```
 """
@@ -46,6 +48,9 @@ class EngineConfig:
     name: str | None = None
     weight: float = 1.0
     api_key: str | None = None
+    #: tensor-parallel degree and bucket name (rollout routers group engines by them)
+    tp: int = 1
+    bucket: str = ""
     #: adapter options (``priority``, ``offload``, ``slots``, ``low_priority_first``)
     options: dict[str, Any] = field(default_factory=dict)
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from turnstile.core.actions import Action
 from turnstile.core.scheduler import Scheduler
-from turnstile.core.state import EngineLoad, TurnState, WorkflowRecord
+from turnstile.core.state import TurnState, WorkflowRecord
 from turnstile.gateway.adapters import EngineAdapter, ForwardHints, make_adapter
 from turnstile.gateway.affinity import (
     ConversationKeys,
@@ -59,6 +59,7 @@ from turnstile.gateway.replicas import ReplicaSync
 from turnstile.gateway.resolve import SessionResolver
 from turnstile.gateway.sessions import PendingTurn, Session, SessionTable
 from turnstile.gateway.shared import RedisState
+from turnstile.gateway.signals import engine_loads, tool_returns
 from turnstile.gateway.store import HeldTurnRow, SessionRow, StateBackend, Store
 from turnstile.policies import PolicySet
 from turnstile.workload.model import Turn
@@ -99,7 +100,7 @@ class Gateway:
         self.policies = policies or build_policies(config.policy, config.policy_params)
         self.scheduler = Scheduler(
             self.policies,
-            [EngineLoad(a.id, weight=a.weight) for a in adapters],
+            engine_loads(adapters, config.engines),
             on_workflow_done=self._workflow_done,
             forget_finished=True,
         )
@@ -341,7 +342,7 @@ class Gateway:
         p.state = READY
         p.waker = asyncio.get_running_loop().create_future()
         rec, actions = self.scheduler.turn_ready(now, s.id, turn, engine_hint=p.engine_hint,
-                                                 ready_s=ready_s)
+                                                 ready_s=ready_s, tool_returns=tool_returns(p.body))
         p.rec = rec
         self.driver.track(rec, p)
         self._apply(actions)

@@ -19,6 +19,8 @@ from turnstile.core.interfaces import (
 # importing the modules registers their policies
 from turnstile.policies import (  # noqa: F401
     admission,
+    buckets,
+    cmlfq,
     cvar,
     gated,
     release,

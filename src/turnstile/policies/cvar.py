@@ -44,6 +44,7 @@ import numpy as np
 from turnstile.core.interfaces import AdmissionPolicy
 from turnstile.core.state import ClusterView, TurnRecord, TurnState, WorkflowRecord
 from turnstile.policies.base import RELEASE
+from turnstile.policies.estimators import QuantileTracker
 
 
 class OutputEstimator:
@@ -87,27 +88,6 @@ class OutputEstimator:
 
     def forget(self, workflow_id: str) -> None:
         self._wf.pop(workflow_id, None)
-
-
-class QuantileTracker:
-    """α-quantile of recent samples (a bounded window, re-sorted every ``every`` samples)."""
-
-    __slots__ = ("_n", "_window", "alpha", "every", "min_samples", "q")
-
-    def __init__(self, alpha: float, window: int = 512, every: int = 16,
-                 min_samples: int = 20) -> None:
-        self.alpha = alpha
-        self.every = every
-        self.min_samples = min_samples
-        self._window: deque[float] = deque(maxlen=window)
-        self._n = 0
-        self.q = float("inf")  # no tail until enough workflows finished
-
-    def add(self, x: float) -> None:
-        self._window.append(x)
-        self._n += 1
-        if len(self._window) >= self.min_samples and self._n % self.every == 0:
-            self.q = float(np.quantile(np.fromiter(self._window, float), self.alpha))
 
 
 @RELEASE.register("cvar")

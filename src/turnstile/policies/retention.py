@@ -7,13 +7,13 @@ never read a tool's duration from the trace.
 
 from __future__ import annotations
 
-import math
-from collections import deque
-
 from turnstile.core.actions import LRU, RetentionDecision
 from turnstile.core.interfaces import ReleasePolicy
 from turnstile.core.state import EngineLoad, TurnRecord
 from turnstile.policies.base import RETENTION
+from turnstile.policies.estimators import ToolLatencyEstimator, latency_key
+
+__all__ = ["ToolLatencyEstimator", "tool_key"]
 
 
 @RETENTION.register("lru")
@@ -32,57 +32,8 @@ class LruRetention:
         pass
 
 
-def tool_key(turn: TurnRecord) -> str:
-    """The estimator's key for the tool calls after ``turn``: their names, as the LLM emitted them.
-
-    Several calls run back to back, so their total is one observation keyed by all the names;
-    a turn of an open session (gateway) whose tools are not known is keyed ``""``.
-    """
-    tools = turn.turn.tools
-    if not tools:
-        return ""
-    if len(tools) == 1:
-        return tools[0].name
-    return "+".join(t.name for t in tools)
-
-
-class ToolLatencyEstimator:
-    """Online per-tool latency: the last ``window`` observations of each key (bounded memory)."""
-
-    def __init__(self, window: int = 256) -> None:
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
-        self.window = window
-        self._samples: dict[str, deque[float]] = {}
-        self._sorted: dict[str, list[float]] = {}  # cache, dropped on each new observation
-
-    def observe(self, key: str, duration_s: float) -> None:
-        q = self._samples.get(key)
-        if q is None:
-            q = self._samples[key] = deque(maxlen=self.window)
-        q.append(max(duration_s, 0.0))
-        self._sorted.pop(key, None)
-
-    def count(self, key: str) -> int:
-        q = self._samples.get(key)
-        return 0 if q is None else len(q)
-
-    def quantile(self, key: str, q: float) -> float | None:
-        """The ``q`` quantile (nearest rank) of the observations of ``key``; None if unseen."""
-        xs = self._sorted.get(key)
-        if xs is None:
-            samples = self._samples.get(key)
-            if not samples:
-                return None
-            xs = self._sorted[key] = sorted(samples)
-        rank = min(max(math.ceil(q * len(xs)) - 1, 0), len(xs) - 1)
-        return xs[rank]
-
-    def mean(self, key: str) -> float | None:
-        samples = self._samples.get(key)
-        if not samples:
-            return None
-        return sum(samples) / len(samples)
+#: the latency key of the tool calls after a turn (kept under its old name)
+tool_key = latency_key
 
 
 @RETENTION.register("ttl")

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import math
 
-from turnstile.core.state import ClusterView, EngineLoad, TurnRecord
+from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, WorkflowRecord
 from turnstile.policies.base import ROUTING
+
+
+class StatelessRouting:
+    """Routing that learns nothing from finished workflows (the core's hook is a no-op)."""
+
+    def on_workflow_done(self, workflow: WorkflowRecord, now: float) -> None:
+        return None
 
 
 class NoHealthyEngineError(RuntimeError):
@@ -20,7 +27,7 @@ def _healthy(view: ClusterView) -> list[EngineLoad]:
 
 
 @ROUTING.register("round-robin")
-class RoundRobinRouting:
+class RoundRobinRouting(StatelessRouting):
     """Baseline: engines in turn, skipping unhealthy ones."""
 
     name = "round-robin"
@@ -33,13 +40,13 @@ class RoundRobinRouting:
         for _ in range(len(ids)):
             engine = view[ids[self._next % len(ids)]]
             self._next += 1
-            if engine.healthy:
+            if engine.healthy and engine.accepting:
                 return engine.id
         raise NoHealthyEngineError("no healthy engine to route to")
 
 
 @ROUTING.register("least-loaded")
-class LeastLoadedRouting:
+class LeastLoadedRouting(StatelessRouting):
     """Baseline: the engine with the fewest outstanding tokens per unit of speed.
 
     Ties go to the engine listed first, so the choice is deterministic.
@@ -64,7 +71,7 @@ def _shadow_load(turn: TurnRecord, engine: EngineLoad, shadow: float) -> float:
 
 
 @ROUTING.register("least-loaded-shadow")
-class LeastLoadedShadowRouting:
+class LeastLoadedShadowRouting(StatelessRouting):
     """Least-loaded, counting the "shadow load" of sessions paused in a tool call.
 
     Rule: load = (outstanding_tokens + shadow × paused_context_tokens) / weight, where the paused
@@ -83,7 +90,7 @@ class LeastLoadedShadowRouting:
 
 
 @ROUTING.register("kv-affinity")
-class KvAffinityRouting:
+class KvAffinityRouting(StatelessRouting):
     """SGLang-router style cache affinity with a load-balance guard.
 
     Rule (SGLang model gateway, cache-aware policy): send a turn to ``workflow.last_engine``
@@ -108,13 +115,13 @@ class KvAffinityRouting:
     def route(self, turn: TurnRecord, view: ClusterView, now: float) -> str:
         engines = _healthy(view)
         last = turn.workflow.last_engine
-        if last is not None and last in view and view[last].healthy and self.balanced(engines):
+        if last is not None and last in view and view[last] in engines and self.balanced(engines):
             return last
         return min(engines, key=lambda e: e.outstanding_tokens / e.weight).id
 
 
 @ROUTING.register("composite")
-class CompositeRouting:
+class CompositeRouting(StatelessRouting):
     """Coda-style routing score: KV residency, load with shadow load, length compatibility.
 
     Rule (Coda, 2026), highest score wins (ties: the engine listed first)::
@@ -211,9 +218,12 @@ class HintedRouting:
         self.hinted = 0  # turns routed to their hint
         self.fell_back = 0  # turns routed by the fallback
 
+    def on_workflow_done(self, workflow: WorkflowRecord, now: float) -> None:
+        self.fallback.on_workflow_done(workflow, now)
+
     def route(self, turn: TurnRecord, view: ClusterView, now: float) -> str:
         hint = turn.engine_hint
-        if hint is not None and hint in view and view[hint].healthy:
+        if hint is not None and hint in view and view[hint].healthy and view[hint].accepting:
             self.hinted += 1
             return hint
         self.fell_back += 1

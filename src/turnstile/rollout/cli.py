@@ -92,12 +92,21 @@ def sim_cmd(
     steps: Annotated[int, typer.Option("--steps", min=1, help="RL steps to simulate")] = 5,
     gpus: Annotated[int, typer.Option("--gpus", min=2, help="GPUs in the pool")] = 16,
     policy: Annotated[
-        str, typer.Option("--policy", help="Comma-separated: load-balance, length-predict, "
-                          "cmlfq, round-robin (load-balance:nosticky, cmlfq:notree ...)")
-    ] = "load-balance,cmlfq",
+        str, typer.Option("--policy", help="Comma-separated routing policies: least-open, "
+                          "length-predict, cmlfq, cmlfq-adaptive (least-open:nosticky, "
+                          "cmlfq-adaptive:notree ...)")
+    ] = "least-open,cmlfq",
     out: Annotated[Path | None, typer.Option("--out", help="Write results.json here")] = None,
-    prompts: Annotated[int, typer.Option(min=1, help="Prompts per step (N)")] = 32,
-    samples: Annotated[int, typer.Option(min=1, help="Samples per prompt (G)")] = 8,
+    workload: Annotated[
+        str, typer.Option(help="tool-heavy (fitted agent sessions), r2e-gym, search-r1 or "
+                          "dapo-math (Libra-like)")
+    ] = "tool-heavy",
+    prompts: Annotated[
+        int | None, typer.Option(min=1, help="Prompts per step (N; default: the workload's)")
+    ] = None,
+    samples: Annotated[
+        int | None, typer.Option(min=1, help="Samples per prompt (G; default: the workload's)")
+    ] = None,
     seed: Annotated[int, typer.Option()] = 0,
     tool_time_scale: Annotated[
         float, typer.Option(help="Multiply fitted tool latencies (1 = as in the traces)")
@@ -122,7 +131,6 @@ def sim_cmd(
     partial: Annotated[
         float, typer.Option(help="Partial rollout: a step ends when this fraction is done")
     ] = 1.0,
-    drain: Annotated[str, typer.Option(help="Elastic moves: finish or migrate")] = "finish",
 ) -> None:
     """Simulate RL rollout steps for each policy; per-step makespan and plan (simulated)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -132,18 +140,20 @@ def sim_cmd(
 
     if mode not in ("off-policy", "sync"):
         raise _fail("--mode must be off-policy or sync")
-    if drain not in ("finish", "migrate"):
-        raise _fail("--drain must be finish or migrate")
     if not 0.0 < partial <= 1.0:
         raise _fail("--partial must be in (0, 1]")
     req = RolloutSimRequest(
         steps=steps, gpus=gpus, policies=_policies(policy), prompts=prompts, samples=samples,
+        workload=workload,
         seed=seed, tool_time_scale=tool_time_scale, gpu=gpu, model=model, mix=mix,
         train_gpus=train_gpus, tiered=not any_mix, mode=mode, partial_frac=partial,
-        drain_mode=drain,  # type: ignore[arg-type]
     )
+    try:
+        n = len(req.make_workload().batch(0))
+    except (ValueError, UnknownNameError) as e:
+        raise _fail(str(e)) from None
     console.print(
-        f"[bold]simulated[/] {steps} RL steps × {prompts}×{samples} trajectories on {gpus}× {gpu}"
+        f"[bold]simulated[/] {steps} RL steps × {n} {workload} trajectories on {gpus}× {gpu}"
         f" ({model}); policies: {', '.join(req.policies)}"
     )
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -168,7 +178,7 @@ def sim_cmd(
 @rollout_app.command("live")
 def live_cmd(
     trajectories: Annotated[int, typer.Option(min=1, help="Trajectories in the batch")] = 8,
-    policy: Annotated[str, typer.Option(help="Routing policy (cmlfq, load-balance, ...)")] = (
+    policy: Annotated[str, typer.Option(help="Routing policy (cmlfq, least-open, ...)")] = (
         "cmlfq"
     ),
     max_turns: Annotated[int, typer.Option(min=1, help="Turns per trajectory at most")] = 4,
@@ -179,38 +189,34 @@ def live_cmd(
     ] = None,
     out: Annotated[Path | None, typer.Option(help="Write live.json here")] = None,
     steps: Annotated[int, typer.Option(min=1, help="Batches to run (the router learns)")] = 1,
-    direct: Annotated[
-        bool, typer.Option("--direct", help="Send turns straight to the engines, not through "
-                           "the gateway")
-    ] = False,
 ) -> None:
     """Run tool-calling trajectories against two real llama.cpp engines (two buckets).
 
-    Tools are real and deterministic (calculator, file read/write in a temp sandbox,
-    sleep-for-N); which tool a turn calls, and whether it fails, follow the trajectory spec
-    (the tiny model's text is not parsed). Turns go through the turnstile gateway in front of
-    the engines (policy eager+hinted: each request names the engine the router chose in
-    x-turnstile-engine); --direct drives the engines' OpenAI-compatible HTTP API directly.
+    The turnstile gateway runs in front of the engines with the policy eager+<policy> and each
+    engine's TP and bucket, so the gateway's scheduler core routes every turn with the same
+    policy class the simulator runs. Tools are real and deterministic (calculator, file
+    read/write in a temp sandbox, sleep-for-N); which tool a turn calls, and whether it fails,
+    follow the trajectory spec (the tiny model's text is not parsed); each return goes back to
+    the gateway as an OpenAI tool message.
     """
     from turnstile.engines.llama_server import LlamaServerError
     from turnstile.rollout.live import LiveConfig, run_live
 
     cfg = LiveConfig(trajectories=trajectories, policy=policy, max_turns=max_turns,
-                     max_tokens=max_tokens, seed=seed, model_path=model, steps=steps,
-                     via_gateway=not direct)
+                     max_tokens=max_tokens, seed=seed, model_path=model, steps=steps)
     try:
         result = run_live(cfg, log=lambda m: err_console.print(f"[dim]{m}[/]"))
-    except (LlamaServerError, ValueError) as e:
+    except (LlamaServerError, ValueError, RuntimeError) as e:
         raise _fail(str(e)) from None
-    via = "through the gateway" if result["via_gateway"] else "direct"
-    table = Table(title=f"Live rollout ({policy}, real llama.cpp engines {via}, not simulated)")
+    table = Table(title=f"Live rollout (gateway eager+{policy}, real llama.cpp engines, "
+                        "not simulated)")
     for col in ("step", "trajectories", "completed", "makespan s", "turns", "tool calls",
                 "tool errors", "moves"):
         table.add_column(col, justify="right")
     for s in result["steps"]:
         table.add_row(str(s["step"]), str(s["trajectories"]), str(s["completed"]),
                       f"{s['makespan_s']:.2f}", str(s["turns"]), str(s["tool_calls"]),
-                      str(s["tool_errors"]), str(s["migrations"]))
+                      str(s["tool_errors"]), str(s["moves"]))
     console.print(table)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)

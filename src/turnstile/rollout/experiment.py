@@ -13,44 +13,51 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from turnstile.policies import ROUTING, RoutingPolicy
+from turnstile.rollout.libra_workloads import make_workload
 from turnstile.rollout.planner import Plan, PlannerConfig, RLLoop, StepRecord
-from turnstile.rollout.routing import (
-    ROLLOUT_ROUTING,
-    CMLFQRouter,
-    LoadBalanceRouter,
-    RolloutRouter,
-)
-from turnstile.rollout.sim import DrainMode, SimConfig, parse_mix
+from turnstile.rollout.sim import SimConfig, parse_mix
 from turnstile.rollout.workload import RolloutSpec, RolloutWorkload
 
 __all__ = ["RolloutSimRequest", "make_router", "run_rollout_sim"]
 
 
-def make_router(spec: str) -> RolloutRouter:
-    """A router from a CLI spec: a registry name, optionally ``load-balance:nosticky`` or the
-    ``cmlfq:notree`` / ``cmlfq:nohistory`` / ``cmlfq:nocost`` ablations."""
+#: ``name:option`` ablations the CLI accepts, as constructor arguments
+_OPTIONS: dict[tuple[str, str], dict[str, object]] = {
+    ("least-open", "nosticky"): {"sticky": False},
+    ("least-open", "pergpu"): {"weighted": True},
+    ("cmlfq-adaptive", "notree"): {"use_tree": False},
+    ("cmlfq-adaptive", "nohistory"): {"use_history": False},
+    ("cmlfq-adaptive", "nocost"): {"cost_aware": False},
+}
+
+
+def make_router(spec: str) -> RoutingPolicy:
+    """A core routing policy from a CLI spec: a registry name (``least-open``, ``cmlfq``,
+    ``cmlfq-adaptive``, ``length-predict`` ...), optionally with an ablation
+    (``least-open:nosticky``, ``cmlfq-adaptive:notree`` ...)."""
     name, _, opt = spec.partition(":")
-    if name not in ROLLOUT_ROUTING:
-        ROLLOUT_ROUTING.create(name)  # raises with the valid names
+    if name not in ROUTING:
+        ROUTING.create(name)  # raises with the valid names
     if not opt:
-        return ROLLOUT_ROUTING.create(name)
-    if opt == "nosticky" and name == "load-balance":
-        return LoadBalanceRouter(sticky=False)
-    if name == "cmlfq" and opt in ("notree", "nohistory", "nocost"):
-        kw: dict[str, bool] = {"notree": {"use_tree": False},
-                               "nohistory": {"use_history": False},
-                               "nocost": {"cost_aware": False}}[opt]
-        return CMLFQRouter(**kw)
-    raise ValueError(f"unknown option {opt!r} for policy {name!r}")
+        return ROUTING.create(name)
+    kw = _OPTIONS.get((name, opt))
+    if kw is None:
+        valid = ", ".join(f"{n}:{o}" for n, o in _OPTIONS)
+        raise ValueError(f"unknown option {opt!r} for policy {name!r}; valid: {valid}")
+    return ROUTING.create(name, **kw)
 
 
 @dataclass
 class RolloutSimRequest:
     steps: int = 5
     gpus: int = 16
-    policies: Sequence[str] = ("load-balance", "cmlfq")
-    prompts: int = 32
-    samples: int = 8
+    policies: Sequence[str] = ("least-open", "cmlfq")
+    #: prompts per step and samples per prompt (None: the workload's own)
+    prompts: int | None = None
+    samples: int | None = None
+    #: ``tool-heavy`` (agent sessions fitted to the traces) or a Libra-like one
+    workload: str = "tool-heavy"
     seed: int = 0
     tool_time_scale: float = 1.0
     gpu: str = "H100"
@@ -62,16 +69,27 @@ class RolloutSimRequest:
     tiered: bool = True
     mode: str = "off-policy"
     partial_frac: float = 1.0
-    drain_mode: DrainMode = "finish"
     replan_every: int = 10
     spec_overrides: dict[str, Any] = field(default_factory=dict)
 
     def rollout_spec(self) -> RolloutSpec:
-        return RolloutSpec(n_prompts=self.prompts, group_size=self.samples, seed=self.seed,
-                           tool_time_scale=self.tool_time_scale, **self.spec_overrides)
+        return RolloutSpec(n_prompts=self.prompts or 32, group_size=self.samples or 8,
+                           seed=self.seed, tool_time_scale=self.tool_time_scale,
+                           **self.spec_overrides)
+
+    def make_workload(self) -> Any:
+        """A fresh workload (the same seeded batches for every policy)."""
+        if self.workload == "tool-heavy":
+            return RolloutWorkload(self.rollout_spec())
+        kw: dict[str, Any] = {"seed": self.seed, **self.spec_overrides}
+        if self.prompts is not None:
+            kw["n_prompts"] = self.prompts
+        if self.samples is not None:
+            kw["group_size"] = self.samples
+        return make_workload(self.workload, **kw)
 
     def sim_config(self) -> SimConfig:
-        return SimConfig(gpu=self.gpu, model=self.model, drain_mode=self.drain_mode)
+        return SimConfig(gpu=self.gpu, model=self.model)
 
     def planner_config(self) -> PlannerConfig:
         static = None
@@ -96,7 +114,7 @@ def run_rollout_sim(
         raise ValueError("steps must be >= 1")
     for p in req.policies:
         make_router(p)  # validate names before any work
-    workload_spec = req.rollout_spec()
+    spec = req.make_workload().spec
     planner_cfg = req.planner_config()
     sim_cfg = req.sim_config()
     out: dict[str, Any] = {
@@ -105,7 +123,7 @@ def run_rollout_sim(
         "config": {
             **{k: v for k, v in dataclasses.asdict(req).items() if k != "policies"},
             "policies": list(req.policies),
-            "workload": workload_spec.to_dict(),
+            "workload": {"name": req.workload, **dataclasses.asdict(spec)},
             "sim": sim_cfg.describe(),
             "planner": {
                 "mode": planner_cfg.mode,
@@ -126,7 +144,7 @@ def run_rollout_sim(
         "policies": {},
     }
     for policy in req.policies:
-        workload = RolloutWorkload(workload_spec)
+        workload = req.make_workload()
         t0 = time.perf_counter()
         loop = RLLoop(
             workload,

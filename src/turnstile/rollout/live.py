@@ -1,25 +1,23 @@
-"""Live rollouts: tool-calling trajectories against real llama.cpp engines, routed by the same
-router objects as the simulator.
+"""Live rollouts: tool-calling trajectories against real llama.cpp engines, scheduled by the
+turnstile gateway running the same routing policy object class as the simulator (``cmlfq`` by
+default).
 
-Two ``llama-server`` engines form two buckets (different slot counts: a many-slot throughput
-engine at level 0, a few-slot latency engine at level 1). Each trajectory is a
-:class:`~turnstile.rollout.workload.RolloutTrajectory` cut to a few turns. Per turn the driver
-asks the router for an engine (``place``), sends the conversation so far to that engine's
-OpenAI-compatible ``/v1/chat/completions`` (``cache_prompt`` on, so a sticky trajectory reuses
-its slot's KV), records the real usage, then runs the turn's tool calls **for real** in a
-sandbox — a calculator, file read/write in a temporary directory, sleep-for-N — and feeds each
-return (``tool:size:status``) to the router. The tiny test model writes garbage, so *which* tool
-runs and how it is called is decided deterministically from the trajectory spec (a failing call
-in the spec becomes a call that really fails: division by zero, a missing file, a path outside
-the sandbox; a timeout becomes a sleep longer than the tool timeout).
-
-By default (``LiveConfig.via_gateway``) every turn goes through the turnstile gateway in front
-of the two engines, run with the policy ``eager+hinted``: the request carries ``x-session-id``
-(the trajectory id) and ``x-turnstile-engine`` (the gateway's id of the engine the router
-chose), the gateway's ``hinted`` routing policy sends the turn there, and the response's
-``x-turnstile-engine`` header tells which engine served it (recorded per turn as
-``served_by``). With ``via_gateway=False`` (``--direct``) the engines are driven directly over
-HTTP with ``httpx``.
+Two ``llama-server`` engines form two buckets (different slot counts and TP labels: a many-slot
+throughput engine at level 0, a few-slot latency engine at level 1). The driver starts them and a
+gateway in front of them (``turnstile serve`` in a subprocess, configured with the policy
+``eager+<routing>`` and each engine's ``tp`` and ``bucket``); the gateway's scheduler core routes
+every turn. Each trajectory is a :class:`~turnstile.rollout.workload.RolloutTrajectory` cut to a
+few turns. Per turn the driver sends the conversation so far (``x-session-id``: the trajectory,
+``x-tenant-id``: its prompt) to the gateway's ``/v1/chat/completions`` (``cache_prompt`` on, so a
+trajectory that stays reuses its slot's KV), records the real usage and which engine served it
+(the response's ``x-turnstile-engine``), then runs the turn's tool calls **for real** in a
+sandbox — a calculator, file read/write in a temporary directory, sleep-for-N — and reports each
+return in the next request as an OpenAI ``tool`` message (name, result; ``Error:`` /
+``Timeout:`` results mark failures), which the gateway turns into C-MLFQ's
+``tool:size:status`` codes. The tiny test model writes garbage, so *which* tool runs and how it
+is called is decided deterministically from the trajectory spec (a failing call in the spec
+becomes a call that really fails: division by zero, a missing file, a path outside the sandbox;
+a timeout becomes a sleep longer than the tool timeout).
 """
 
 from __future__ import annotations
@@ -27,17 +25,19 @@ from __future__ import annotations
 import ast
 import asyncio
 import hashlib
+import itertools
 import math
 import operator
+import socket
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from turnstile.rollout.routing import RolloutRouter
-from turnstile.rollout.state import EngineInfo, PoolView, ToolResult, TrajectoryState
 from turnstile.rollout.workload import RolloutSpec, RolloutTrajectory, RolloutWorkload
 from turnstile.workload.model import ToolCall, ToolStatus
 
@@ -47,6 +47,7 @@ __all__ = [
     "LiveDriver",
     "ToolError",
     "ToolSandbox",
+    "gateway_toml",
     "plan_tool",
     "run_live",
 ]
@@ -198,44 +199,21 @@ class LiveConfig:
     )
     #: how a trajectory's first prompt is scaled down (tokens of the spec / this)
     prompt_divisor: int = 200
-    #: send every turn through the gateway (``eager+hinted``) rather than to the engine directly
-    via_gateway: bool = True
-
-
-class _LiveEngine:
-    def __init__(self, info: EngineInfo, base_url: str) -> None:
-        self.info = info
-        self.base_url = base_url
-        self.requests = 0
+    #: constructor arguments of the gateway's routing policy (TOML-able values)
+    routing_params: dict[str, Any] = field(default_factory=dict)
+    #: the gateway closes a trajectory's session this long after its last turn (the router
+    #: learns from it then); the driver waits this long between steps
+    session_idle_s: float = 1.0
 
 
 class LiveDriver:
-    """Runs trajectories through real engines with a router (asyncio; one event loop)."""
+    """Runs trajectories through the gateway (asyncio; one event loop). The gateway routes."""
 
-    def __init__(
-        self,
-        router: RolloutRouter,
-        engines: Sequence[tuple[EngineInfo, str]],
-        sandbox_root: Path,
-        cfg: LiveConfig,
-        *,
-        gateway_url: str | None = None,
-        gateway_ids: Mapping[str, str] | None = None,
-    ) -> None:
-        """``gateway_url``: send turns there, naming the router's engine through
-        ``gateway_ids`` (router engine id → the gateway's engine id)."""
-        self.router = router
-        self.cfg = cfg
-        self.engines = {info.id: _LiveEngine(info, url) for info, url in engines}
+    def __init__(self, gateway_url: str, sandbox_root: Path, cfg: LiveConfig) -> None:
         self.gateway_url = gateway_url
-        self.gateway_ids = dict(gateway_ids or {})
-        if gateway_url is not None and set(self.gateway_ids) != set(self.engines):
-            raise ValueError("gateway_ids must name a gateway engine for every router engine")
-        self._router_ids = {g: r for r, g in self.gateway_ids.items()}
-        self.pool = PoolView([info for info, _ in engines])
+        self.cfg = cfg
         self.sandbox_root = sandbox_root
         self.t0 = time.perf_counter()
-        self.migrations = 0
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -248,117 +226,54 @@ class LiveDriver:
             out.append((n, t.tools if j < len(turns) - 1 else ()))
         return out
 
-    def _move(self, st: TrajectoryState, eid: str) -> None:
-        prev = st.engine
-        if prev == eid:
-            return
-        if prev is not None:
-            old = self.engines[prev].info
-            old.open_trajectories -= 1
-            old.open_tokens -= st.context_tokens
-            old.open_attained_tokens -= st.attained_output_tokens
-            st.migrations += 1
-            self.migrations += 1
-        new = self.engines[eid].info
-        new.open_trajectories += 1
-        new.open_tokens += st.context_tokens
-        new.open_attained_tokens += st.attained_output_tokens
-        st.engine = eid
-
     async def run_trajectory(self, client: Any, tr: RolloutTrajectory) -> dict[str, Any]:
         cfg = self.cfg
-        st = TrajectoryState(tr.id, tr.prompt_id, sample=tr.sample, step=tr.step,
-                             arrival_s=self.now(), prompt_tokens=0, hint=tr.hint)
+        t_start = self.now()
         sandbox = ToolSandbox(self.sandbox_root / tr.id)
         sandbox.write_file("notes.txt", f"notes for {tr.prompt_id}: " + "lorem ipsum " * 40)
         words = max(8, tr.prompt_tokens // cfg.prompt_divisor)
         task = f"Task {tr.prompt_id}. " + " ".join(f"w{_num(tr.prompt_id, i) % 97}"
                                                    for i in range(words))
-        messages: list[dict[str, str]] = [
+        messages: list[dict[str, Any]] = [
             {"role": "system", "content": "You are a careful agent. Use tools."},
             {"role": "user", "content": task},
         ]
-        path: list[str] = []
-        served: list[str] = []  # the engine the gateway reports, as a router engine id
+        headers = {"x-session-id": tr.id, "x-tenant-id": tr.prompt_id}
+        served: list[str] = []  # the engine the gateway reports for each turn
         statuses: list[str] = []
+        output_tokens = 0
         for j, (max_tokens, tools) in enumerate(self._spec_turns(tr)):
-            ready = self.now()
-            eid = self.router.place(st, self.pool, ready)
-            if not self.pool[eid].accepting:
-                raise RuntimeError(f"router placed {tr.id} on closed engine {eid}")
-            self._move(st, eid)
-            eng = self.engines[eid]
-            path.append(eid)
-            eng.info.running += 1  # in flight at the engine (running or queued there)
-            if self.gateway_url is None:
-                url, headers = f"{eng.base_url}/v1/chat/completions", None
-            else:
-                url = f"{self.gateway_url}/v1/chat/completions"
-                headers = {"x-session-id": tr.id, "x-turnstile-engine": self.gateway_ids[eid]}
-            t_send = self.now()
             resp = await client.post(
-                url,
+                f"{self.gateway_url}/v1/chat/completions",
                 json={"model": "tiny", "messages": messages, "max_tokens": max_tokens,
                       "temperature": 0.0, "cache_prompt": True},
                 headers=headers,
                 timeout=cfg.request_timeout_s,
             )
-            eng.info.running -= 1
-            eng.requests += 1
             resp.raise_for_status()
-            if self.gateway_url is not None:
-                gid = resp.headers.get("x-turnstile-engine", "")
-                served.append(self._router_ids.get(gid, gid))
+            served.append(resp.headers.get("x-turnstile-engine", ""))
             body = resp.json()
             usage = body.get("usage") or {}
-            out_tokens = int(usage.get("completion_tokens", max_tokens))
-            prompt_tokens = int(usage.get("prompt_tokens", 0))
-            elapsed = self.now() - t_send
-            if out_tokens > 0:  # EWMA of seconds per output token, queueing included
-                eng.info.tpot_s = 0.7 * eng.info.tpot_s + 0.3 * (elapsed / out_tokens)
-            st.wait_s += max(0.0, t_send - ready)
-            st.turns_done += 1
-            st.attained_output_tokens += out_tokens
-            st.attained_prompt_tokens += prompt_tokens
-            new_ctx = prompt_tokens + out_tokens
-            eng.info.open_tokens += new_ctx - st.context_tokens
-            eng.info.open_attained_tokens += out_tokens
-            st.context_tokens = new_ctx
-            self.router.on_turn_finished(st, out_tokens, self.now())
+            output_tokens += int(usage.get("completion_tokens", max_tokens))
             text = body["choices"][0]["message"].get("content") or ""
             messages.append({"role": "assistant", "content": text})
             for i, call in enumerate(tools):
                 tool, arg = plan_tool(call, tr.id, j, i, cfg)
-                status, result, secs = await sandbox.run(tool, arg, cfg.tool_timeout_s)
-                res = ToolResult(tool, status, max(1, len(result) // 4), secs)
-                st.tool_keys.append(res.key)
-                if status == "error":
-                    st.errors += 1
-                elif status == "timeout":
-                    st.timeouts += 1
+                status, result, _ = await sandbox.run(tool, arg, cfg.tool_timeout_s)
                 statuses.append(f"{tool}:{status}" + ("" if status == call.status else "!"))
-                self.router.on_tool_result(st, res, self.now())
-                messages.append({"role": "user", "content": f"[{tool} {status}] {result[:400]}"})
-        st.done_s = self.now()
-        if st.engine is not None:
-            info = self.engines[st.engine].info
-            info.open_trajectories -= 1
-            info.open_tokens -= st.context_tokens
-            info.open_attained_tokens -= st.attained_output_tokens
-        self.router.on_trajectory_done(st, st.done_s)
-        rec: dict[str, Any] = {
+                prefix = {"error": "Error: ", "timeout": "Timeout: "}.get(status, "")
+                messages.append({"role": "tool", "name": tool,
+                                 "content": prefix + result[:400]})
+        moves = sum(a != b for a, b in itertools.pairwise(served))
+        return {
             "id": tr.id,
-            "turns": st.turns_done,
-            "output_tokens": st.attained_output_tokens,
-            "engines": path,
-            "migrations": st.migrations,
+            "turns": len(served),
+            "output_tokens": output_tokens,
+            "served_by": served,
+            "moves": moves,
             "tools": statuses,
-            "tool_keys": list(st.tool_keys),
-            "finish_s": round(st.done_s - st.arrival_s, 4),
+            "finish_s": round(self.now() - t_start, 4),
         }
-        if self.gateway_url is not None:
-            rec["served_by"] = served  # per turn, from the gateway's x-turnstile-engine
-        return rec
 
     async def run_batch(self, batch: Sequence[RolloutTrajectory]) -> dict[str, Any]:
         import httpx
@@ -370,8 +285,36 @@ class LiveDriver:
         return {"makespan_s": self.now() - t0, "trajectories": list(recs)}
 
 
-#: the gateway's policy in live mode: release at once, route where the rollout router says
-GATEWAY_POLICY = "eager+hinted"
+def _engine_name(i: int, b: LiveBucket) -> str:
+    return f"e{i}-{b.name}"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def gateway_toml(cfg: LiveConfig, engine_urls: Sequence[str], port: int) -> str:
+    """The gateway's config: the policy ``eager+<routing>``, and every engine with its TP and
+    bucket (what the bucket router groups by)."""
+    lines = ["[gateway]", 'host = "127.0.0.1"', f"port = {port}",
+             f"policy = {_toml_value('eager+' + cfg.policy)}",
+             f"read_timeout_s = {float(cfg.request_timeout_s)!r}", "stats_interval_s = 0.0",
+             f"session_idle_s = {float(cfg.session_idle_s)!r}", ""]
+    if cfg.routing_params:
+        lines.append("[policy.routing]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in cfg.routing_params.items()]
+        lines.append("")
+    for i, (b, url) in enumerate(zip(cfg.buckets, engine_urls, strict=True)):
+        lines += ["[[engines]]", f"url = {_toml_value(url)}", 'kind = "llama.cpp"',
+                  f"name = {_toml_value(_engine_name(i, b))}", f"tp = {b.tp}",
+                  f"bucket = {_toml_value(b.name)}", ""]
+    return "\n".join(lines)
 
 
 def _start_engines(cfg: LiveConfig, tmp: Path, log: Callable[[str], None]) -> list[Any]:
@@ -386,7 +329,7 @@ def _start_engines(cfg: LiveConfig, tmp: Path, log: Callable[[str], None]) -> li
             p = LlamaServerProcess(model, n_parallel=b.n_parallel, ctx=b.ctx, threads=b.threads,
                                    binary=binary)
             p.start()
-            log(f"engine {b.name}: {p.base_url} (-np {b.n_parallel} -t {b.threads})")
+            log(f"engine {b.name}: {p.base_url} (-np {b.n_parallel} -t {b.threads}, tp {b.tp})")
             procs.append(p)
     except BaseException:
         for p in procs:
@@ -395,47 +338,76 @@ def _start_engines(cfg: LiveConfig, tmp: Path, log: Callable[[str], None]) -> li
     return procs
 
 
-def run_live(
-    cfg: LiveConfig,
-    log: Callable[[str], None] = lambda m: None,
-    router: RolloutRouter | None = None,
-) -> dict[str, Any]:
-    """Start the engines (two llama.cpp servers by default) and, with ``cfg.via_gateway``, the
-    gateway in front of them (``eager+hinted``: the router's choice is the routing); run
-    ``cfg.steps`` batches with ``router`` (default: ``cfg.policy`` from the registry); stop
-    everything."""
-    from turnstile.rollout.experiment import make_router
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start_gateway(config_path: Path, port: int, timeout_s: float = 20.0
+                   ) -> subprocess.Popen[bytes]:
+    """``turnstile serve --config`` in a subprocess; returns once ``/health`` answers."""
+    import httpx
+
+    proc = subprocess.Popen([sys.executable, "-m", "turnstile.gateway", "serve", "--config",
+                             str(config_path)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+            raise RuntimeError(f"the gateway exited ({proc.returncode}): {err[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"the gateway did not answer /health within {timeout_s} s")
+
+
+def _turns_per_engine(metrics_text: str) -> dict[str, int]:
+    """The gateway's own tally: ``turnstile_gateway_turns_finished_total`` per engine."""
+    out: dict[str, int] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("turnstile_gateway_turns_finished_total{"):
+            labels, _, value = line.rpartition(" ")
+            for part in labels[labels.index("{") + 1: -1].split(","):
+                k, _, v = part.partition("=")
+                if k == "engine":
+                    out[v.strip('"')] = int(float(value))
+    return out
+
+
+def run_live(cfg: LiveConfig, log: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+    """Start the engines (two llama.cpp servers by default) and the gateway in front of them
+    (policy ``eager+<cfg.policy>``, engine TP and bucket from ``cfg.buckets``); run
+    ``cfg.steps`` batches through it; stop everything. Real engines: nothing is simulated."""
+    import httpx
+
+    from turnstile.policies import ROUTING
 
     if len(cfg.buckets) < 1:
         raise ValueError("need at least one engine")
-    if router is None:
-        router = make_router(cfg.policy)
+    if cfg.policy not in ROUTING:
+        ROUTING.create(cfg.policy)  # raises with the valid names
     n_prompts = max(1, math.ceil(cfg.trajectories / cfg.samples))
     workload = RolloutWorkload(RolloutSpec(n_prompts=n_prompts, group_size=cfg.samples,
                                            seed=cfg.seed, pool_size=n_prompts * 2))
     with tempfile.TemporaryDirectory(prefix="turnstile-live-") as tmp_s:
         tmp = Path(tmp_s)
         procs = _start_engines(cfg, tmp, log)
-        gw = None
-        gateway: dict[str, Any] = {}
+        gw: subprocess.Popen[bytes] | None = None
         try:
-            infos = []
-            for i, (b, p) in enumerate(zip(cfg.buckets, procs, strict=True)):
-                info = EngineInfo(f"e{i}-{b.name}", b.name, 0, b.tp, capacity_tokens=b.ctx,
-                                  idle_tpot_s=0.002, prefill_s_per_token=2e-4)
-                infos.append((info, p.base_url))
-            if cfg.via_gateway:
-                from turnstile.gateway.embedded import start_gateway
-
-                gw = start_gateway([p.base_url for p in procs], policy=GATEWAY_POLICY,
-                                   read_timeout_s=cfg.request_timeout_s)
-                # the gateway's engine ids (host:port) in the order of the URLs given
-                ids = dict(zip((info.id for info, _ in infos), gw.gateway.adapters, strict=True))
-                log(f"gateway {gw.url} ({GATEWAY_POLICY}): {ids}")
-                driver = LiveDriver(router, infos, tmp / "sandbox", cfg, gateway_url=gw.url,
-                                    gateway_ids=ids)
-            else:
-                driver = LiveDriver(router, infos, tmp / "sandbox", cfg)
+            port = _free_port()
+            conf = tmp / "gateway.toml"
+            conf.write_text(gateway_toml(cfg, [p.base_url for p in procs], port),
+                            encoding="utf-8")
+            gw = _start_gateway(conf, port)
+            url = f"http://127.0.0.1:{port}"
+            log(f"gateway {url} (eager+{cfg.policy})")
+            driver = LiveDriver(url, tmp / "sandbox", cfg)
             steps = []
             for k in range(cfg.steps):
                 batch = workload.batch(k)[: cfg.trajectories]
@@ -450,61 +422,38 @@ def run_live(
                     "tool_calls": sum(len(t["tools"]) for t in trajs),
                     "tool_errors": sum(1 for t in trajs for s in t["tools"] if ":error" in s),
                     "tool_timeouts": sum(1 for t in trajs for s in t["tools"] if ":timeout" in s),
-                    "migrations": sum(t["migrations"] for t in trajs),
+                    "moves": sum(t["moves"] for t in trajs),
                     "per_trajectory": trajs,
                 })
-                if cfg.via_gateway:  # turns the gateway ran elsewhere than the router placed
-                    steps[-1]["placement_mismatches"] = sum(
-                        a != b for t in trajs
-                        for a, b in zip(t["engines"], t["served_by"], strict=True))
                 log(f"step {k}: {len(trajs)} trajectories in {res['makespan_s']:.2f} s")
-            requests = {e.info.id: e.requests for e in driver.engines.values()}
-            if gw is not None:
-                gateway = _gateway_summary(gw, driver.gateway_ids)
+                # let the gateway close the sessions (the router learns from finished ones)
+                time.sleep(cfg.session_idle_s + 0.6)
+            turns = _turns_per_engine(httpx.get(f"{url}/metrics", timeout=5.0).text)
         finally:
             if gw is not None:
-                gw.stop()
+                gw.terminate()
+                try:
+                    gw.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    gw.kill()
             for p in procs:
                 p.stop()
-    stats = getattr(router, "stats", None)
-    out: dict[str, Any] = {
+    served: dict[str, int] = {}
+    for s in steps:
+        for t in s["per_trajectory"]:
+            for e in t["served_by"]:
+                served[e] = served.get(e, 0) + 1
+    return {
         "simulated": False,
-        "via_gateway": cfg.via_gateway,
-        "driver": (f"through the turnstile gateway ({GATEWAY_POLICY}: x-turnstile-engine = "
-                   "the router's engine) to llama-server" if cfg.via_gateway else
-                   "direct HTTP to llama-server (OpenAI-compatible), not through the gateway"),
+        "driver": (f"through the turnstile gateway (eager+{cfg.policy}: the gateway's scheduler "
+                   "core routes every turn) to llama-server"),
         "config": {
             "trajectories": cfg.trajectories, "policy": cfg.policy, "max_turns": cfg.max_turns,
             "max_tokens": cfg.max_tokens, "seed": cfg.seed, "steps": cfg.steps,
-            "tool_timeout_s": cfg.tool_timeout_s,
+            "tool_timeout_s": cfg.tool_timeout_s, "routing_params": dict(cfg.routing_params),
             "buckets": [b.__dict__ for b in cfg.buckets],
         },
         "steps": steps,
-        "requests_per_engine": requests,
-        "router": stats() if callable(stats) else {},
-        "router_name": getattr(router, "name", type(router).__name__),
-    }
-    if gateway:
-        out["gateway"] = gateway
-    return out
-
-
-def _gateway_summary(gw: Any, ids: Mapping[str, str]) -> dict[str, Any]:
-    """The gateway's own account: turns finished per engine (its metrics, as router engine
-    ids) and how many turns its ``hinted`` routing followed the hint."""
-    by_gateway_id = {g: r for r, g in ids.items()}
-    finished: dict[str, int] = dict.fromkeys(ids, 0)
-    for metric in gw.gateway.metrics.turns_finished.collect():
-        for sample in metric.samples:
-            if sample.name.endswith("_total"):
-                eid = sample.labels.get("engine", "")
-                finished[by_gateway_id.get(eid, eid)] = int(sample.value)
-    routing = gw.gateway.policies.routing
-    return {
-        "url": gw.url,
-        "policy": GATEWAY_POLICY,
-        "engine_ids": dict(ids),
-        "turns_per_engine": finished,
-        "hinted_turns": getattr(routing, "hinted", None),
-        "fallback_turns": getattr(routing, "fell_back", None),
+        "turns_per_engine": served,
+        "gateway_turns_per_engine": turns,
     }

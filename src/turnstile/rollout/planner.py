@@ -17,11 +17,11 @@ is accepted only if ``gain × horizon − reconfiguration cost > 0`` and the gai
 ``min_gain`` (5%) of the current period.
 
 **Elastic pool.** A plan change takes effect at the next step boundary. Engines leaving the
-rollout pool drain: no new trajectories, in-flight ones finish there (``drain_mode="finish"``) or
-move at their next turn (``"migrate"``) — never dropped; the GPUs are released when the engine is
-empty. New engines start only on free GPUs and load weights first (``engine_start_s``). GPUs
-joining training contribute from the next step (a joining worker adds zero gradients for one
-step); a training pool that changes size pays ``reshard_s`` once.
+rollout pool drain: no new placements, running turns finish there and the trajectories paused on
+them move at their next turn (re-prefilling their context) — never dropped; the GPUs are
+released when the engine's last turn ends. New engines start only on free GPUs and load weights
+first (``engine_start_s``). GPUs joining training contribute from the next step (a joining
+worker adds zero gradients for one step); a training pool that changes size pays ``reshard_s`` once.
 
 **Partial rollout** (``partial_frac < 1``, off by default, RollPacker-style tail batching): a
 step's rollout ends when that fraction of its batch is done; the rest keep running into the
@@ -36,9 +36,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from turnstile.rollout.routing import RolloutRouter, create_router
-from turnstile.rollout.sim import Bucket, RolloutSim, SimConfig, format_mix, simulate_batch
-from turnstile.rollout.training import ParallelConfig, TrainModel
+from turnstile.policies import ROUTING, RoutingPolicy
+from turnstile.rollout.sim import (
+    Bucket,
+    GpuPool,
+    RolloutCluster,
+    SimConfig,
+    format_mix,
+    simulate_batch,
+)
+from turnstile.rollout.training import TrainModel
 from turnstile.rollout.workload import RolloutTrajectory, RolloutWorkload, training_tokens
 
 __all__ = [
@@ -96,6 +103,9 @@ class PlannerConfig:
     switch_s: float = 10.0
     #: fix the GPU split (no planner): a static plan for baselines
     static: Plan | None = None
+    #: rollout batches in flight at once (asynchronous RL with staleness s: s + 1); the probe
+    #: then holds that many batches and the rollout time per step is its makespan / overlap
+    overlap: int = 1
 
 
 def accept_plan(
@@ -126,7 +136,7 @@ def candidate_mixes(
                 continue
             for n_tail in (1, 2):
                 rest = gpus - tail * n_tail
-                if rest >= base and rest % base == 0 and rest >= tail * n_tail:
+                if rest >= base and rest % base == 0:
                     out.add((Bucket(base, rest // base), Bucket(tail, n_tail)))
     if 1 in tps and 2 in tps and 4 in tps and gpus >= 10:
         out.add((Bucket(1, gpus - 8), Bucket(2, 2), Bucket(4, 1)))
@@ -185,9 +195,6 @@ class RLResult:
         """Trajectories per simulated second over the whole run (final training included)."""
         return self.trajectories / self.total_s if self.total_s > 0 else 0.0
 
-    @property
-    def mean_rollout_s(self) -> float:
-        return sum(s.rollout_s for s in self.steps) / max(1, len(self.steps))
 
 
 class Planner:
@@ -200,10 +207,10 @@ class Planner:
         self.evals = 0
         self._fast: dict[int, float] = {}
 
-    def train_time(self, plan: Plan, tokens: int) -> tuple[float, ParallelConfig | None]:
-        return self.train.step_time(plan.train_gpus, tokens)
-
     def period(self, rollout_s: float, train_s: float) -> float:
+        """Libra's objective: max(T_train, T_rollout) per step (sync: their sum plus the
+        switch); rollout time per step is the probe's makespan over the batches in flight."""
+        rollout_s /= max(1, self.cfg.overlap)
         if self.cfg.mode == "sync":
             return rollout_s + train_s + self.cfg.switch_s
         return max(rollout_s, train_s)
@@ -231,7 +238,7 @@ class Planner:
         self,
         mix: tuple[Bucket, ...],
         probe: Sequence[RolloutTrajectory],
-        router: RolloutRouter,
+        router: RoutingPolicy,
         cache: dict[tuple[Bucket, ...], float],
     ) -> float:
         if mix not in cache:
@@ -243,7 +250,7 @@ class Planner:
     def search(
         self,
         probe: Sequence[RolloutTrajectory],
-        router: RolloutRouter,
+        router: RoutingPolicy,
         extra: Sequence[Plan] = (),
     ) -> list[tuple[float, float, float, Plan]]:
         """``(period, rollout_s, train_s, plan)`` of the plans tried, best first.
@@ -255,7 +262,7 @@ class Planner:
            current one) is simulated on the same probe.
         """
         c = self.cfg
-        tokens = training_tokens(probe)
+        tokens = training_tokens(probe) // max(1, c.overlap)
         cache: dict[tuple[Bucket, ...], float] = {}
         splits = self.splits()
         if not splits:
@@ -276,7 +283,8 @@ class Planner:
         while lo < hi:  # first split whose rollout is no longer than its training
             mid = (lo + hi) // 2
             g = splits[mid]
-            if self._rollout_s(self.reference_mix(g, c.tps), probe, router, cache) <= t_train(g):
+            r = self._rollout_s(self.reference_mix(g, c.tps), probe, router, cache)
+            if r / max(1, c.overlap) <= t_train(g):
                 hi = mid
             else:
                 lo = mid + 1
@@ -294,6 +302,30 @@ class Planner:
         return tried
 
 
+    def choose(
+        self,
+        current: Plan | None,
+        probe: Sequence[RolloutTrajectory],
+        router: RoutingPolicy,
+        reconfig_s: float,
+    ) -> tuple[Plan, float | None, float]:
+        """The plan to run next, its predicted per-step gain over ``current`` (a fraction;
+        None for the first plan) and its predicted period: the best plan :meth:`search` finds,
+        taken only when :func:`accept_plan` holds (gain over ``replan_every`` steps beats
+        ``reconfig_s``, and at least ``min_gain``)."""
+        ranked = self.search(probe, router, extra=[current] if current else [])
+        best_period, _, _, best = ranked[0]
+        if current is None:
+            return best, None, best_period
+        cur = next(r[0] for r in ranked if r[3] == current)
+        if best == current or cur <= 0:
+            return current, 0.0, cur
+        gain = (cur - best_period) / cur
+        if accept_plan(cur, best_period, self.cfg.replan_every, reconfig_s, self.cfg.min_gain):
+            return best, gain, best_period
+        return current, gain, cur
+
+
 class RLLoop:
     """Simulated RL: rollout batches through one continuous rollout simulator and the training
     model, with a planner (or a static plan) and an elastic pool."""
@@ -301,7 +333,7 @@ class RLLoop:
     def __init__(
         self,
         workload: RolloutWorkload,
-        policy: str | Callable[[], RolloutRouter] = "cmlfq",
+        policy: str | Callable[[], RoutingPolicy] = "cmlfq",
         *,
         sim_config: SimConfig | None = None,
         planner: PlannerConfig | None = None,
@@ -313,7 +345,7 @@ class RLLoop:
         self.sim_cfg = sim_config or SimConfig()
         self.cfg = planner or PlannerConfig()
         self.train = train or TrainModel.for_names(self.sim_cfg.gpu, self.sim_cfg.model)
-        self._make_router = (lambda: create_router(policy)) if isinstance(policy, str) else policy
+        self._make_router = (lambda: ROUTING.create(policy)) if isinstance(policy, str) else policy
         self.router = self._make_router()
         self.planner = Planner(self.cfg, self.sim_cfg, self.train)
         self.partial_frac = partial_frac
@@ -322,9 +354,8 @@ class RLLoop:
             max(self.sim_cfg.engine_start_s, self.cfg.reshard_s) if reconfig_s is None
             else reconfig_s
         )
-        self.sim: RolloutSim | None = None
-        self._pending: list[int] = []  # TPs of engines waiting for free GPUs
-        self._train_gpus = 0
+        self.sim: RolloutCluster | None = None
+        self.pool: GpuPool | None = None
 
     # -- planning ----------------------------------------------------------------------------
     def _choose(
@@ -332,18 +363,8 @@ class RLLoop:
     ) -> tuple[Plan, float | None]:
         if self.cfg.static is not None:
             return self.cfg.static, None
-        ranked = self.planner.search(probe, self.router, extra=[current] if current else [])
-        best_period, _, _, best = ranked[0]
-        if current is None:
-            return best, None
-        cur_period = next(r[0] for r in ranked if r[3] == current)
-        if best == current or cur_period <= 0:
-            return current, 0.0
-        gain = cur_period - best_period
-        if accept_plan(cur_period, best_period, self.cfg.replan_every, self.reconfig_s,
-                       self.cfg.min_gain):
-            return best, gain / cur_period
-        return current, gain / cur_period
+        plan, gain, _ = self.planner.choose(current, probe, self.router, self.reconfig_s)
+        return plan, gain
 
     def _can_rebalance(self, plan: Plan, rollout_s: float, train_s: float) -> bool:
         """Pressure is worth a replan only if GPUs can move towards the slower side."""
@@ -352,45 +373,6 @@ class RLLoop:
             return plan.rollout_gpus < max(splits)
         return plan.rollout_gpus > min(splits)
 
-    # -- elastic pool --------------------------------------------------------------------------
-    def _apply(self, sim: RolloutSim, old: Plan, new: Plan, now: float) -> dict[str, Any]:
-        """Move engines at a boundary: drain surplus engines, start missing ones on free GPUs."""
-        have: dict[int, list[str]] = {}
-        for e in sim.engines:
-            if not e.retired and e.info.accepting:
-                have.setdefault(e.info.tp, []).append(e.info.id)
-        want = {b.tp: b.count for b in new.mix}
-        drained: list[str] = []
-        for tp, ids in have.items():
-            extra = len(ids) - want.get(tp, 0)
-            if extra > 0:
-                # drain the emptiest engines first
-                ids = sorted(ids, key=lambda i: sim.pool[i].open_trajectories)
-                drained += ids[:extra]
-        if drained:
-            sim.drain(drained, now)
-            sim.run_until(now)  # apply the drain events now (idle engines retire at once)
-        for tp, n in want.items():
-            missing = n - len(have.get(tp, []))
-            self._pending += [tp] * max(0, missing)
-        self._train_gpus = new.train_gpus if self.cfg.mode != "sync" else 0
-        started = self._start_pending(sim, now)
-        return {"drained": drained, "started": started, "waiting_for_gpus": list(self._pending)}
-
-    def _free_gpus(self, sim: RolloutSim) -> int:
-        return self.cfg.total_gpus - self._train_gpus - sim.gpus_in_use()
-
-    def _start_pending(self, sim: RolloutSim, now: float) -> list[str]:
-        started: list[str] = []
-        keep: list[int] = []
-        for tp in sorted(self._pending, reverse=True):
-            if self._free_gpus(sim) >= tp:
-                started += sim.add_engines(tp, 1, now)
-            else:
-                keep.append(tp)
-        self._pending = keep
-        return started
-
     # -- the loop ------------------------------------------------------------------------------
     def run(self, steps: int, on_step: Callable[[StepRecord], None] | None = None) -> RLResult:
         c = self.cfg
@@ -398,10 +380,10 @@ class RLLoop:
             raise ValueError("partial rollout needs the off-policy mode")
         probe = self.workload.forecast(0)  # before any step: a batch drawn from the model
         plan, _ = self._choose(None, probe)
-        sim = RolloutSim(plan.mix, self.router, self.sim_cfg)
-        sim.on_retire = lambda eng, t: self._start_pending(sim, t)
+        sim = RolloutCluster(plan.mix, self.router, self.sim_cfg)
         self.sim = sim
-        self._train_gpus = plan.train_gpus if c.mode != "sync" else 0
+        self.pool = pool = GpuPool(sim, c.total_gpus,
+                                   plan.train_gpus if c.mode != "sync" else 0)
         records: list[StepRecord] = []
         now = 0.0
         prev_train_s = 0.0
@@ -468,7 +450,8 @@ class RLLoop:
                         last_early = k + 1
                     if new != plan:
                         rec.replanned = True
-                        rec.moves = self._apply(sim, plan, new, now)
+                        rec.moves = pool.apply(new.mix, new.train_gpus if c.mode != "sync"
+                                               else 0, now)
                         plan = new
             records.append(rec)
             prev_train_s = train_s
@@ -481,7 +464,7 @@ class RLLoop:
         return RLResult(records, now, total_trajs, sim.stats(), self.planner.evals)
 
     @staticmethod
-    def _finished_since(sim: RolloutSim, n_before: int) -> set[str]:
+    def _finished_since(sim: RolloutCluster, n_before: int) -> set[str]:
         done = sim.done_order[n_before:]
         return set(done)
 

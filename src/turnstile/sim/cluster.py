@@ -7,6 +7,7 @@ priority, retain a session's KV during a tool call). It owns the only clock.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from turnstile.sim.perf import PerfModel, RooflinePerf, kv_capacity_tokens, load
 from turnstile.workload.model import Workflow
 
 # event kinds (ints: cheap to compare)
-_ARRIVE, _STEP_END, _TOOL_END, _KICK, _WAKE = range(5)
+_ARRIVE, _STEP_END, _TOOL_END, _KICK, _WAKE, _POOL = range(6)
 _NEVER = float("inf")
 
 
@@ -98,18 +99,15 @@ class ClusterSim:
         self.engines: list[EngineModel] = []
         loads: list[EngineLoad] = []
         self.num_gpus = 0
+        self._block_size = block_size
+        self._hash_block_tokens = hash_block_tokens
         # shared across engines: a session re-prefilled on another engine counts as recomputed
-        session_marks: dict = {}
+        self._session_marks: dict = {}
+        self._by_id: dict[str, int] = {}
         for g in groups:
             perf = g.build_perf()
             for _ in range(g.count):
-                eid = f"e{len(self.engines)}"
-                cfg = g.build_config(block_size, hash_block_tokens)
-                self.engines.append(EngineModel(eid, cfg, perf, session_marks=session_marks))
-                # relative speed: decode throughput scales with TP (heterogeneous routing)
-                loads.append(EngineLoad(eid, cfg.num_gpu_blocks * block_size, weight=float(g.tp)))
-                self.num_gpus += g.tp
-        self._by_id = {e.engine_id: i for i, e in enumerate(self.engines)}
+                loads.append(self._new_engine(g, perf))
         self.finished: list[WorkflowRecord] = []
         self.scheduler = Scheduler(
             policies, loads, on_workflow_done=self.finished.append, forget_finished=True
@@ -126,22 +124,111 @@ class ClusterSim:
         self._touched = False
         self.iterations = 0
         self.events = 0
+        self.now = 0.0
+        #: elastic pool: per engine, its TP and when it retired (-1: has not)
+        self._tps = [int(ld.tp) for ld in loads]
+        self.retired_s = [-1.0] * len(self.engines)
+        #: called with (engine id, TP, time) when a drained engine retires and frees its GPUs
+        self.on_retire: Callable[[str, int, float], Any] | None = None
+        self._done_reported = 0
+
+    def _new_engine(self, g: EngineGroup, perf: PerfModel) -> EngineLoad:
+        eid = f"e{len(self.engines)}"
+        cfg = g.build_config(self._block_size, self._hash_block_tokens)
+        self.engines.append(EngineModel(eid, cfg, perf, session_marks=self._session_marks))
+        self._by_id[eid] = len(self.engines) - 1
+        self.num_gpus += g.tp
+        # relative speed: decode throughput scales with TP (heterogeneous routing); per-token
+        # times at batch 1 for bucket routers
+        tpot = perf.step_time(0, 1, 8192)
+        prefill = perf.step_time(8192, 0, 0, 8192 * 8193 / 2) / 8192
+        return EngineLoad(eid, cfg.num_gpu_blocks * self._block_size, weight=float(g.tp),
+                          tp=g.tp, tpot_s=tpot, prefill_s_per_token=prefill)
+
+    # ------------------------------------------------------------- elastic pool
+    def submit(self, workflows: Sequence[Workflow]) -> None:
+        """More workflows, arriving at their ``arrival_s`` (not before the clock)."""
+        for wf in workflows:
+            self.queue.push(max(wf.arrival_s, self.now), _ARRIVE, wf)
+
+    def add_engines(self, group: EngineGroup, at_s: float) -> list[str]:
+        """``group.count`` engines join at ``at_s``: they take work from then on."""
+        perf = group.build_perf()
+        ids = []
+        for _ in range(group.count):
+            load = self._new_engine(group, perf)
+            self._tps.append(group.tp)
+            self._busy.append(False)
+            self._kicked.append(False)
+            self.retired_s.append(-1.0)
+            self.queue.push(max(at_s, self.now), _POOL, ("join", load))
+            ids.append(load.id)
+        return ids
+
+    def drain(self, engine_ids: Sequence[str]) -> None:
+        """Route no new work to these engines; each retires once its running turns finish
+        (trajectories paused on it move at their next turn)."""
+        for eid in engine_ids:
+            self.scheduler.drain_engine(self.now, eid)
+            i = self._by_id[eid]
+            if not self._busy[i] and not self.engines[i].has_work():
+                self._retire(i, self.now)
+
+    def gpus_in_use(self) -> int:
+        """GPUs of the engines not retired (joining and draining ones included)."""
+        return sum(tp for tp, r in zip(self._tps, self.retired_s, strict=True) if r < 0)
+
+    def _retire(self, i: int, now: float) -> None:
+        if self.retired_s[i] >= 0:
+            return
+        self.retired_s[i] = now
+        if self.on_retire is not None:
+            self.on_retire(self.engines[i].engine_id, self._tps[i], now)
 
     # ------------------------------------------------------------------ run
     def run(self) -> SimResult:
         t0 = time.perf_counter()
-        q = self.queue
         for wf in self.workflows:
-            q.push(wf.arrival_s, _ARRIVE, wf)
+            self.queue.push(wf.arrival_s, _ARRIVE, wf)
+        now = self.run_until()
+        sched = self.scheduler
+        lost = sched.active_workflows
+        if lost:
+            raise RuntimeError(
+                f"simulation ended with {lost} unfinished workflows "
+                f"({sched.held_turns} turns still held by the release policy)"
+            )
+        stats = {e.engine_id: e.stats() for e in self.engines}
+        return SimResult(
+            policy=self.policies.spec,
+            workflows=self.finished,
+            engine_stats=stats,
+            makespan_s=now,
+            wall_s=time.perf_counter() - t0,
+            iterations=self.iterations,
+            events=self.events,
+            num_gpus=self.num_gpus,
+        )
+
+    def run_until(self, t_s: float = math.inf, stop: Callable[[], bool] | None = None) -> float:
+        """Process events up to time ``t_s`` (or until ``stop()`` holds after an event);
+        returns the clock."""
+        q = self.queue
         sched = self.scheduler
         engines = self.engines
         busy = self._busy
         progress = self._on_progress
-        done_reported = 0
-        now = 0.0
+        done_reported = self._done_reported
+        now = self.now
         ff = self._ff
+        bounded = t_s != math.inf
         while q:
+            if bounded:
+                nt = q.peek_time()
+                if nt is not None and nt > t_s:
+                    break
             now, kind, payload = q.pop()
+            self.now = now
             self.events += 1
             if kind == _STEP_END:
                 i, outcome = payload
@@ -167,10 +254,13 @@ class ClusterSim:
                 self._kicked[payload] = False
                 if not busy[payload]:
                     self._step(now, payload)
-            else:  # _WAKE
+            elif kind == _WAKE:
                 if now >= self._wake_at:
                     self._wake_at = -1.0
                     self._act(now, sched.tick(now))
+                self._touched = True
+            else:  # _POOL: an engine joins
+                self._act(now, sched.add_engine(now, payload[1]))
                 self._touched = True
             if self._touched:
                 # the wakeup depends only on the scheduler's state: unchanged unless called
@@ -195,23 +285,12 @@ class ClusterSim:
             if progress is not None and len(self.finished) != done_reported:
                 done_reported = len(self.finished)
                 progress(done_reported)
-        lost = sched.active_workflows
-        if lost:
-            raise RuntimeError(
-                f"simulation ended with {lost} unfinished workflows "
-                f"({sched.held_turns} turns still held by the release policy)"
-            )
-        stats = {e.engine_id: e.stats() for e in engines}
-        return SimResult(
-            policy=self.policies.spec,
-            workflows=self.finished,
-            engine_stats=stats,
-            makespan_s=now,
-            wall_s=time.perf_counter() - t0,
-            iterations=self.iterations,
-            events=self.events,
-            num_gpus=self.num_gpus,
-        )
+            if stop is not None and stop():
+                break
+        self._done_reported = done_reported
+        if bounded and now < t_s and (stop is None or not stop()):
+            self.now = now = t_s
+        return now
 
     # ------------------------------------------------------------ internals
     def _act(self, now: float, actions: list) -> None:
@@ -246,6 +325,8 @@ class ClusterSim:
             self._act(now, self.scheduler.engine_stats(now, engine.engine_id, queue_len=0,
                                                         running=0))
             self._touched = True
+            if not self.scheduler.view[engine.engine_id].accepting:
+                self._retire(i, now)  # a drained engine ran its last turn
             return
         self._busy[i] = True
         self.iterations += 1

@@ -66,7 +66,8 @@ class Workflow:
     arrival_s: float
     turns: tuple[Turn, ...]
     tenant: str = "default"
-    #: free-form provenance (source trace, task name, model); never read by policies
+    #: free-form provenance (source trace, task name, model); policies read only what is known
+    #: before a workflow runs: the rollout routers' ``prompt``, ``step`` and ``hint``
     meta: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     def parents_of(self, index: int) -> tuple[int, ...]:

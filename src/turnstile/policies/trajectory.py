@@ -1,0 +1,145 @@
+"""What rollout routers read: a trajectory as observed from its finished turns, and the
+engines grouped into tensor-parallel buckets (levels).
+
+A rollout trajectory is a workflow of the core; its router sees only the past — turns that
+finished (their real output lengths, queue waits) and tool calls that returned (their
+``tool:size:status`` codes). :class:`TrajectoryTracker` folds those in incrementally, once per
+turn, so a route costs O(new turns) and never reads a turn that has not run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, TurnState, WorkflowRecord
+from turnstile.policies.estimators import return_code
+from turnstile.policies.routing import NoHealthyEngineError
+
+__all__ = ["Levels", "Trajectory", "TrajectoryTracker", "home_engine", "least_open"]
+
+
+class Trajectory:
+    """One trajectory as observed so far (built by :class:`TrajectoryTracker`)."""
+
+    __slots__ = ("attained_at", "attained_output_tokens", "codes", "context_tokens", "hint",
+                 "id", "prompt_id", "prompt_tokens", "step", "turns_done", "wait_s")
+
+    def __init__(self, wf: WorkflowRecord) -> None:
+        self.id = wf.id
+        meta = wf.source.meta if wf.source is not None else {}
+        #: the prompt the trajectory samples (rollout workloads name it; else the tenant)
+        self.prompt_id = meta.get("prompt", wf.tenant)
+        #: the RL step (-1: unknown, e.g. a gateway session)
+        self.step = int(meta.get("step", -1))
+        self.hint = float(meta.get("hint", 0.0))
+        self.prompt_tokens = wf.turns[0].prompt_tokens if wf.turns else 0
+        self.turns_done = 0
+        self.attained_output_tokens = 0
+        #: KV tokens of the conversation so far (what a move to another engine re-prefills)
+        self.context_tokens = self.prompt_tokens
+        #: codes of the tool returns so far, and the attained output at each return
+        self.codes: list[str] = []
+        self.attained_at: list[int] = []
+        #: seconds its turns waited in engine queues (released → started)
+        self.wait_s = 0.0
+
+    def fold(self, rec: TurnRecord) -> None:
+        """Take in one finished turn (and its returned tool calls)."""
+        self.turns_done += 1
+        self.attained_output_tokens += rec.output_tokens
+        self.context_tokens = rec.prompt_tokens + rec.output_tokens
+        if rec.started_s >= 0.0 and rec.released_s >= 0.0:
+            self.wait_s += max(0.0, rec.started_s - rec.released_s)
+        if rec.state == TurnState.DONE:
+            for c in rec.turn.tools:
+                self.codes.append(return_code(c.name, c.result_tokens, c.status))
+                self.attained_at.append(self.attained_output_tokens)
+
+
+class TrajectoryTracker:
+    """Trajectories by workflow id, folded up to the turn being routed."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, Trajectory] = {}
+
+    def observe(self, turn: TurnRecord) -> Trajectory:
+        """The trajectory of ``turn`` with every finished turn before it folded in."""
+        wf = turn.workflow
+        tr = self._by_id.get(wf.id)
+        if tr is None:
+            tr = self._by_id[wf.id] = Trajectory(wf)
+        turns = wf.turns
+        i = tr.turns_done
+        while i < turn.index and turns[i].state == TurnState.DONE:
+            tr.fold(turns[i])
+            i += 1
+        return tr
+
+    def finish(self, wf: WorkflowRecord) -> Trajectory:
+        """The whole trajectory of a finished workflow; forgets it."""
+        tr = self._by_id.pop(wf.id, None) or Trajectory(wf)
+        for rec in wf.turns[tr.turns_done:]:
+            if rec.finished_s >= 0.0:
+                tr.fold(rec)
+        return tr
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
+def home_engine(turn: TurnRecord, view: ClusterView) -> EngineLoad | None:
+    """The engine holding the session's KV (paused there, or where its last turn ran) when
+    it still takes new work."""
+    wf = turn.workflow
+    eid = wf.paused_engine or wf.last_engine
+    if eid is None or eid not in view:
+        return None
+    e = view[eid]
+    return e if e.healthy and e.accepting else None
+
+
+def _load(e: EngineLoad, weighted: bool) -> tuple[float, int]:
+    n = e.open_sessions
+    return (n / e.tp if weighted else float(n), e.outstanding_turns)
+
+
+def least_open(engines: list[EngineLoad], weighted: bool = False,
+               cap: int | None = None) -> EngineLoad:
+    """Least connections: the engine with the fewest open sessions (per GPU when
+    ``weighted``); ties to the fewer running turns, then the engine listed first. With ``cap``,
+    engines holding ``cap`` or more are skipped while another has room."""
+    if not engines:
+        raise NoHealthyEngineError("no engine takes new work")
+    pool = engines
+    if cap is not None:
+        room = [e for e in engines if e.open_sessions < cap]
+        pool = room or engines
+    return min(pool, key=lambda e: _load(e, weighted))
+
+
+class Levels:
+    """The engines that take new work, grouped into levels by ascending TP (level 0: the
+    smallest engines, highest throughput; the last: the largest, lowest per-token latency)."""
+
+    __slots__ = ("engines", "gpus", "level_of")
+
+    def __init__(self, view: ClusterView) -> None:
+        by_tp: dict[int, list[EngineLoad]] = {}
+        for e in view.healthy():
+            by_tp.setdefault(e.tp, []).append(e)
+        tps = sorted(by_tp)
+        self.engines: list[list[EngineLoad]] = [by_tp[tp] for tp in tps]
+        self.gpus: tuple[int, ...] = tuple(tp * len(by_tp[tp]) for tp in tps)
+        self.level_of: dict[str, int] = {e.id: i for i, es in enumerate(self.engines) for e in es}
+        if not self.engines:
+            raise NoHealthyEngineError("no engine takes new work")
+
+    def __len__(self) -> int:
+        return len(self.engines)
+
+    def __iter__(self) -> Iterator[list[EngineLoad]]:
+        return iter(self.engines)
+
+    def nearest(self, level: int) -> list[EngineLoad]:
+        """The engines of ``level`` (clamped to the levels there are)."""
+        return self.engines[min(max(level, 0), len(self.engines) - 1)]
