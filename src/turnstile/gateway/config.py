@@ -18,7 +18,8 @@ url = "http://127.0.0.1:8081"
 kind = "llama.cpp"          # llama.cpp | vllm | sglang | openai
 name = "llama-0"            # engine id (default: host:port)
 weight = 1.0
-# api_key, priority (vllm/sglang), offload (llama.cpp), slots (llama.cpp)
+# api_key, priority (vllm/sglang), offload (llama.cpp), slots (llama.cpp),
+# kv_tokens (KV capacity in tokens, e.g. llama.cpp -c: enables cvar's KV gate)
 ```
 """
 
@@ -45,7 +46,8 @@ class EngineConfig:
     name: str | None = None
     weight: float = 1.0
     api_key: str | None = None
-    #: adapter options (``priority``, ``offload``, ``slots``, ``low_priority_first``)
+    #: adapter options (``priority``, ``offload``, ``slots``, ``low_priority_first``) and
+    #: ``kv_tokens``, the engine's KV capacity in tokens (the release policy's KV gate)
     options: dict[str, Any] = field(default_factory=dict)
 
 

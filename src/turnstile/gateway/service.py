@@ -269,7 +269,9 @@ class Gateway:
         self.policies = policies or build_policies(config.policy, config.policy_params)
         self.scheduler = Scheduler(
             self.policies,
-            [EngineLoad(a.id, weight=a.weight) for a in adapters],
+            # ``kv_tokens`` (engine option): the KV capacity the release policy's KV gate needs
+            [EngineLoad(a.id, int(a.options.get("kv_tokens", 0) or 0), weight=a.weight)
+             for a in adapters],
             on_workflow_done=self._workflow_done,
             forget_finished=True,
         )
@@ -788,7 +790,8 @@ class Gateway:
         assert rec is not None
         now = self.clock.now()
         out = output_tokens if output_tokens is not None else 0
-        actions = list(self.scheduler.turn_finished(now, rec.workflow_id, rec.index, out))
+        actions = list(self.scheduler.turn_finished(now, rec.workflow_id, rec.index, out,
+                                                    _cached_tokens(usage)))
         self.metrics.turns_finished.labels(p.engine).inc()
         self.metrics.output_tokens.labels(p.engine).inc(out)
         self.metrics.e2e.observe(max(now - rec.ready_s, 0.0))
@@ -1038,6 +1041,16 @@ def _completion_tokens(usage: Any) -> int | None:
         n = usage.get("completion_tokens")
         if isinstance(n, int):
             return n
+    return None
+
+
+def _cached_tokens(usage: Any) -> int | None:
+    """Prompt tokens the engine served from its prefix cache (OpenAI ``prompt_tokens_details``),
+    which the release policy's KV-miss feedback (``cvar``) reads."""
+    if isinstance(usage, dict):
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            return int(details["cached_tokens"])
     return None
 
 
