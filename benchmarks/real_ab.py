@@ -60,11 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--synth-sessions", type=int, default=6)
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--n-parallel", type=int, default=2, help="llama-server -np (slots)")
-    ap.add_argument("--ctx", type=int, default=2048, help="llama-server -c (all slots)")
+    ap.add_argument("--ctx", type=int, default=2304, help="llama-server -c (all slots)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--max-context", type=int, default=900,
+    ap.add_argument("--max-context", type=int, default=800,
                     help="a scaled session ends before its context passes this")
     ap.add_argument("--max-turns", type=int, default=10)
     ap.add_argument("--max-output", type=int, default=32)
@@ -89,8 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     sessions = build_sessions(trace_wfs, args.trace_sessions, args.synth_sessions, scale,
                               seed=args.seed)
     engines = AbEngines(count=args.engines, n_parallel=args.n_parallel, ctx=args.ctx)
-    if args.ctx // args.n_parallel < args.max_context + 16 * args.max_turns:
-        raise SystemExit("--ctx / --n-parallel must hold a whole session (with template tokens)")
+    # a slot must hold a whole session as the replay sends it: template tokens per message, the
+    # replay's margins, and 10% for its characters-per-token estimate; else the replay shrinks
+    # the prompts and the simulator would not be predicting the same work
+    need = int(1.1 * args.max_context) + args.max_output + 32 + 12 * args.max_turns
+    if args.ctx // args.n_parallel < need:
+        raise SystemExit(f"--ctx / --n-parallel must be >= {need} tokens (a whole session)")
     run = AbRun(policies=[p for p in args.policies.split(",") if p], loads=_floats(args.loads),
                 seeds=[int(s) for s in args.seeds.split(",") if s.strip()], engines=engines,
                 threads=args.threads, hidden=args.hidden, layers=args.layers,

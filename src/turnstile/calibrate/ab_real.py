@@ -161,7 +161,7 @@ def _replay(gateway: str, workflows: list[Workflow], run: AbRun, label: str, see
             "arrivals": "poisson (sessions superimposed, seeded)"}
     path, _ = asyncio.run(run_replay(spec, workflows, info, out))
     doc = json.loads(Path(path).read_text())
-    res = doc["results"][0]
+    res = doc["policies"][0]
     return {"metrics": res["metrics"], "replay": res.get("replay", {})}
 
 
