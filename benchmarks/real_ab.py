@@ -60,16 +60,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--synth-sessions", type=int, default=6)
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--n-parallel", type=int, default=2, help="llama-server -np (slots)")
-    ap.add_argument("--ctx", type=int, default=2304, help="llama-server -c (all slots)")
+    ap.add_argument("--ctx", type=int, default=1664, help="llama-server -c (all slots)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=384)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--max-context", type=int, default=800,
+    ap.add_argument("--max-context", type=int, default=600,
                     help="a scaled session ends before its context passes this")
-    ap.add_argument("--max-turns", type=int, default=10)
-    ap.add_argument("--max-output", type=int, default=32)
+    ap.add_argument("--max-turns", type=int, default=8)
+    ap.add_argument("--max-output", type=int, default=16)
     ap.add_argument("--tool-div", type=float, default=20.0)
-    ap.add_argument("--max-tool-s", type=float, default=1.0)
+    ap.add_argument("--max-tool-s", type=float, default=0.5)
     ap.add_argument("--quick-profile", action="store_true")
     ap.add_argument("--seed", type=int, default=0, help="session choice")
     return ap.parse_args(argv)
@@ -98,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     run = AbRun(policies=[p for p in args.policies.split(",") if p], loads=_floats(args.loads),
                 seeds=[int(s) for s in args.seeds.split(",") if s.strip()], engines=engines,
                 threads=args.threads, hidden=args.hidden, layers=args.layers,
-                max_tokens=args.max_output, quick_profile=args.quick_profile)
+                max_tokens=args.max_output, quick_profile=args.quick_profile,
+                # longer than any tool call: the gateway must not close a session mid-task
+                session_idle_s=args.max_tool_s + 0.3)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     load0 = os.getloadavg()

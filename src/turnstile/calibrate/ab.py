@@ -152,6 +152,7 @@ def cell_row(metrics: Mapping[str, Any]) -> dict[str, float | None]:
         "prefix_hit_rate": metrics.get("prefix_hit_rate"),
         "recomputed_prompt_tokens": totals.get("recomputed_prefill_tokens"),
         "prompt_tokens": totals.get("prompt_tokens"),
+        "hold_mean_s": (metrics.get("hold_s") or {}).get("mean"),
         "workflows": metrics.get("workflows"),
         "unfinished": metrics.get("workflows_unfinished"),
     }

@@ -58,10 +58,14 @@ class AbRun:
     layers: int = 4
     max_tokens: int = 64
     #: the gateway closes a session idle this long (the replay never says a session ended)
-    session_idle_s: float = 2.0
+    session_idle_s: float = 0.8
     profile_repeats: int = 2
     quick_profile: bool = False
     request_timeout_s: float = 120.0
+    #: stream replies token by token; off by default: flow time is what the A/B measures, and
+    #: relaying every token through two Python processes (gateway, client) costs CPU that a
+    #: 2-core host takes from the engines
+    stream: bool = False
     #: per-policy gateway settings, e.g. ``{"release": {"budget_per_engine": 4096}}``
     policy_params: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -106,7 +110,10 @@ def _toml_value(v: Any) -> str:
 def gateway_toml(policy: str, urls: Sequence[str], engines: AbEngines, *, port: int,
                  session_idle_s: float, params: dict[str, dict[str, Any]]) -> str:
     lines = ["[gateway]", 'host = "127.0.0.1"', f"port = {port}", f'policy = "{policy}"',
-             f"session_idle_s = {session_idle_s!r}", "stats_interval_s = 0.5", ""]
+             f"session_idle_s = {session_idle_s!r}", "stats_interval_s = 0.5",
+             # exact prompt tokens (the engine's /tokenize), as the simulator has them: the KV
+             # gate must not admit sessions on a characters-per-token guess
+             "tokenize = true", ""]
     for kind, kw in params.items():
         lines.append(f"[policy.{kind}]")
         lines += [f"{k} = {_toml_value(v)}" for k, v in kw.items()]
@@ -156,7 +163,7 @@ def _replay(gateway: str, workflows: list[Workflow], run: AbRun, label: str, see
     spec = ReplaySpec(target=gateway, rate=1.0, workflows=len(workflows), time_scale=1.0,
                       max_context=run.engines.ctx // run.engines.n_parallel,
                       max_tokens=run.max_tokens, arrivals="trace", label=label, seed=seed,
-                      timeout_s=run.request_timeout_s)
+                      timeout_s=run.request_timeout_s, stream=run.stream)
     info = {"path": None, "name": "scaled AgentCgroup + synthetic sessions (A/B)",
             "arrivals": "poisson (sessions superimposed, seeded)"}
     path, _ = asyncio.run(run_replay(spec, workflows, info, out))
@@ -194,7 +201,8 @@ def run_ab(
         urls = [s.base_url for s in servers]
         log(f"engines {', '.join(urls)}: {run.hidden}x{run.layers}, -np {eng.n_parallel} "
             f"-c {eng.ctx} -t {run.threads} --cache-ram 0")
-        prof = profile_engine(urls[:1], out=work_dir / "profile.json",
+        # all engines at once: each is measured under the others' load, as when they serve
+        prof = profile_engine(urls, out=work_dir / "profile.json",
                               quick=run.quick_profile, repeats=run.profile_repeats,
                               max_context=eng.ctx // eng.n_parallel, chunk=eng.chunk,
                               seed=int(time.time()) % 100_000)

@@ -267,7 +267,8 @@ class _Replayer:
 async def calibrate(client: httpx.AsyncClient, model: str) -> float:
     """Characters per token of the target's tokenizer, from one small request."""
     rng = random.Random(0)
-    texts = [synth_text(100, 4.0, rng), synth_text(300, 4.0, rng)]
+    # short texts: an engine with small slots (a few hundred tokens) must still answer them
+    texts = [synth_text(40, 4.0, rng), synth_text(120, 4.0, rng)]
     counts = []
     for text in texts:
         r = await client.post("/v1/chat/completions", json={
