@@ -33,6 +33,7 @@ from turnstile.calibrate.ab import (
     check_goals,
     plot_ab,
     render_table,
+    slot_kv_tokens,
 )
 from turnstile.calibrate.ab_real import AbRun, run_ab
 from turnstile.calibrate.fidelity import TraceScale
@@ -88,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         trace_wfs = load_trace(args.trace, subset=args.subset).workflows
     sessions = build_sessions(trace_wfs, args.trace_sessions, args.synth_sessions, scale,
                               seed=args.seed)
-    engines = AbEngines(count=args.engines, n_parallel=args.n_parallel, ctx=args.ctx)
+    # llama.cpp keeps one session per slot: the simulator and the KV gate get that much KV
+    engines = AbEngines(count=args.engines, n_parallel=args.n_parallel, ctx=args.ctx,
+                        kv_tokens=slot_kv_tokens(sessions, args.n_parallel))
     # a slot must hold a whole session as the replay sends it: template tokens per message, the
     # replay's margins, and 10% for its characters-per-token estimate; else the replay shrinks
     # the prompts and the simulator would not be predicting the same work

@@ -45,6 +45,7 @@ __all__ = [
     "predict",
     "render_table",
     "sim_workflows",
+    "slot_kv_tokens",
 ]
 
 #: tokens the ChatML template adds around one message (``<|im_start|>role\n … <|im_end|>\n``)
@@ -62,10 +63,28 @@ class AbEngines:
     ctx: int
     #: llama.cpp ``-b``: the most tokens one step computes
     chunk: int = 2048
+    #: the KV an engine keeps *for sessions* (tokens), given to the simulator and to the
+    #: gateway's KV gate; ``None``: ``ctx``. llama.cpp holds one sequence per slot, so across
+    #: tool calls it keeps ``n_parallel`` sessions whatever their length, not ``ctx`` tokens of
+    #: them: :func:`slot_kv_tokens` gives the tokens that many sessions hold
+    kv_tokens: int | None = None
+
+    @property
+    def session_kv_tokens(self) -> int:
+        return self.kv_tokens if self.kv_tokens is not None else self.ctx
 
     def group(self, perf: PerfModel) -> EngineGroup:
-        return EngineGroup(count=self.count, kv_tokens=self.ctx, max_num_seqs=self.n_parallel,
+        return EngineGroup(count=self.count, kv_tokens=self.session_kv_tokens,
+                           max_num_seqs=self.n_parallel,
                            max_batched_tokens=max(self.chunk, self.n_parallel), perf=perf)
+
+
+def slot_kv_tokens(sessions: Sequence[Workflow], n_parallel: int) -> int:
+    """KV tokens that ``n_parallel`` slots hold of these sessions: ``n_parallel`` × the mean
+    context of a live session (turn prompts and outputs averaged over the sessions' turns, as
+    the engine sees them through the chat API)."""
+    ctx = [t.prompt_tokens + t.output_tokens for w in sim_workflows(sessions) for t in w.turns]
+    return round(n_parallel * float(np.mean(ctx)))
 
 
 def _no_think(wf: Workflow) -> Workflow:

@@ -120,7 +120,8 @@ def gateway_toml(policy: str, urls: Sequence[str], engines: AbEngines, *, port: 
         lines.append("")
     for i, u in enumerate(urls):
         lines += ["[[engines]]", f'url = "{u}"', 'kind = "llama.cpp"', f'name = "llama-{i}"',
-                  f"slots = {engines.n_parallel}", f"kv_tokens = {engines.ctx}", ""]
+                  f"slots = {engines.n_parallel}", f"kv_tokens = {engines.session_kv_tokens}",
+                  ""]
     return "\n".join(lines)
 
 
@@ -200,7 +201,8 @@ def run_ab(
             s.start()
         urls = [s.base_url for s in servers]
         log(f"engines {', '.join(urls)}: {run.hidden}x{run.layers}, -np {eng.n_parallel} "
-            f"-c {eng.ctx} -t {run.threads} --cache-ram 0")
+            f"-c {eng.ctx} -t {run.threads} --cache-ram 0; session KV {eng.session_kv_tokens} "
+            "tokens per engine")
         # all engines at once: each is measured under the others' load, as when they serve
         prof = profile_engine(urls, out=work_dir / "profile.json",
                               quick=run.quick_profile, repeats=run.profile_repeats,
