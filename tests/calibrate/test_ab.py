@@ -20,6 +20,7 @@ from turnstile.calibrate.ab import (
     predict,
     render_table,
     sim_workflows,
+    slot_kv_tokens,
 )
 from turnstile.calibrate.ab_real import gateway_toml
 from turnstile.calibrate.fidelity import TraceScale
@@ -176,3 +177,12 @@ def test_cached_tokens_from_usage() -> None:
     assert _cached_tokens({"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 7}}) == 7
     assert _cached_tokens({"prompt_tokens": 9}) is None
     assert _cached_tokens(None) is None
+
+
+def test_slot_kv_tokens_is_slots_times_mean_live_context() -> None:
+    wf = Workflow("w", 0.0, (Turn(100, 10), Turn(20, 5, 110)))
+    # as the engine sees them: prompts 112 and 148 (template tokens), outputs 10 and 5
+    assert slot_kv_tokens([wf], 2) == round(2 * ((112 + 10) + (148 + 5)) / 2)
+    engines = AbEngines(count=1, n_parallel=2, ctx=4096, kv_tokens=275)
+    assert engines.group(PERF).kv_tokens == 275 and engines.session_kv_tokens == 275
+    assert AbEngines(count=1, n_parallel=2, ctx=4096).session_kv_tokens == 4096
