@@ -344,6 +344,6 @@ def plot_ab(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str) -> 
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     out = Path(path)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=80)
     plt.close(fig)
     return out
