@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 TRACES ?= ../shared/traces
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint engine clean
+.PHONY: demo test lint engine redis clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,9 +23,14 @@ demo: $(STAMP)
 engine:
 	PYTHON=$(BIN)/python bash scripts/build_llama_server.sh
 
-test: $(STAMP) engine
+# Redis's redis-server for the gateway-replica tests (Debian's package, installed when missing).
+redis:
+	bash scripts/install_redis.sh
+
+test: $(STAMP) engine redis
 	$(BIN)/ruff check src tests benchmarks
 	TURNSTILE_LLAMA_SERVER="$$(bash scripts/build_llama_server.sh | tail -n 1)" \
+	TURNSTILE_REDIS_SERVER="$$(bash scripts/install_redis.sh | tail -n 1)" \
 		$(BIN)/pytest -q --timeout=600
 
 lint: $(STAMP)

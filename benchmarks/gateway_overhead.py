@@ -2,7 +2,7 @@
 
 Targets:
 
-* a zero-cost fake OpenAI engine (:class:`turnstile.gateway.testing.FakeEngine`, no delays,
+* a zero-cost fake OpenAI engine (:class:`turnstile.testing.fake_engine.FakeEngine`, no delays,
   pre-serialized answers): whatever latency the gateway adds is the gateway's own;
 * llama.cpp's ``llama-server`` with the tiny random-weight model (``max_tokens=1``), when the
   binary is built (``make engine``).
@@ -49,13 +49,13 @@ CHAT = "/v1/chat/completions"
 def serve_fake(port: int) -> None:
     import uvicorn
 
-    from turnstile.gateway.testing import FakeEngine
+    from turnstile.testing.fake_engine import FakeEngine
 
     uvicorn.run(FakeEngine(record=False), host="127.0.0.1", port=port, log_level="warning",
                 access_log=False, lifespan="off", http="h11", loop="asyncio")
 
 
-def serve_gateway(port: int, engine: str, kind: str, policy: str) -> None:
+def serve_gateway(port: int, engine: str, kind: str, policy: str, client: str = "hand") -> None:
     import uvicorn
 
     from turnstile.gateway.app import create_app
@@ -63,8 +63,65 @@ def serve_gateway(port: int, engine: str, kind: str, policy: str) -> None:
 
     cfg = GatewayConfig(engines=[EngineConfig(engine, kind)], policy=policy, port=port,
                         max_held=100_000)
-    uvicorn.run(create_app(cfg), host="127.0.0.1", port=port, log_level="warning",
+    app = create_app(cfg)
+    if client == "aiohttp":
+        for a in app.gateway.adapters.values():
+            a.fast = AiohttpForwarder(a.base_url)  # type: ignore[assignment]
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning",
                 access_log=False, lifespan="on", http="h11", loop="asyncio")
+
+
+class AiohttpForwarder:
+    """aiohttp's client behind the interface of the hand-written one (``post`` → a response
+    with ``status``, ``content_type``, ``read``, ``iter_raw``, ``aclose``), so the gateway can
+    forward through either in the same benchmark run (issue 14: keep ``gateway/http.py`` only
+    if aiohttp misses the overhead goals)."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self._session: Any = None
+
+    async def post(self, path: str, content: bytes, headers: dict[str, str]) -> Any:
+        import aiohttp
+
+        from turnstile.gateway.http import BrokenResponse, ConnectFailed
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=2, sock_read=600),
+                auto_decompress=False)
+        try:
+            resp = await self._session.post(self.base_url + path, data=content, headers=headers)
+        except aiohttp.ClientConnectorError as e:
+            raise ConnectFailed(str(e)) from e
+        except aiohttp.ClientError as e:
+            raise BrokenResponse(str(e)) from e
+        return _AiohttpResponse(resp)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+class _AiohttpResponse:
+    def __init__(self, resp: Any) -> None:
+        self._resp = resp
+        self.status = resp.status
+        self.content_type = resp.headers.get("content-type", "application/json")
+
+    async def read(self) -> bytes:
+        try:
+            return await self._resp.read()
+        finally:
+            self._resp.release()
+
+    async def iter_raw(self) -> Any:
+        async for chunk in self._resp.content.iter_any():
+            yield chunk
+
+    async def aclose(self) -> None:
+        self._resp.release()
 
 
 def free_port() -> int:
@@ -235,14 +292,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="eager", help="gateway policy spec")
     ap.add_argument("--no-llama", action="store_true", help="skip the llama.cpp target")
     ap.add_argument("--serve-fake", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--serve-gateway", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--serve-gateway", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--clients", default="hand",
+                    help="forwarding clients to compare side by side: hand,aiohttp")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat the client comparison, interleaved (noisy shared machines)")
     args = ap.parse_args(argv)
     if args.serve_fake:
         serve_fake(args.serve_fake)
         return 0
     if args.serve_gateway:
-        port, engine, kind, policy = args.serve_gateway
-        serve_gateway(int(port), engine, kind, policy)
+        port, engine, kind, policy, client = args.serve_gateway
+        serve_gateway(int(port), engine, kind, policy, client)
         return 0
 
     console = Console()
@@ -253,11 +314,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         fake = Proc(["--serve-fake", str(p := free_port())], p)
         procs.append(fake)
-        gw = Proc(["--serve-gateway", str(q := free_port()), fake.url, "openai", args.policy], q)
-        procs.append(gw)
-        console.print(f"zero-cost target {fake.url}, gateway {gw.url} ({args.policy})")
-        out["latency"] += compare("zero-cost", fake, gw, args, 16, args.requests)
-        out["throughput"] = throughput(fake, gw, args)
+        out["throughput_by_client"] = {}
+        for rnd, client in enumerate(args.clients.split(",") * args.rounds):
+            gw = Proc(["--serve-gateway", str(q := free_port()), fake.url, "openai",
+                       args.policy, client], q)
+            procs.append(gw)
+            console.print(f"zero-cost target {fake.url}, gateway {gw.url} ({args.policy}, "
+                          f"forwarding client: {client})")
+            rows = compare("zero-cost", fake, gw, args, 16, args.requests)
+            for r in rows:
+                r["client"] = client
+                r["round"] = rnd // len(args.clients.split(","))
+            out["latency"] += rows
+            t = throughput(fake, gw, args)
+            t["client"] = client
+            out["throughput_by_client"].setdefault(client, []).append(t)
+            if out["throughput"] is None:
+                out["throughput"] = t
+            gw.stop()
+            procs.remove(gw)
+        out["load_average"] = os.getloadavg()
         if not args.no_llama:
             out["latency"] += llama_rows(args, console, procs)
     finally:
@@ -265,26 +341,56 @@ def main(argv: list[str] | None = None) -> int:
             pr.stop()
 
     table = Table(title="gateway overhead on loopback (milliseconds)", header_style="bold")
-    for col in ("target", "mode", "P50 direct", "P50 gateway", "P50 added", "P99 direct",
+    for col in ("target", "client", "mode", "P50 direct", "P50 gateway", "P50 added", "P99 direct",
                 "P99 gateway", "P99 added"):
         table.add_column(col, justify="right")
     for r in out["latency"]:
         d, g = r["direct"], r["gateway"]
-        table.add_row(r["target"], r["mode"], f"{d['p50_ms']:.3f}", f"{g['p50_ms']:.3f}",
+        table.add_row(r["target"], r.get("client", "hand"), r["mode"], f"{d['p50_ms']:.3f}",
+                      f"{g['p50_ms']:.3f}",
                       f"{r['added_p50_ms']:+.3f}", f"{d['p99_ms']:.3f}", f"{g['p99_ms']:.3f}",
                       f"{r['added_p99_ms']:+.3f}")
     console.print(table)
-    t = out["throughput"]
-    console.print(
-        f"throughput, {t['concurrency']} clients: direct {t['direct']['rps']:,.0f} req/s, "
-        f"through the gateway {t['gateway']['rps']:,.0f} req/s "
-        f"(errors {t['gateway']['errors']}); gateway CPU {t['gateway_cpu_ms_per_request']:.3f} "
-        f"ms/request → one-core capacity ≈ {t['gateway_one_core_capacity_rps']:,.0f} req/s")
+    for client, ts in out["throughput_by_client"].items():
+        for t in ts:
+            console.print(
+                f"throughput ({client} client), {t['concurrency']} clients: direct "
+                f"{t['direct']['rps']:,.0f} req/s, through the gateway "
+                f"{t['gateway']['rps']:,.0f} req/s (errors {t['gateway']['errors']}); gateway CPU "
+                f"{t['gateway_cpu_ms_per_request']:.3f} ms/request → one-core capacity ≈ "
+                f"{t['gateway_one_core_capacity_rps']:,.0f} req/s")
+    summary = _client_summary(out)
+    out["client_summary"] = summary
+    for client, m in summary.items():
+        console.print(f"{client}: median added P50 non-stream {m['added_p50_ms_nonstream']:.3f} "
+                      f"ms, stream {m['added_p50_ms_stream']:.3f} ms; median gateway CPU "
+                      f"{m['cpu_ms_per_request']:.3f} ms/request "
+                      f"(one core ≈ {m['one_core_rps']:,.0f} req/s); median "
+                      f"{m['rps']:,.0f} req/s through the gateway")
+    console.print(f"load average {out['load_average']}")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "gateway_overhead.json"
     path.write_text(json.dumps(out, indent=2) + "\n")
     console.print(f"wrote {path}")
     return 0
+
+
+def _client_summary(out: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Medians over the rounds, per forwarding client."""
+    summary = {}
+    for client, ts in out["throughput_by_client"].items():
+        rows = [r for r in out["latency"] if r.get("client") == client]
+        cpu = float(np.median([t["gateway_cpu_ms_per_request"] for t in ts]))
+        summary[client] = {
+            "added_p50_ms_nonstream": float(np.median(
+                [r["added_p50_ms"] for r in rows if r["mode"] == "non-stream"])),
+            "added_p50_ms_stream": float(np.median(
+                [r["added_p50_ms"] for r in rows if r["mode"] == "stream"])),
+            "cpu_ms_per_request": cpu,
+            "one_core_rps": 1e3 / cpu if cpu > 0 else 0.0,
+            "rps": float(np.median([t["gateway"]["rps"] for t in ts])),
+        }
+    return summary
 
 
 def llama_rows(args: argparse.Namespace, console: Console, procs: list[Proc]
@@ -303,7 +409,7 @@ def llama_rows(args: argparse.Namespace, console: Console, procs: list[Proc]
             port = server.port
             assert port is not None
             gw = Proc(["--serve-gateway", str(q := free_port()), server.base_url, "llama.cpp",
-                       args.policy], q)
+                       args.policy, "hand"], q)
             procs.append(gw)
 
             class _Direct:  # llama-server is not a Proc, but compare() only needs the port

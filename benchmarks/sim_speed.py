@@ -24,6 +24,9 @@ Scenarios (all single-threaded Python, so one core; ``--pin CPU`` pins the proce
   Without ``--vidur``, or when Vidur cannot run, the ratio is taken against the DESIGN.md anchor
   (280-400 simulated requests/s) and labelled so.
 
+* **scaling** (``--scaling``, done by ``benchmarks/sim_scaling.py``): the full stack on a seeded
+  synthetic request stream shaped like the request trace at 10k, 100k and 1M requests.
+
 Wall times exclude building the workload; turnstile figures are the median of ``--repeat`` runs
 (the request-trace runs are repeated after Vidur's too, to bracket load drift on a shared machine);
 CPU (process) times are recorded next to wall times and give a second ratio.
@@ -108,9 +111,11 @@ def engine_decode(seqs: int, iters: int) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- workloads
 
 
-def request_rows(n: int, seed: int = 0) -> tuple[list[tuple[float, int, int]], str]:
-    """``n`` independent requests ``(arrival_s, prompt, output)``, prompt + output <= 4,096."""
-    if AZURE_CSV.exists():
+def request_rows(n: int, seed: int = 0,
+                 synthetic: bool = False) -> tuple[list[tuple[float, int, int]], str]:
+    """``n`` independent requests ``(arrival_s, prompt, output)``, prompt + output <= 4,096:
+    the Azure trace's first rows, or (``synthetic`` or no trace) a seeded stream like it."""
+    if AZURE_CSV.exists() and not synthetic:
         wfs = load_trace(AZURE_CSV).workflows[:n]
         raw = [(w.arrival_s, w.turns[0].prompt_tokens, w.turns[0].output_tokens) for w in wfs]
         src = f"azure_llm_2023_conv (first {len(raw):,} rows)"
@@ -282,6 +287,19 @@ def machine() -> dict[str, Any]:
             "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None}
 
 
+def results_header(script: str, argv: list[str] | None) -> dict[str, Any]:
+    """The command, machine and start time every results JSON of these benchmarks begins with."""
+    command = f"benchmarks/{script} " + shlex.join(sys.argv[1:] if argv is None else argv)
+    return {"command": command, "machine": machine(),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def write_results(results: dict[str, Any], path: Path) -> None:
+    """Add the load average at the end and write ``results`` as JSON."""
+    results["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    path.write_text(json.dumps(results, indent=2, default=str))
+
+
 def _met(m: bool | None) -> str:
     return "n/a" if m is None else "[green]met[/]" if m else "[red]not met[/]"
 
@@ -307,7 +325,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pin", type=int, default=None, metavar="CPU",
                     help="pin this process (and Vidur's) to one CPU")
     ap.add_argument("--out", type=Path, default=Path("/tmp/turnstile-sim-speed"))
+    ap.add_argument("--scaling", nargs="?", const="10000,100000,1000000", metavar="N,N,...",
+                    help="only the scaling runs (benchmarks/sim_scaling.py; default 10k,100k,1M)")
     a = ap.parse_args(argv)
+    if a.scaling:
+        from sim_scaling import main as scaling_main
+
+        return scaling_main(["--sizes", a.scaling, "--out", str(a.out)])
     q = a.quick
     n_req = a.requests or (2_000 if q else 10_000)
     n_sess = a.sessions or (50 if q else 200)
@@ -318,9 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = a.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     con = Console(width=None if sys.stdout.isatty() else 180)
-    command = "benchmarks/sim_speed.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-    results: dict[str, Any] = {"command": command, "machine": machine(),
-                               "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    results = results_header("sim_speed.py", argv)
     rows: list[dict[str, Any]] = []
 
     # 1. engine alone
@@ -447,12 +469,11 @@ def main(argv: list[str] | None = None) -> int:
             (ag_rate >= GOAL_ITERS, ag_cpu >= GOAL_ITERS),
     }
     results["goals"] = goals
-    results["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     for g, met in goals.items():
         shown = " | ".join(_met(m) for m in met) if isinstance(met, tuple) else _met(met)
         con.print(f"  goal {g}: {shown}")
     path = out / "sim_speed.json"
-    path.write_text(json.dumps(results, indent=2, default=str))
+    write_results(results, path)
     con.print(f"wrote {path}")
     return 0
 

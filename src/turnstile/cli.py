@@ -30,18 +30,25 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
-def _load(path: Path, subset: str | None, progress: bool):  # -> LoadedTrace
+def _load(path: Path, subset: str | None, progress: bool,
+          group_by: str | None = None):  # -> LoadedTrace
     from turnstile.traces import load_trace
 
     if not path.exists():
         raise _fail(f"{path} does not exist")
-    kw = {"progress": progress}
+    kw: dict[str, object] = {"progress": progress}
     if subset:
         kw["subset"] = subset
+    if group_by:
+        kw["group_by"] = group_by
     try:
         return load_trace(path, **kw)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, TypeError) as e:
         raise _fail(str(e)) from None
+
+
+_GROUP_BY_HELP = ("request logs: session field (dotted path), 'prefix' (shared message "
+                  "prefixes) or 'auto'")
 
 
 def _fmt(v: float | None) -> str:
@@ -57,11 +64,12 @@ def traces_info(
     path: Annotated[Path, typer.Argument(help="A trace directory or file, or a workload .jsonl")],
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table")] = False,
     subset: Annotated[str | None, typer.Option(help="agentcgroup subset (haiku, ...)")] = None,
+    group_by: Annotated[str | None, typer.Option(help=_GROUP_BY_HELP)] = None,
 ) -> None:
     """Summarize a trace: workflows, turns, token and tool-latency percentiles."""
     from turnstile.workload.stats import summarize
 
-    loaded = _load(path, subset, progress=not json_out)
+    loaded = _load(path, subset, progress=not json_out, group_by=group_by)
     summary = summarize(loaded.workflows)
     out = {"trace": loaded.name, "source": str(path), **summary,
            "counts": loaded.counts, "notes": loaded.notes}
@@ -88,13 +96,23 @@ def traces_convert(
     path: Annotated[Path, typer.Argument(help="A trace directory or file")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Output workload .jsonl")],
     subset: Annotated[str | None, typer.Option(help="agentcgroup subset (haiku, ...)")] = None,
+    group_by: Annotated[str | None, typer.Option(help=_GROUP_BY_HELP)] = None,
 ) -> None:
-    """Convert a real trace to turnstile's JSONL workload format."""
+    """Convert a real trace (or agent logs) to turnstile's JSONL workload format."""
     from turnstile.workload.jsonl import write_workload
 
-    loaded = _load(path, subset, progress=True)
-    n = write_workload(out, loaded.workflows,
-                       meta={"source": str(path), "trace": loaded.name, "notes": loaded.notes})
+    loaded = _load(path, subset, progress=True, group_by=group_by)
+    meta: dict[str, object] = {"source": str(path), "trace": loaded.name, "notes": loaded.notes}
+    if loaded.hash_block_tokens:
+        meta["hash_block_tokens"] = loaded.hash_block_tokens
+    # write beside the target and rename: a failure never leaves a partial workload behind
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        n = write_workload(tmp, loaded.workflows, meta=meta)
+        tmp.replace(out)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise _fail(f"could not write {out}: {e}") from None
     console.print(f"wrote {n:,} workflows to {out}")
 
 
@@ -111,15 +129,36 @@ def traces_synth(
     """Generate a synthetic agentic workload (seeded, reproducible)."""
     from turnstile.workload import synth
     from turnstile.workload.jsonl import write_workload
+    from turnstile.workload.synth_fit import fit_spec
 
     if rate <= 0:
         raise _fail("--rate must be > 0")
-    spec = synth.DEFAULT_SPEC if fit is None else synth.fit_spec(_load(fit, None, True).workflows)
+    spec = synth.DEFAULT_SPEC if fit is None else fit_spec(_load(fit, None, True).workflows)
     arrivals = synth.poisson_arrivals(rate, workflows, seed)
     wfs = synth.generate(spec, workflows, seed, arrivals=arrivals)
     write_workload(out, wfs, meta={"generator": "turnstile.synth", "seed": seed, "rate": rate,
                                    "fit": str(fit) if fit else "default"})
     console.print(f"wrote {len(wfs):,} synthetic workflows to {out}")
+
+
+@traces_app.command("fit")
+def traces_fit(
+    path: Annotated[Path, typer.Argument(help="A trace directory or file")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Output spec .json")],
+    subset: Annotated[str | None, typer.Option(help="agentcgroup subset (haiku, ...)")] = None,
+    name: Annotated[str | None, typer.Option(help="Spec name (default: the trace's)")] = None,
+) -> None:
+    """Fit the synthetic generator's spec to a trace and write it as JSON (refits the default)."""
+    from turnstile.workload.synth_fit import fit_spec
+    from turnstile.workload.synth_spec import save_spec
+
+    loaded = _load(path, subset, progress=True)
+    spec = fit_spec(loaded.workflows, name=name or loaded.name)
+    spec.info["source"] = f"{loaded.name}: {loaded.counts.get('sessions', len(loaded))} sessions"
+    cmd = f"turnstile traces fit {path}" + (f" --subset {subset}" if subset else "")
+    cmd += (f" --name {name}" if name else "") + f" -o {out} (run from the repository root)"
+    save_spec(spec, out, note=f"generated by: {cmd}")
+    console.print(f"wrote {out}: {spec.info}")
 
 
 @app.command("bench")

@@ -25,7 +25,8 @@ from turnstile.calibrate.ab import (
 from turnstile.calibrate.ab_real import gateway_toml
 from turnstile.calibrate.fidelity import TraceScale
 from turnstile.gateway.config import load_config
-from turnstile.gateway.service import Gateway, _cached_tokens
+from turnstile.gateway.protocol import cached_tokens
+from turnstile.gateway.service import Gateway
 from turnstile.sim.perf import FittedPerf, fit_profile
 from turnstile.workload.model import Turn, Workflow
 
@@ -174,9 +175,9 @@ def test_gateway_engine_kv_tokens_reach_the_release_policy(tmp_path: Path) -> No
 
 
 def test_cached_tokens_from_usage() -> None:
-    assert _cached_tokens({"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 7}}) == 7
-    assert _cached_tokens({"prompt_tokens": 9}) is None
-    assert _cached_tokens(None) is None
+    assert cached_tokens({"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 7}}) == 7
+    assert cached_tokens({"prompt_tokens": 9}) is None
+    assert cached_tokens(None) is None
 
 
 def test_slot_kv_tokens_is_slots_times_mean_live_context() -> None:

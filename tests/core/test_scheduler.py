@@ -115,3 +115,31 @@ def test_policy_specs_and_registry_errors():
     assert parse_policy_list("eager, eager+least-loaded") == ["eager", "eager+least-loaded"]
     with pytest.raises(ValueError):
         parse_policy_list(" , ")
+
+
+def test_the_view_policies_read_is_read_only():
+    from turnstile.core.state import ClusterView, EngineLoad, charge, pause_session
+
+    e0 = EngineLoad("e0")
+    view = ClusterView([e0])
+    for obj, name in ((e0, "outstanding_tokens"), (e0, "healthy"), (e0, "cached_sessions"),
+                      (view, "released_turns"), (view, "ready_turns")):
+        with pytest.raises(AttributeError, match="read-only"):
+            setattr(obj, name, 1)
+    with pytest.raises(AttributeError):
+        e0.cached_sessions.add("w")  # type: ignore[attr-defined]
+    # the core's write path changes what the policies see
+    charge(e0, 100)
+    pause_session(e0, "w", 40)
+    assert (e0.outstanding_turns, e0.outstanding_tokens, e0.paused_context_tokens) == (1, 100, 40)
+    assert "w" in view["e0"].cached_sessions and len(e0.cached_sessions) == 1
+
+
+def test_engines_added_to_the_view_are_seen_and_routed_to():
+    from turnstile.core.state import ClusterView, EngineLoad, add_engine
+
+    view = ClusterView([EngineLoad("e0")])
+    add_engine(view, EngineLoad("e1", weight=2.0))
+    assert view.ids == ("e0", "e1") and list(view) == ["e0", "e1"] and view["e1"].weight == 2.0
+    with pytest.raises(ValueError, match="already registered"):
+        add_engine(view, EngineLoad("e1"))

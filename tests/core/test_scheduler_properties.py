@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turnstile.core import Release, Retain, Scheduler, TurnState
-from turnstile.core.state import ClusterView, TurnRecord
+from turnstile.core.state import ClusterView, TurnRecord, WorkflowRecord
 from turnstile.policies import PolicySet, all_policy_names
 from turnstile.workload import ToolCall, Turn, Workflow
 
@@ -37,8 +37,17 @@ class RandomHoldRelease:
     def on_finished(self, turn: TurnRecord, now: float) -> None:
         pass
 
+    def on_workflow_done(self, workflow: WorkflowRecord, now: float) -> None:
+        pass
+
     def next_wakeup(self, now: float) -> float | None:
         return now + 1.0 if self.queue else None
+
+    def expected_hold_s(self, workflow: WorkflowRecord, now: float) -> float | None:
+        return None
+
+    def admission_order(self) -> None:
+        return None
 
     def __len__(self) -> int:
         return len(self.queue)

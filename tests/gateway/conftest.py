@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from turnstile.gateway.testing import FakeServer, GatewayServer, start_fake, start_gateway
+from turnstile.gateway.embedded import GatewayServer, start_gateway
+from turnstile.testing.fake_engine import FakeServer, start_fake
 
 
 @pytest.fixture

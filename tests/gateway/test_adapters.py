@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
+from turnstile.core.actions import RetentionDecision
 from turnstile.gateway.adapters import (
     EngineAdapter,
     ForwardHints,
@@ -26,8 +27,7 @@ from turnstile.gateway.adapters import (
     split_sse,
 )
 from turnstile.gateway.http import ConnectFailed, FastHttpClient
-from turnstile.gateway.testing import chat_body, start_fake
-from turnstile.policies.base import RetentionDecision
+from turnstile.testing.fake_engine import chat_body, start_fake
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -393,3 +393,23 @@ def test_fast_client_read_timeout() -> None:
         asyncio.run(run())
     finally:
         eng.stop()
+
+
+def test_llama_cpp_pins_expire_on_the_clock_the_gateway_gives() -> None:
+    """One clock: a pin's TTL counts from the ``now_s`` handed to ``retain`` (the gateway's
+    clock, which continues across restarts), not from this process's monotonic clock."""
+    rec = llama_recorder()
+    a = adapter(LlamaCppAdapter, rec)
+    assert isinstance(a, LlamaCppAdapter)
+
+    async def run() -> None:
+        await a.start()
+        for session in ("alice", "dave"):
+            h = ForwardHints(session, "r", 0.0, now_s=999.0)
+            await a.begin(h)
+            a.end(h)
+            await a.retain(session, RetentionDecision("pin", 5.0), 1000.0)
+        assert a.choose_slot("bob", 1001.0) is None  # both slots pinned until 1005
+        assert a.choose_slot("bob", 1010.0) is not None  # both pins expired
+
+    asyncio.run(run())

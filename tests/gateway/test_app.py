@@ -14,7 +14,8 @@ import openai
 import pytest
 
 from turnstile.gateway.adapters import parse_prometheus
-from turnstile.gateway.testing import FakeServer, GatewayServer, chat_body
+from turnstile.gateway.embedded import GatewayServer
+from turnstile.testing.fake_engine import FakeServer, chat_body
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -97,7 +98,7 @@ def test_models_health_and_headers(fake_engines: Any, gateways: Any) -> None:
 
 def test_sessions_from_header_and_user_field(fake_engines: Any, gateways: Any) -> None:
     eng = fake_engines()
-    gw = gateways([eng.url])
+    gw = gateways([eng.url], derive_sessions=False)
     with httpx.Client(base_url=gw.url, timeout=10) as c:
         for _ in range(3):
             assert c.post("/v1/chat/completions", json=chat_body(max_tokens=5),
@@ -404,5 +405,5 @@ def test_stats_scrape_feeds_the_scheduler(fake_engines: Any, gateways: Any) -> N
     gw = gateways([eng.url], stats_interval_s=0.05)
     e = gw.gateway.scheduler.view[gw.gateway.scheduler.view.ids[0]]
     wait_until(lambda: e.queue_len == 0 and e.running == 0, 5)
-    assert json.loads(json.dumps(gw.gateway.engines[e.id].stats_counters)) == {
+    assert json.loads(json.dumps(gw.gateway.health.engines[e.id].stats_counters)) == {
         "output_tokens": 0.0}

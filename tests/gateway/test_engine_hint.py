@@ -7,7 +7,7 @@ from typing import Any
 import httpx
 import pytest
 
-from turnstile.gateway.testing import chat_body
+from turnstile.testing.fake_engine import chat_body
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -24,7 +24,7 @@ import pytest
 from turnstile.engines.llama_server import LlamaServerProcess, find_llama_server
 from turnstile.engines.tiny_model import write_tiny_gguf
 from turnstile.gateway.adapters import parse_prometheus
-from turnstile.gateway.testing import GatewayServer, start_gateway
+from turnstile.gateway.embedded import GatewayServer, start_gateway
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -153,8 +153,8 @@ def test_sessions_complete_and_stick_to_their_engine(engines: list[LlamaServerPr
 
 
 def test_replay_through_the_gateway(engines: list[LlamaServerProcess], tmp_path: Path) -> None:
+    from turnstile.bench.replay import ReplaySpec, load_workflows, run_replay
     from turnstile.bench.report import load_results
-    from turnstile.gateway.replay import ReplaySpec, load_workflows, run_replay
 
     gw = start_gateway([e.base_url for e in engines], policy="cvar+kv-affinity+ttl")
     try:

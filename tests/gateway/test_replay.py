@@ -12,9 +12,9 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from turnstile.bench.replay import ReplaySpec, load_workflows, plan_workflow, run_replay
 from turnstile.bench.report import load_results
 from turnstile.gateway.cli import register
-from turnstile.gateway.replay import ReplaySpec, load_workflows, plan_workflow, run_replay
 from turnstile.workload.model import ToolCall, Turn, Workflow
 
 pytestmark = pytest.mark.timeout(60)

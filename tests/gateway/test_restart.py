@@ -21,7 +21,7 @@ import pytest
 
 from turnstile.engines.llama_server import free_port
 from turnstile.gateway.store import HeldTurnRow, SessionRow, Store
-from turnstile.gateway.testing import FakeServer, chat_body, start_fake
+from turnstile.testing.fake_engine import FakeServer, chat_body, start_fake
 
 pytestmark = pytest.mark.timeout(90)
 

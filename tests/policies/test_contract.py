@@ -14,7 +14,16 @@ import random
 
 import pytest
 
-from turnstile.core import Release, Retain, Scheduler, TurnState
+from turnstile.core import (
+    AdmissionPolicy,
+    Release,
+    ReleasePolicy,
+    Retain,
+    RetentionPolicy,
+    RoutingPolicy,
+    Scheduler,
+    TurnState,
+)
 from turnstile.core.state import EngineLoad, TurnRecord
 from turnstile.policies import ADMISSION, RELEASE, RETENTION, ROUTING, PolicySet
 from turnstile.workload import ToolCall, Turn, Workflow
@@ -183,6 +192,38 @@ def test_retention_bound_to_every_release_policy(release, retention):
         retention=RETENTION.create(retention),
     )
     if retention == "budget-keep":
-        bound = getattr(ps.retention, "release", None)
-        assert (bound is ps.release) == hasattr(ps.release, "expected_hold_s")
+        assert ps.retention.release is ps.release
     run_and_check(ps, 0)
+
+
+_INTERFACES = {"release": ReleasePolicy, "routing": RoutingPolicy,
+               "admission": AdmissionPolicy, "retention": RetentionPolicy}
+_REGISTRIES = {"release": RELEASE, "routing": ROUTING, "admission": ADMISSION,
+               "retention": RETENTION}
+
+
+@pytest.mark.parametrize("kind", sorted(_INTERFACES))
+def test_every_registered_policy_implements_every_declared_hook(kind):
+    """The core calls each declared hook on every policy of its kind, so each must have all."""
+    interface = _INTERFACES[kind]
+    hooks = [n for n in vars(interface) if not n.startswith("_") and callable(vars(interface)[n])]
+    assert hooks, interface
+    for name in _REGISTRIES[kind].names():
+        policy = _REGISTRIES[kind].create(name)
+        assert isinstance(policy, interface), name
+        for hook in hooks:
+            assert callable(getattr(policy, hook, None)), f"{kind} policy {name!r} lacks {hook}"
+
+
+@pytest.mark.parametrize("release", RELEASE.names())
+def test_a_release_policy_orders_admission_only_when_it_declares_so(release):
+    rel = RELEASE.create(release)
+    declared = rel.admission_order()
+    ps = PolicySet.from_spec(release)
+    if declared is None:
+        assert ps.admission.name == "fcfs"  # the default
+    else:
+        assert isinstance(declared, AdmissionPolicy)
+        assert type(ps.admission) is type(declared)
+    # a spec that names an admission policy always gets it
+    assert PolicySet.from_spec(f"{release}+tiered-aging").admission.name == "tiered-aging"

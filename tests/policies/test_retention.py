@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from turnstile.core.state import EngineLoad, TurnRecord, WorkflowRecord
+from turnstile.core.actions import LRU, RetentionDecision
+from turnstile.core.state import EngineLoad, TurnRecord, WorkflowRecord, charge
 from turnstile.policies import RETENTION, PolicySet
-from turnstile.policies.base import LRU, RetentionDecision
 from turnstile.policies.retention import (
     BudgetKeepRetention,
     ToolLatencyEstimator,
@@ -84,7 +84,7 @@ def test_infercept_discard_gets_dearer_with_a_busy_engine():
     pol = RETENTION.create("infercept")
     observe(pol, "slow", [60.0] * 3)
     busy = EngineLoad("e0")
-    busy.outstanding_tokens = 500_000  # recomputing would stall a big running batch
+    charge(busy, 500_000)  # recomputing would stall a big running batch
     assert pol.on_tool_start(finished_turn("slow", prompt=40), busy, 0.0).action == "offload"
 
 
@@ -121,7 +121,11 @@ def test_budget_keep_adds_the_expected_hold_of_a_bound_release():
         finished_turn("Bash"), e0, 0.0) == LRU
 
 
-def test_budget_keep_ignores_a_release_without_expected_hold():
-    pol = bound_budget_keep(PolicySet.from_spec("eager").release)
-    assert pol.release is None
+@pytest.mark.parametrize("release", ["eager", "plas"])
+def test_budget_keep_adds_no_hold_for_a_release_that_never_holds_or_does_not_estimate(release):
+    rel = PolicySet.from_spec(release).release
+    pol = bound_budget_keep(rel)
+    assert pol.release is rel
+    assert rel.expected_hold_s(finished_turn("Bash").workflow, 0.0) == (
+        0.0 if release == "eager" else None)
     assert pol.on_tool_start(finished_turn("Bash"), EngineLoad("e0"), 0.0).ttl_s == 2.0

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, WorkflowRecord
+from turnstile.core.state import (
+    ClusterView,
+    EngineLoad,
+    TurnRecord,
+    WorkflowRecord,
+    charge,
+    pause_session,
+    report_stats,
+)
 from turnstile.policies import ROUTING
 from turnstile.workload import Turn
 
@@ -11,7 +19,7 @@ def view_of(*loads: int) -> ClusterView:
     engines = []
     for i, load in enumerate(loads):
         e = EngineLoad(f"e{i}")
-        e.outstanding_tokens = load
+        charge(e, load)
         engines.append(e)
     return ClusterView(engines)
 
@@ -36,14 +44,14 @@ def test_kv_affinity_sticks_when_balanced_and_leaves_when_not():
 def test_kv_affinity_leaves_an_unhealthy_engine():
     pol = ROUTING.create("kv-affinity")
     view = view_of(0, 0, 5)
-    view["e2"].healthy = False
-    view["e0"].outstanding_tokens = 10
+    report_stats(view["e2"], healthy=False)
+    charge(view["e0"], 10)
     assert pol.route(turn_of(last_engine="e2"), view, 0.0) == "e1"
 
 
 def test_shadow_load_steers_composite_and_least_loaded_shadow():
     view = view_of(0, 0)
-    view["e0"].paused_context_tokens = 200_000  # sessions paused in tool calls with KV on e0
+    pause_session(view["e0"], "other", 200_000)  # sessions paused in tool calls with KV on e0
     first = turn_of()
     assert ROUTING.create("composite").route(first, view, 0.0) == "e1"
     assert ROUTING.create("composite-noshadow").route(first, view, 0.0) == "e0"
@@ -56,13 +64,12 @@ def test_composite_follows_the_kv_and_ignores_its_own_shadow():
     rec = turn_of("w", input_tokens=1_000, context_tokens=50_000, last_engine="e1")
     wf = rec.workflow
     # the session itself is paused on e1: its own context is not load against e1
-    view["e1"].cached_sessions.add("w")
-    view["e1"].paused_context_tokens = 51_000
+    pause_session(view["e1"], "w", 51_000)
     wf.paused_engine, wf.paused_tokens = "e1", 51_000
     pol = ROUTING.create("composite")
     assert pol.route(rec, view, 0.0) == "e1"
     # a heavily loaded e1 outweighs the cache hit
-    view["e1"].outstanding_tokens = 400_000
+    charge(view["e1"], 400_000)
     assert pol.route(rec, view, 0.0) == "e0"
 
 

@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 
 from turnstile.core import Scheduler
-from turnstile.core.scheduler import Release
-from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, WorkflowRecord
+from turnstile.core.actions import Release
+from turnstile.core.state import (
+    ClusterView,
+    EngineLoad,
+    TurnRecord,
+    WorkflowRecord,
+    charge,
+    report_stats,
+)
 from turnstile.policies import ROUTING, PolicySet
 from turnstile.workload import Turn
 
@@ -15,7 +22,7 @@ def view_of(*loads: int) -> ClusterView:
     engines = []
     for i, load in enumerate(loads):
         e = EngineLoad(f"e{i}")
-        e.outstanding_tokens = load
+        charge(e, load)
         engines.append(e)
     return ClusterView(engines)
 
@@ -42,7 +49,7 @@ def test_hinted_falls_back_without_a_usable_hint() -> None:
     view = view_of(5_000, 0)
     assert pol.route(turn_of(None), view, 0.0) == "e1"  # no hint: least-loaded first turn
     assert pol.route(turn_of("nope"), view, 0.0) == "e1"  # unknown engine
-    view["e0"].healthy = False
+    report_stats(view["e0"], healthy=False)
     assert pol.route(turn_of("e0"), view, 0.0) == "e1"  # unhealthy engine
     # kv-affinity is the default fallback: a balanced cluster keeps the session's engine
     assert pol.route(turn_of(None, last_engine="e0"), view_of(100, 0), 0.0) == "e0"

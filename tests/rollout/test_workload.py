@@ -7,6 +7,7 @@ import numpy as np
 from turnstile.rollout.workload import RolloutSpec, RolloutWorkload, drifted_spec, training_tokens
 from turnstile.workload import synth
 from turnstile.workload.model import validate_workflow
+from turnstile.workload.synth_spec import SynthSpec
 
 
 def test_batches_are_seeded_and_shaped() -> None:
@@ -48,7 +49,7 @@ def test_drift_longer_and_more_tool_heavy() -> None:
     base = synth.default_spec()
     s0, s15 = drifted_spec(base, w.spec, 0), drifted_spec(base, w.spec, 15)
 
-    def tools_per_turn(s: synth.SynthSpec) -> float:
+    def tools_per_turn(s: SynthSpec) -> float:
         return sum(k * p for k, p in enumerate(s.tools_per_turn))
 
     assert tools_per_turn(s15) > 1.3 * tools_per_turn(s0)

@@ -97,15 +97,16 @@ def test_a_fitted_perf_model_is_unchanged_too():
     assert_same(request_trace(150, seed=9), "eager", groups)
 
 
+def engine() -> EngineModel:
+    """Six requests of different lengths queued at 0 on one H100 engine."""
+    eng = EngineModel("e", EngineConfig(num_gpu_blocks=400, max_num_seqs=8),
+                      RooflinePerf("H100", "llama-3.1-8b"))
+    for i in range(6):
+        eng.submit(SimRequest(i, f"s{i}", 100 + 37 * i, 50 + 29 * i), 0.0)
+    return eng
+
+
 def test_leap_matches_stepping_one_iteration_at_a_time():
-    perf = RooflinePerf("H100", "llama-3.1-8b")
-
-    def engine():
-        eng = EngineModel("e", EngineConfig(num_gpu_blocks=400, max_num_seqs=8), perf)
-        for i in range(6):
-            eng.submit(SimRequest(i, f"s{i}", 100 + 37 * i, 50 + 29 * i), 0.0)
-        return eng
-
     stepped, leaped = engine(), engine()
     ends_a, ends_b = [], []
     now = 0.0
@@ -130,3 +131,37 @@ def test_leap_matches_stepping_one_iteration_at_a_time():
     out2 = eng.step(out.end_s)
     eng.leap(out2, out2.end_s + 1e-9)
     assert out2.iterations == 2 or out2.finished
+
+
+def test_resume_continues_a_cut_leap_exactly_and_only_when_nothing_reached_the_engine():
+    def cuts(resume: bool) -> tuple[list, dict, int]:
+        """Leap in slices of 0.01 s (as if other engines' events cut it), resuming or not."""
+        eng = engine()
+        now, out, seen, resumed = 0.0, None, [], 0
+        while True:
+            if resume and out is not None and eng.resume(out, now, now + 0.01):
+                resumed += 1
+            else:
+                out = eng.step(now)
+                if out is None:
+                    return seen, eng.stats(), resumed
+                eng.leap(out, now + 0.01)
+            eng.check_integrity()
+            now = out.end_s
+            seen += [(r.rid, now) for r in out.finished + out.first_token]
+
+    seen, stats, resumed = cuts(resume=True)
+    assert (seen, stats) == cuts(resume=False)[:2]
+    assert resumed > 10
+    # a submit in between reaches the engine: the next step must be a real step (admission)
+    twins = engine(), engine()
+    outs = []
+    for eng in twins:
+        out = eng.step(0.0)
+        while out.first_token or out.finished or out.iterations < 2:
+            out = eng.step(out.end_s)
+            eng.leap(out, out.end_s + 0.01)
+        outs.append(out)
+    twins[1].submit(SimRequest("late", "late", 64, 4), outs[1].end_s)
+    assert twins[0].resume(outs[0], outs[0].end_s, math.inf)
+    assert not twins[1].resume(outs[1], outs[1].end_s, math.inf)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from turnstile.policies.base import RetentionDecision
+from turnstile.core.actions import RetentionDecision
 from turnstile.sim.engine import EngineConfig, EngineModel, SimRequest, StepOutcome
 from turnstile.sim.perf import FittedPerf, RooflinePerf
 

@@ -13,18 +13,13 @@ from turnstile.traces import load_agentcgroup
 from turnstile.workload import Turn, Workflow, validate_workflow
 from turnstile.workload.synth import (
     DEFAULT_SPEC,
-    Dist,
-    SynthSpec,
-    ToolSpec,
     default_spec,
-    fit_lognormal_mixture,
-    fit_spec,
     generate,
-    load_spec,
     poisson_arrivals,
-    save_spec,
     superimpose,
 )
+from turnstile.workload.synth_fit import fit_lognormal_mixture, fit_spec
+from turnstile.workload.synth_spec import Dist, SynthSpec, ToolSpec, load_spec, save_spec
 
 
 def _small_spec() -> SynthSpec:

@@ -99,8 +99,9 @@ def load_base_workflows(spec: WorkloadSpec) -> tuple[list[Workflow], dict[str, A
         kw["subset"] = spec.subset
     loaded = load_trace(path, **kw)
     digest = tree_sha256(path) if path.is_dir() else file_sha256(path)
-    # Mooncake's hash ids name 512-token blocks; the engine must know the unit
-    hash_tokens = 512 if loaded.name.startswith("mooncake") else 0
+    # hash ids name blocks of a trace-defined size (Mooncake: 512 tokens); the engine must
+    # know the unit
+    hash_tokens = loaded.hash_block_tokens
     return loaded.workflows, {"path": str(path), "name": loaded.name, "sha256": digest,
                               "notes": loaded.notes, "hash_block_tokens": hash_tokens}
 

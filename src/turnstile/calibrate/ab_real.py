@@ -30,12 +30,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from turnstile.bench.replay import ReplaySpec, run_replay
 from turnstile.calibrate.ab import AbEngines, cell_row, cell_workload, offered_load, predict
 from turnstile.calibrate.profile import profile_engine
 from turnstile.engines.llama_server import LlamaServerProcess, free_port
 from turnstile.engines.tiny_model import write_tiny_gguf
 from turnstile.gateway.adapters import parse_prometheus
-from turnstile.gateway.replay import ReplaySpec, run_replay
 from turnstile.sim.perf import FittedPerf
 from turnstile.workload.model import Workflow
 

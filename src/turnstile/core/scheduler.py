@@ -14,41 +14,32 @@ methods with the same policy objects; that is what makes "simulate, then deploy"
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
 
-from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, TurnState, WorkflowRecord
-from turnstile.policies.base import RetentionDecision
+from turnstile.core.actions import Action, Release, Retain
+from turnstile.core.interfaces import PolicyBundle
+from turnstile.core.state import (
+    ClusterView,
+    EngineLoad,
+    TurnRecord,
+    TurnState,
+    WorkflowRecord,
+    add_peer_load,
+    charge,
+    count_ready,
+    count_released,
+    discharge,
+    pause_session,
+    report_stats,
+    resume_session,
+)
 from turnstile.workload.model import Turn, Workflow
-
-if TYPE_CHECKING:
-    from turnstile.policies import PolicySet
 
 
 class SchedulerError(RuntimeError):
     """An event that contradicts the state machine (a driver bug), with the turn it concerns."""
 
 
-@dataclass(frozen=True, slots=True)
-class Release:
-    """Send ``turn`` to ``engine`` with admission ``priority`` (lower runs first)."""
-
-    turn: TurnRecord
-    engine: str
-    priority: float
-
-
-@dataclass(frozen=True, slots=True)
-class Retain:
-    """Keep (or offload, or drop) ``turn``'s session KV on ``engine`` during its tool call."""
-
-    turn: TurnRecord
-    engine: str
-    decision: RetentionDecision
-
-
-Action = Release | Retain
 _NO_ACTIONS: list[Action] = []
 
 
@@ -61,7 +52,7 @@ class Scheduler:
 
     def __init__(
         self,
-        policies: PolicySet,
+        policies: PolicyBundle,
         engines: Sequence[EngineLoad | str],
         *,
         on_workflow_done: Callable[[WorkflowRecord], None] | None = None,
@@ -84,11 +75,12 @@ class Scheduler:
         self.active_workflows = 0
         self.finished_workflows = 0
         self.released_total = 0
-        # optional hook: a release policy that tracks workflows (flow-time quantiles, KV)
-        self._release_sees_done = hasattr(self.release, "on_workflow_done")
         # running mean of observed output lengths: the core's only work estimate, learned online
         self._out_sum = prior_output_tokens
         self._out_n = 1
+        # load reported by other drivers on the same engines (see peer_load)
+        self._peer: dict[str, tuple[int, int, int]] = {}
+        self._peer_ready = 0
 
     # ------------------------------------------------------------------ events
     def workflow_arrived(self, now: float, workflow: Workflow) -> list[Action]:
@@ -109,17 +101,48 @@ class Scheduler:
                 self._make_ready(rec, now)
         return self._release(now)
 
-    def open_session(self, now: float, session_id: str, tenant: str = "default") -> None:
-        """An open-ended session (gateway): turns are added with :meth:`turn_ready`."""
-        self._new_workflow(session_id, now, tenant, None)
+    def open_session(
+        self,
+        now: float,
+        session_id: str,
+        tenant: str = "default",
+        *,
+        arrival_s: float | None = None,
+        attained_tokens: int = 0,
+        last_engine: str | None = None,
+    ) -> None:
+        """An open-ended session (gateway): turns are added with :meth:`turn_ready`.
+
+        A session continued from elsewhere (a restarted gateway, another replica) carries what
+        the policies read: its first arrival, the service it attained, the engine holding its
+        KV."""
+        wf = self._new_workflow(session_id, now if arrival_s is None else arrival_s, tenant, None)
+        wf.attained_tokens = attained_tokens
+        if last_engine is not None and last_engine in self.view.ids:
+            wf.last_engine = last_engine
+
+    def session_moved(self, session_id: str, last_engine: str, attained_tokens: int) -> None:
+        """Another driver (a gateway replica) served the session's last turn on ``last_engine``."""
+        wf = self._get(session_id)
+        if last_engine in self.view.ids:
+            wf.last_engine = last_engine
+        wf.attained_tokens = max(wf.attained_tokens, attained_tokens)
 
     def turn_ready(
-        self, now: float, session_id: str, turn: Turn, *, engine_hint: str | None = None
+        self,
+        now: float,
+        session_id: str,
+        turn: Turn,
+        *,
+        engine_hint: str | None = None,
+        ready_s: float | None = None,
     ) -> tuple[TurnRecord, list[Action]]:
         """The next turn of an open session arrived; the previous turn's tool call has ended.
 
         ``engine_hint`` (an engine id the client asked for) is set on the new record before
-        any release; only routing policies that read it (``hinted``) act on it."""
+        any release; only routing policies that read it (``hinted``) act on it. ``ready_s``
+        (default ``now``) keeps the original ready time of a turn accepted earlier (restored
+        after a restart, taken over from a dead replica)."""
         wf = self._get(session_id)
         if wf.source is not None:
             raise SchedulerError(f"workflow {session_id!r} has known turns; use tool_finished")
@@ -135,7 +158,7 @@ class Scheduler:
         rec.engine_hint = engine_hint
         wf.turns.append(rec)
         wf.remaining += 1
-        self._make_ready(rec, now)
+        self._make_ready(rec, now if ready_s is None else ready_s, now)
         return rec, self._release(now)
 
     def close_session(self, now: float, session_id: str) -> list[Action]:
@@ -188,10 +211,8 @@ class Scheduler:
             rec.first_token_s = now
         engine = self.view[rec.engine]  # type: ignore[index]
         charged = rec.charged_tokens
-        engine.outstanding_turns -= 1
-        engine.outstanding_tokens -= charged
-        self.view.released_turns -= 1
-        self.view.released_tokens -= charged
+        discharge(engine, charged)
+        count_released(self.view, -1, -charged)
         wf = rec.workflow
         wf.attained_tokens += rec.prompt_tokens + rec.output_tokens
         wf.last_engine = engine.id
@@ -206,8 +227,7 @@ class Scheduler:
                 self._resume(wf)
             wf.paused_engine = engine.id
             wf.paused_tokens = rec.prompt_tokens + rec.output_tokens
-            engine.paused_context_tokens += wf.paused_tokens
-            engine.cached_sessions.add(wf.id)
+            pause_session(engine, wf.id, wf.paused_tokens)
             decision = self.retention.on_tool_start(rec, engine, now)
             actions.append(Retain(rec, engine.id, decision))
         else:
@@ -234,16 +254,38 @@ class Scheduler:
         healthy: bool | None = None,
     ) -> list[Action]:
         """Stats reported by an engine; a recovered engine may unblock held turns."""
-        e = self.view[engine_id]
-        if queue_len is not None:
-            e.queue_len = queue_len
-        if running is not None:
-            e.running = running
-        if kv_used_frac is not None:
-            e.kv_used_frac = kv_used_frac
-        if healthy is not None:
-            e.healthy = healthy
+        report_stats(self.view[engine_id], queue_len=queue_len, running=running,
+                     kv_used_frac=kv_used_frac, healthy=healthy)
         return self._release(now)
+
+    def peer_load(
+        self, now: float, engines: Mapping[str, tuple[int, int, int]], ready_turns: int = 0
+    ) -> list[Action]:
+        """Work other drivers sharing these engines hold (other gateway replicas), per engine
+        ``(released turns, released tokens, paused context tokens)``, plus the turns they hold
+        READY. Counted in the view the policies read (so routing, shadow load and the released-
+        work budget are global), replacing the previous report; this scheduler's own accounting
+        is unchanged underneath."""
+        view = self.view
+        for engine_id, (turns, tokens, paused) in engines.items():
+            if engine_id not in view:
+                continue
+            e = view[engine_id]
+            old_turns, old_tokens, old_paused = self._peer.get(engine_id, (0, 0, 0))
+            add_peer_load(e, turns - old_turns, tokens - old_tokens, paused - old_paused)
+            count_released(view, turns - old_turns, tokens - old_tokens)
+            self._peer[engine_id] = (turns, tokens, paused)
+        count_ready(view, ready_turns - self._peer_ready)
+        self._peer_ready = ready_turns
+        return self._release(now)
+
+    def own_load(self, engine_id: str) -> tuple[int, int, int]:
+        """This scheduler's own ``(released turns, released tokens, paused context tokens)``
+        on an engine, without what :meth:`peer_load` reported."""
+        e = self.view[engine_id]
+        turns, tokens, paused = self._peer.get(engine_id, (0, 0, 0))
+        return (e.outstanding_turns - turns, e.outstanding_tokens - tokens,
+                e.paused_context_tokens - paused)
 
     def tick(self, now: float) -> list[Action]:
         """No event, but a policy timer (see :meth:`next_wakeup`) expired."""
@@ -256,10 +298,6 @@ class Scheduler:
     @property
     def held_turns(self) -> int:
         return len(self.release)
-
-    @property
-    def mean_output_tokens(self) -> float:
-        return self._out_sum / self._out_n
 
     # --------------------------------------------------------------- internals
     def _new_workflow(
@@ -284,10 +322,11 @@ class Scheduler:
             raise SchedulerError(f"workflow {wf_id!r} has no turn {index}")
         return wf.turns[index]
 
-    def _make_ready(self, rec: TurnRecord, now: float) -> None:
+    def _make_ready(self, rec: TurnRecord, ready_s: float, now: float | None = None) -> None:
         rec.state = TurnState.READY
-        rec.ready_s = now
-        self.view.ready_turns += 1
+        rec.ready_s = ready_s
+        now = ready_s if now is None else now
+        count_ready(self.view, 1)
         self.release.add(rec, now)
 
     def _release(self, now: float) -> list[Action]:
@@ -309,19 +348,16 @@ class Scheduler:
             rec.released_s = now
             rec.engine = engine_id
             rec.priority = self.admission.priority(rec, engine, now)
-            engine.outstanding_turns += 1
-            engine.outstanding_tokens += work
-            view.ready_turns -= 1
-            view.released_turns += 1
-            view.released_tokens += work
+            charge(engine, work)
+            count_ready(view, -1)
+            count_released(view, 1, work)
             self.released_total += 1
             out.append(Release(rec, engine_id, rec.priority))
         return out
 
     def _resume(self, wf: WorkflowRecord) -> None:
         engine = self.view[wf.paused_engine]  # type: ignore[index]
-        engine.paused_context_tokens -= wf.paused_tokens
-        engine.cached_sessions.discard(wf.id)
+        resume_session(engine, wf.id, wf.paused_tokens)
         wf.paused_engine = None
         wf.paused_tokens = 0
 
@@ -349,8 +385,7 @@ class Scheduler:
             self._resume(wf)
         self.active_workflows -= 1
         self.finished_workflows += 1
-        if self._release_sees_done:
-            self.release.on_workflow_done(wf, now)  # type: ignore[attr-defined]
+        self.release.on_workflow_done(wf, now)
         if self.on_workflow_done is not None:
             self.on_workflow_done(wf)
         if self.forget_finished:

@@ -33,7 +33,6 @@ class TurnRecord:
         "finished_s",
         "first_token_s",
         "index",
-        "key",
         "output_tokens",
         "priority",
         "ready_s",
@@ -65,8 +64,6 @@ class TurnRecord:
         self.cached_tokens = -1
         #: work charged to the engine and the released-work counter at release (tokens)
         self.charged_tokens = 0
-        #: opaque slot a release policy may use to find the turn in its own queue
-        self.key: object = None
 
     @property
     def workflow_id(self) -> str:
@@ -134,10 +131,26 @@ class WorkflowRecord:
         return f"<Workflow {self.id} {len(self.turns)} turns>"
 
 
+_set = object.__setattr__  # the core's write path past the read-only __setattr__ below
+
+
+def _read_only(obj: object, name: str, value: object) -> None:
+    raise AttributeError(
+        f"{type(obj).__name__}.{name} is read-only: policies read the view, only the core "
+        "changes it (turnstile.core.state's charge/discharge/pause_session/... functions)"
+    )
+
+
 class EngineLoad:
-    """What the scheduler knows about one engine: its own accounting plus reported stats."""
+    """What the scheduler knows about one engine: its own accounting plus reported stats.
+
+    Read-only for everyone but the core: attributes are plain slots (reads cost nothing on the
+    hot path) but assignment raises; the core writes through the functions at the end of this
+    module. ``cached_sessions`` is a live read-only view of the sessions paused here.
+    """
 
     __slots__ = (
+        "_sessions",
         "cached_sessions",
         "capacity_tokens",
         "healthy",
@@ -151,38 +164,46 @@ class EngineLoad:
         "weight",
     )
 
+    __setattr__ = _read_only
+
     def __init__(self, engine_id: str, capacity_tokens: int = 0, weight: float = 1.0) -> None:
-        self.id = engine_id
+        _set(self, "id", engine_id)
         #: KV capacity in tokens when known (0 = unknown)
-        self.capacity_tokens = capacity_tokens
+        _set(self, "capacity_tokens", capacity_tokens)
         #: relative speed (heterogeneous clusters): loads are compared as load / weight
-        self.weight = weight
-        self.outstanding_turns = 0  # released to this engine and not finished
-        self.outstanding_tokens = 0  # their prompt + expected output tokens
+        _set(self, "weight", weight)
+        _set(self, "outstanding_turns", 0)  # released to this engine and not finished
+        _set(self, "outstanding_tokens", 0)  # their prompt + expected output tokens
         #: "shadow load": context tokens of sessions paused in a tool call whose KV lives here
-        self.paused_context_tokens = 0
-        self.cached_sessions: set[str] = set()
+        _set(self, "paused_context_tokens", 0)
+        sessions: dict[str, None] = {}
+        _set(self, "_sessions", sessions)
+        #: ids of the sessions paused here (a read-only, live view)
+        _set(self, "cached_sessions", sessions.keys())
         # reported by the engine (EngineStats); -1 = never reported
-        self.queue_len = -1
-        self.running = -1
-        self.kv_used_frac = -1.0
-        self.healthy = True
+        _set(self, "queue_len", -1)
+        _set(self, "running", -1)
+        _set(self, "kv_used_frac", -1.0)
+        _set(self, "healthy", True)
 
     def __repr__(self) -> str:
         return f"<Engine {self.id} turns={self.outstanding_turns} tokens={self.outstanding_tokens}>"
 
 
 class ClusterView(Mapping[str, EngineLoad]):
-    """Read-only view of the engines and the global released-work counters."""
+    """Read-only view of the engines and the global released-work counters (assignment
+    raises; the core writes through the functions below)."""
 
     __slots__ = ("_engines", "_order", "ready_turns", "released_tokens", "released_turns")
 
+    __setattr__ = _read_only
+
     def __init__(self, engines: list[EngineLoad]) -> None:
-        self._engines = {e.id: e for e in engines}
-        self._order = [e.id for e in engines]
-        self.released_turns = 0
-        self.released_tokens = 0
-        self.ready_turns = 0
+        _set(self, "_engines", {e.id: e for e in engines})
+        _set(self, "_order", tuple(e.id for e in engines))
+        _set(self, "released_turns", 0)
+        _set(self, "released_tokens", 0)
+        _set(self, "ready_turns", 0)
 
     def __getitem__(self, key: str) -> EngineLoad:
         return self._engines[key]
@@ -194,7 +215,7 @@ class ClusterView(Mapping[str, EngineLoad]):
         return len(self._order)
 
     @property
-    def ids(self) -> list[str]:
+    def ids(self) -> tuple[str, ...]:
         return self._order
 
     def healthy(self) -> list[EngineLoad]:
@@ -204,8 +225,76 @@ class ClusterView(Mapping[str, EngineLoad]):
         """Some healthy engine has nothing released to it."""
         return any(e.outstanding_turns == 0 and e.healthy for e in self._engines.values())
 
-    def add(self, engine: EngineLoad) -> None:
-        if engine.id in self._engines:
-            raise ValueError(f"engine {engine.id!r} already registered")
-        self._engines[engine.id] = engine
-        self._order.append(engine.id)
+
+# ------------------------------------------------------------------ the core's write path
+# Called by the Scheduler (and by tests that set up a view); never by a policy.
+
+
+def add_engine(view: ClusterView, engine: EngineLoad) -> None:
+    """Register another engine with the view (elastic pools)."""
+    if engine.id in view._engines:
+        raise ValueError(f"engine {engine.id!r} already registered")
+    view._engines[engine.id] = engine
+    _set(view, "_order", (*view._order, engine.id))
+
+
+def charge(engine: EngineLoad, work_tokens: int) -> None:
+    """A turn was released to ``engine`` with ``work_tokens`` of expected work."""
+    _set(engine, "outstanding_turns", engine.outstanding_turns + 1)
+    _set(engine, "outstanding_tokens", engine.outstanding_tokens + work_tokens)
+
+
+def discharge(engine: EngineLoad, work_tokens: int) -> None:
+    """A turn charged ``work_tokens`` to ``engine`` finished."""
+    _set(engine, "outstanding_turns", engine.outstanding_turns - 1)
+    _set(engine, "outstanding_tokens", engine.outstanding_tokens - work_tokens)
+
+
+def pause_session(engine: EngineLoad, session_id: str, context_tokens: int) -> None:
+    """A session whose KV lives on ``engine`` entered a tool call."""
+    _set(engine, "paused_context_tokens", engine.paused_context_tokens + context_tokens)
+    engine._sessions[session_id] = None
+
+
+def resume_session(engine: EngineLoad, session_id: str, context_tokens: int) -> None:
+    """A session paused on ``engine`` was resumed (released again) or finished."""
+    _set(engine, "paused_context_tokens", engine.paused_context_tokens - context_tokens)
+    engine._sessions.pop(session_id, None)
+
+
+def report_stats(
+    engine: EngineLoad,
+    *,
+    queue_len: int | None = None,
+    running: int | None = None,
+    kv_used_frac: float | None = None,
+    healthy: bool | None = None,
+) -> None:
+    """Stats the engine reported (None: not reported this time)."""
+    if queue_len is not None:
+        _set(engine, "queue_len", queue_len)
+    if running is not None:
+        _set(engine, "running", running)
+    if kv_used_frac is not None:
+        _set(engine, "kv_used_frac", kv_used_frac)
+    if healthy is not None:
+        _set(engine, "healthy", healthy)
+
+
+def add_peer_load(engine: EngineLoad, turns: int, work_tokens: int, paused_tokens: int) -> None:
+    """Work another driver sharing ``engine`` (another gateway replica) released to it or holds
+    paused on it changed by these deltas (see ``Scheduler.peer_load``)."""
+    _set(engine, "outstanding_turns", engine.outstanding_turns + turns)
+    _set(engine, "outstanding_tokens", engine.outstanding_tokens + work_tokens)
+    _set(engine, "paused_context_tokens", engine.paused_context_tokens + paused_tokens)
+
+
+def count_ready(view: ClusterView, turns: int) -> None:
+    """``turns`` turns became READY (negative: left READY)."""
+    _set(view, "ready_turns", view.ready_turns + turns)
+
+
+def count_released(view: ClusterView, turns: int, work_tokens: int) -> None:
+    """``turns`` turns with ``work_tokens`` of work were released (negative: finished)."""
+    _set(view, "released_turns", view.released_turns + turns)
+    _set(view, "released_tokens", view.released_tokens + work_tokens)

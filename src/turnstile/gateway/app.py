@@ -24,16 +24,16 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from turnstile.gateway.config import GatewayConfig
-from turnstile.gateway.service import (
+from turnstile.gateway.protocol import (
     CHAT_PATH,
     COMPLETIONS_PATH,
     JSON_CT,
-    Gateway,
     GatewayError,
     Outcome,
     TurnRequest,
     error_body,
 )
+from turnstile.gateway.service import Gateway
 
 __all__ = ["GatewayApp", "create_app"]
 
@@ -197,6 +197,8 @@ class GatewayApp:
         request_id: str | None = None
         tenant = "default"
         engine_hint: str | None = None
+        parent_session: str | None = None
+        session_end = False
         length = -1
         for k, v in scope["headers"]:
             if k == b"x-session-id":
@@ -210,6 +212,10 @@ class GatewayApp:
                 tenant = v.decode("latin-1") or "default"
             elif k == b"x-turnstile-engine":
                 engine_hint = v.decode("latin-1").strip() or None
+            elif k == b"x-turnstile-parent-session":
+                parent_session = v.decode("latin-1").strip() or None
+            elif k == b"x-turnstile-session-end":
+                session_end = v.strip().lower() in (b"1", b"true", b"yes")
         if length > self._max_body:
             raise _too_large(length, self._max_body)
         chunks: list[bytes] = []
@@ -242,6 +248,12 @@ class GatewayApp:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise GatewayError(400, "'stream' must be a boolean", code="invalid_value")
+        recorder = self.gateway.recorder
+        if recorder is not None and session_id:  # sub-agents and explicit ends: see .recorder
+            if parent_session:
+                recorder.note_parent(session_id, parent_session)
+            if session_end:
+                recorder.note_end(session_id)
         return TurnRequest(path, body, stream, session_id, request_id, tenant, engine_hint)
 
 

@@ -38,6 +38,17 @@ def serve(
     ] = None,
     db: Annotated[Path | None, typer.Option(help="SQLite file for sessions and held turns")]
     = None,
+    state: Annotated[
+        str | None, typer.Option(help="Shared state of several replicas: redis://HOST:PORT/DB")
+    ] = None,
+    replica_id: Annotated[
+        str | None, typer.Option(help="This replica's name in the shared state "
+                                 "(default: host-pid-random)")
+    ] = None,
+    record: Annotated[
+        Path | None, typer.Option(help="Append every finished session to this workload .jsonl "
+                                  "(counts, times and prefix hashes; never content)")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn/gateway log level")] = "warning",
 ) -> None:
     """Run the OpenAI-compatible scheduling gateway in front of engines."""
@@ -62,6 +73,16 @@ def serve(
             cfg.auth_token = auth_token
         if db is not None:
             cfg.db = str(db)
+        if state is not None:
+            cfg.state = state
+        if replica_id is not None:
+            cfg.replica_id = replica_id
+        if record is not None:
+            cfg.record = str(record)
+        if cfg.record:
+            from turnstile.gateway.recorder import SessionRecorder
+
+            SessionRecorder(cfg.record).close()  # fails now on a file that is not a workload
         cfg.log_level = log_level
         cfg.validate()
     except (ValueError, OSError) as e:
@@ -70,7 +91,8 @@ def serve(
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and not cfg.auth_token:
         typer.echo(f"warning: binding {cfg.host} without --auth-token", err=True)
     typer.echo(f"turnstile gateway on http://{cfg.host}:{cfg.port} policy={cfg.policy} "
-               f"engines={', '.join(e.url for e in cfg.engines)}", err=True)
+               f"engines={', '.join(e.url for e in cfg.engines)}"
+               + (f" state={cfg.state}" if cfg.state else ""), err=True)
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=log_level,
                 access_log=False, lifespan="on", timeout_graceful_shutdown=5)
 
@@ -106,7 +128,7 @@ def replay(
         raise _fail("--rate must be > 0, --workflows >= 1, --time-scale >= 0")
     import asyncio
 
-    from turnstile.gateway.replay import ReplaySpec, load_workflows, run_replay
+    from turnstile.bench.replay import ReplaySpec, load_workflows, run_replay
 
     spec = ReplaySpec(target=target.rstrip("/"), trace=trace, rate=rate, workflows=workflows,
                       time_scale=time_scale, max_context=max_context, max_tokens=max_tokens,

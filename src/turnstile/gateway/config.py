@@ -8,6 +8,7 @@ policy = "cvar+kv-affinity+ttl"
 max_held = 1024             # held + session-queued turns before 429
 auth_token = ""             # or auth_token_env = "TURNSTILE_TOKEN"
 db = "gateway.sqlite3"      # persist sessions and held turns (omit: in memory only)
+record = "sessions.jsonl"   # append every finished session as a workload (omit: no recording)
 models = []                 # accepted model names (empty: discovered from the engines)
 
 [policy.release]            # optional constructor arguments, per policy kind
@@ -63,6 +64,8 @@ class GatewayConfig:
     max_held: int = 1024
     auth_token: str | None = None
     db: str | None = None
+    #: append each finished session to this workload file (:mod:`.recorder`)
+    record: str | None = None
     models: list[str] = field(default_factory=list)
     max_body_bytes: int = 8 * 1024 * 1024
     #: an idle session (no turn for this long) is closed: its flow time is recorded
@@ -82,6 +85,17 @@ class GatewayConfig:
     #: engine (``/tokenize``, one extra round trip per request)
     tokenize: bool = False
     default_output_tokens: int = 256
+    #: shared state for several replicas (``redis://HOST:PORT/DB``); None: one process, with
+    #: ``db`` (SQLite) for restarts
+    state: str | None = None
+    #: this replica's name in the shared state (default: host-pid-random)
+    replica_id: str | None = None
+    #: a replica whose heartbeat is older than this is dead: its accepted turns are taken over
+    replica_ttl_s: float = 3.0
+    #: how often replicas exchange their load on the engines (seconds)
+    peer_sync_s: float = 0.1
+    #: derive a session from the conversation when a request names none (see affinity.py)
+    derive_sessions: bool = True
     log_level: str = "warning"
 
     def validate(self) -> None:

@@ -6,27 +6,42 @@ released work, per-engine load) are read from the scheduler when ``/metrics`` is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Sized
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from turnstile.gateway.service import Gateway
+from turnstile.core.scheduler import Scheduler
 
-__all__ = ["GatewayMetrics"]
+__all__ = ["GatewayMetrics", "GatewayState"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                     120.0, 300.0)
 _FLOW_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 
 
+class GatewayState(Protocol):
+    """What the gauges read from a gateway (the service satisfies it; no import of it here)."""
+
+    @property
+    def scheduler(self) -> Scheduler: ...
+
+    @property
+    def session_queued(self) -> int: ...
+
+    @property
+    def sessions(self) -> Sized: ...
+
+    @property
+    def engine_up(self) -> dict[str, bool]: ...
+
+
 class _StateCollector(Collector):
     """Gauges read from the gateway at scrape time."""
 
-    def __init__(self, gateway: Callable[[], Gateway | None]) -> None:
+    def __init__(self, gateway: Callable[[], GatewayState | None]) -> None:
         self._gateway = gateway
 
     def collect(self) -> Iterator[Metric]:
@@ -111,10 +126,10 @@ class GatewayMetrics:
         self.flow = Histogram("turnstile_gateway_flow_time_seconds",
                               "Session flow time (first turn ready to last turn finished)",
                               buckets=_FLOW_BUCKETS, registry=r)
-        self._gateway: Gateway | None = None
+        self._gateway: GatewayState | None = None
         r.register(_StateCollector(lambda: self._gateway))
 
-    def bind(self, gateway: Gateway) -> None:
+    def bind(self, gateway: GatewayState) -> None:
         self._gateway = gateway
 
     def render(self) -> bytes:

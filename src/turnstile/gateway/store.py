@@ -19,9 +19,9 @@ import json
 import os
 import sqlite3
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["HeldTurnRow", "SessionRow", "Store"]
+__all__ = ["HeldTurnRow", "SessionRow", "StateBackend", "Store"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -80,8 +80,54 @@ class HeldTurnRow:
     output_tokens: int
 
 
+class StateBackend(Protocol):
+    """Where the gateway keeps what a restart must not lose (:class:`Store`: SQLite, one
+    process; :class:`~turnstile.gateway.shared.RedisState`: shared by replicas).
+
+    Writes are fire-and-forget from the event loop thread (a backend may batch them; ``flush``
+    waits for them). Reads of the whole state happen at start-up; a shared backend answers the
+    per-request ``lookup_*`` instead (a local one returns None: everything was loaded)."""
+
+    #: several replicas share this state (every accepted turn is written, owners, load)
+    shared: bool
+
+    async def open(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+    async def flush(self) -> None: ...
+
+    def clock_origin(self, now_unix: float) -> float: ...
+
+    def put_session(self, s: SessionRow) -> None: ...
+
+    def drop_session(self, session_id: str) -> None: ...
+
+    def sessions(self) -> list[SessionRow]: ...
+
+    def put_held(self, t: HeldTurnRow, now_s: float) -> None: ...
+
+    def drop_turn(self, request_id: str) -> None: ...
+
+    def held(self) -> list[HeldTurnRow]: ...
+
+    def put_result(self, request_id: str, session_id: str, path: str, status: int,
+                   result: bytes, now_s: float) -> None: ...
+
+    def results(self) -> dict[str, tuple[int, bytes, float, str]]: ...
+
+    def purge_results(self, before_s: float) -> None: ...
+
+    async def lookup_session(self, session_id: str) -> SessionRow | None: ...
+
+    async def lookup_result(self, request_id: str) -> tuple[int, bytes, float, str] | None: ...
+
+    async def turn_owner(self, request_id: str) -> str | None: ...
+
+
 class Store:
-    """One SQLite file; used from the gateway's event loop thread only."""
+    """One SQLite file (the single-process default backend); used from the gateway's event loop
+    thread only."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
@@ -90,8 +136,29 @@ class Store:
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(_SCHEMA)
 
+    shared = False
+
     def close(self) -> None:
         self.db.close()
+
+    async def open(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def flush(self) -> None:
+        pass  # every write is committed when made
+
+    # one process: everything was loaded at start-up
+    async def lookup_session(self, session_id: str) -> SessionRow | None:
+        return None
+
+    async def lookup_result(self, request_id: str) -> tuple[int, bytes, float, str] | None:
+        return None
+
+    async def turn_owner(self, request_id: str) -> str | None:
+        return None
 
     # ------------------------------------------------------------------ clock
     def clock_origin(self, now_unix: float) -> float:

@@ -9,6 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from turnstile.core.interfaces import (
+    AdmissionPolicy,
+    ReleasePolicy,
+    RetentionPolicy,
+    RoutingPolicy,
+)
+
 # importing the modules registers their policies
 from turnstile.policies import (  # noqa: F401
     admission,
@@ -18,17 +25,7 @@ from turnstile.policies import (  # noqa: F401
     retention,
     routing,
 )
-from turnstile.policies.base import (
-    ADMISSION,
-    RELEASE,
-    RETENTION,
-    ROUTING,
-    AdmissionPolicy,
-    ReleasePolicy,
-    RetentionDecision,
-    RetentionPolicy,
-    RoutingPolicy,
-)
+from turnstile.policies.base import ADMISSION, RELEASE, RETENTION, ROUTING
 
 DEFAULTS = {"release": "eager", "routing": "kv-affinity", "admission": "fcfs", "retention": "lru"}
 _BY_KIND = {"release": RELEASE, "routing": ROUTING, "admission": ADMISSION, "retention": RETENTION}
@@ -45,11 +42,8 @@ class PolicySet:
     spec: str = ""
 
     def __post_init__(self) -> None:
-        # policies that depend on the release policy (e.g. budget-keep) are bound to it here
-        for policy in (self.retention, self.admission):
-            bind = getattr(policy, "bind", None)
-            if bind is not None and policy is not self.release:
-                bind(self.release)
+        # a retention policy that reads the release policy's holds (budget-keep) keeps it
+        self.retention.bind(self.release)
 
     @classmethod
     def from_spec(cls, spec: str) -> PolicySet:
@@ -69,12 +63,11 @@ class PolicySet:
             given[kind] = name
             chosen[kind] = name
         rel = RELEASE.create(chosen["release"])
-        # a release policy that also orders engine queues (PLAS) is its own admission policy
-        # unless the spec names one
-        adm = (
-            rel if "admission" not in given and isinstance(rel, AdmissionPolicy)
-            else ADMISSION.create(chosen["admission"])
-        )
+        # a release policy may declare the engine-queue order that goes with it (PLAS's
+        # levels); it applies unless the spec names an admission policy
+        adm = rel.admission_order() if "admission" not in given else None
+        if adm is None:
+            adm = ADMISSION.create(chosen["admission"])
         return cls(
             release=rel,
             routing=ROUTING.create(chosen["routing"]),
@@ -107,7 +100,6 @@ __all__ = [
     "AdmissionPolicy",
     "PolicySet",
     "ReleasePolicy",
-    "RetentionDecision",
     "RetentionPolicy",
     "RoutingPolicy",
     "all_policy_names",

@@ -41,6 +41,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from turnstile.core.interfaces import AdmissionPolicy
 from turnstile.core.state import ClusterView, TurnRecord, TurnState, WorkflowRecord
 from turnstile.policies.base import RELEASE
 
@@ -167,6 +168,10 @@ class CvarRelease:
         #: gate limit for new workflows (the KV gate is what should hold those)
         self._expiry: list[tuple[float, int, TurnRecord]] = []
         self._work: dict[int, float] = {}  # seq -> work of a held turn
+        #: the sequence number of each held turn's live heap entries (lazy deletion)
+        self._seq_of: dict[TurnRecord, int] = {}
+        #: work charged to W for each released, unfinished turn (returned in on_finished)
+        self._charged: dict[TurnRecord, float] = {}
         self._tail_seqs: set[int] = set()
         self._seq = 0
         self._n = 0
@@ -200,15 +205,18 @@ class CvarRelease:
             room = max(room, free)
         return room
 
-    def expected_hold_s(self, workflow: WorkflowRecord, now: float) -> float:
+    def expected_hold_s(self, workflow: WorkflowRecord, now: float) -> float | None:
         """How long a next turn of ``workflow`` is expected to be held (for budget-keep)."""
         return 0.0 if self.is_tail(workflow, now) else self._hold_ema
+
+    def admission_order(self) -> AdmissionPolicy | None:
+        return None
 
     # ------------------------------------------------------------- protocol
     def add(self, turn: TurnRecord, now: float) -> None:
         self._seq += 1
         seq = self._seq
-        turn.key = seq
+        self._seq_of[turn] = seq
         w = self.work(turn)
         self._work[seq] = w
         self._n += 1
@@ -224,9 +232,8 @@ class CvarRelease:
             heapq.heappush(self._by_age, (turn.workflow.arrival_s, seq, turn))
         heapq.heappush(self._expiry, (now + self.hold_limit_s, seq, turn))
 
-    @staticmethod
-    def _valid(seq: int, turn: TurnRecord) -> bool:
-        return turn.key == seq and turn.state == TurnState.READY
+    def _valid(self, seq: int, turn: TurnRecord) -> bool:
+        return self._seq_of.get(turn) == seq and turn.state == TurnState.READY
 
     def _top(self, heap: list[tuple[float, int, TurnRecord]]) -> tuple[float, int,
                                                                          TurnRecord] | None:
@@ -238,7 +245,8 @@ class CvarRelease:
         w = self._work.pop(seq)
         self._tail_seqs.discard(seq)
         self.released_work += w
-        turn.key = w  # after release, key holds the charged work (see on_finished)
+        del self._seq_of[turn]
+        self._charged[turn] = w
         self._n -= 1
         self._active.add(turn.workflow.id)
         self._hold_ema += 0.05 * ((now - turn.ready_s) - self._hold_ema)
@@ -302,9 +310,8 @@ class CvarRelease:
             yield self._take(seq, turn, now)
 
     def on_finished(self, turn: TurnRecord, now: float) -> None:
-        w = turn.key if isinstance(turn.key, float) else 0.0
+        w = self._charged.pop(turn, 0.0)
         self.released_work = max(0.0, self.released_work - w)
-        turn.key = None
         self.outputs.observe(turn)
         ctx = turn.turn.context_tokens
         if ctx > 0 and turn.cached_tokens >= 0:

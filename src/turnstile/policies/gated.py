@@ -1,8 +1,9 @@
 """Release policies that hold ready turns behind a fixed in-flight cap and release them in a
 static key order: ``fcfs-workflow`` and ``plas`` (Autellix's program-level LAS).
 
-Both also order the engine queue (they provide ``priority``), so a spec that names only the
-release policy gets the same order at admission.
+Both also order the engine queue by the same key (they implement ``priority`` and declare
+themselves their :meth:`admission_order`), so a spec that names only the release policy gets the
+same order at admission.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 
-from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, TurnState
+from turnstile.core.interfaces import AdmissionPolicy
+from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, TurnState, WorkflowRecord
 from turnstile.policies.base import RELEASE
 
 
@@ -26,6 +28,8 @@ class _KeyedGatedRelease:
         self.starvation_s = starvation_s
         self._heap: list[tuple[float, float, int, TurnRecord]] = []
         self._fifo: list[tuple[float, int, TurnRecord]] = []
+        #: the sequence number of each held turn's live entries (lazy deletion in both heaps)
+        self._seq_of: dict[TurnRecord, int] = {}
         self._seq = 0
         self._n = 0
 
@@ -34,17 +38,16 @@ class _KeyedGatedRelease:
 
     def add(self, turn: TurnRecord, now: float) -> None:
         self._seq += 1
-        turn.key = self._seq
+        self._seq_of[turn] = self._seq
         heapq.heappush(self._heap, (self.sort_key(turn), turn.workflow.arrival_s, self._seq, turn))
         heapq.heappush(self._fifo, (now, self._seq, turn))
         self._n += 1
 
-    @staticmethod
-    def _valid(seq: int, turn: TurnRecord) -> bool:
-        return turn.key == seq and turn.state == TurnState.READY
+    def _valid(self, seq: int, turn: TurnRecord) -> bool:
+        return self._seq_of.get(turn) == seq and turn.state == TurnState.READY
 
     def _take(self, turn: TurnRecord) -> TurnRecord:
-        turn.key = None
+        del self._seq_of[turn]
         self._n -= 1
         return turn
 
@@ -69,8 +72,17 @@ class _KeyedGatedRelease:
     def priority(self, turn: TurnRecord, engine: EngineLoad, now: float) -> float:
         return self.sort_key(turn)
 
+    def admission_order(self) -> AdmissionPolicy | None:
+        return self  # engine queues in the same key order (see the module docstring)
+
     def on_finished(self, turn: TurnRecord, now: float) -> None:
         pass
+
+    def on_workflow_done(self, workflow: WorkflowRecord, now: float) -> None:
+        pass
+
+    def expected_hold_s(self, workflow: WorkflowRecord, now: float) -> float | None:
+        return None  # held behind a cap, for no estimated time
 
     def next_wakeup(self, now: float) -> float | None:
         fifo = self._fifo

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 
-from turnstile.core.state import ClusterView, TurnRecord
+from turnstile.core.interfaces import AdmissionPolicy
+from turnstile.core.state import ClusterView, TurnRecord, WorkflowRecord
 from turnstile.policies.base import RELEASE
 
 
@@ -29,7 +30,16 @@ class EagerRelease:
     def on_finished(self, turn: TurnRecord, now: float) -> None:
         pass
 
+    def on_workflow_done(self, workflow: WorkflowRecord, now: float) -> None:
+        pass
+
     def next_wakeup(self, now: float) -> float | None:
+        return None
+
+    def expected_hold_s(self, workflow: WorkflowRecord, now: float) -> float | None:
+        return 0.0  # every ready turn is released at once
+
+    def admission_order(self) -> AdmissionPolicy | None:
         return None
 
     def __len__(self) -> int:

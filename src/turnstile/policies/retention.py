@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Protocol, runtime_checkable
 
-from turnstile.core.state import EngineLoad, TurnRecord, WorkflowRecord
-from turnstile.policies.base import LRU, RETENTION, RetentionDecision
+from turnstile.core.actions import LRU, RetentionDecision
+from turnstile.core.interfaces import ReleasePolicy
+from turnstile.core.state import EngineLoad, TurnRecord
+from turnstile.policies.base import RETENTION
 
 
 @RETENTION.register("lru")
@@ -25,6 +26,9 @@ class LruRetention:
         return LRU
 
     def on_tool_end(self, turn: TurnRecord, now: float) -> None:
+        pass
+
+    def bind(self, release: ReleasePolicy) -> None:
         pass
 
 
@@ -125,16 +129,12 @@ class TtlRetention:
     def on_tool_end(self, turn: TurnRecord, now: float) -> None:
         self.estimator.observe(tool_key(turn), now - turn.finished_s)
 
+    def bind(self, release: ReleasePolicy) -> None:
+        pass
+
 
 def _pin(ttl_s: float) -> RetentionDecision:
     return RetentionDecision("pin", ttl_s)
-
-
-@runtime_checkable
-class ExpectsHold(Protocol):
-    """A release policy that can say how long a workflow's next ready turn will be held."""
-
-    def expected_hold_s(self, workflow: WorkflowRecord, now: float) -> float: ...
 
 
 @RETENTION.register("budget-keep")
@@ -145,23 +145,24 @@ class BudgetKeepRetention(TtlRetention):
     Release", 2026): a held turn's KV must survive the tool call *and* the time the release
     policy keeps the next turn waiting. Pin for ``quantile_q(tool) × margin + expected hold``,
     where the hold comes from the bound release policy's ``expected_hold_s(workflow, now)``
-    (PolicySet calls :meth:`bind`; without one the hold is 0 and this is ``ttl``). If that total
-    exceeds ``max_ttl_s`` the session is not worth the memory: LRU.
+    (PolicySet calls :meth:`bind`; unbound, or with a release policy that does not estimate its
+    holds, the hold is 0 and this is ``ttl``). If that total exceeds ``max_ttl_s`` the session
+    is not worth the memory: LRU.
     """
 
     name = "budget-keep"
 
     #: the bound release policy (see :meth:`bind`); None: no hold
-    release: ExpectsHold | None = None
+    release: ReleasePolicy | None = None
 
-    def bind(self, release: object) -> None:
-        """Use ``release.expected_hold_s`` when the release policy has it."""
-        self.release = release if isinstance(release, ExpectsHold) else None
+    def bind(self, release: ReleasePolicy) -> None:
+        self.release = release
 
     def hold_s(self, turn: TurnRecord, now: float) -> float:
         if self.release is None:
             return 0.0
-        return max(self.release.expected_hold_s(turn.workflow, now), 0.0)
+        hold = self.release.expected_hold_s(turn.workflow, now)
+        return 0.0 if hold is None else max(hold, 0.0)
 
     def on_tool_start(self, turn: TurnRecord, engine: EngineLoad, now: float) -> RetentionDecision:
         tool_s = self.expected_tool_s(turn)
@@ -233,3 +234,6 @@ class InferceptRetention:
 
     def on_tool_end(self, turn: TurnRecord, now: float) -> None:
         self.estimator.observe(tool_key(turn), now - turn.finished_s)
+
+    def bind(self, release: ReleasePolicy) -> None:
+        pass

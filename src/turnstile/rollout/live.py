@@ -425,7 +425,7 @@ def run_live(
                                   idle_tpot_s=0.002, prefill_s_per_token=2e-4)
                 infos.append((info, p.base_url))
             if cfg.via_gateway:
-                from turnstile.gateway.testing import start_gateway
+                from turnstile.gateway.embedded import start_gateway
 
                 gw = start_gateway([p.base_url for p in procs], policy=GATEWAY_POLICY,
                                    read_timeout_s=cfg.request_timeout_s)

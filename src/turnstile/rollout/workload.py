@@ -1,7 +1,7 @@
 """RL rollout batches: N prompts × G samples per step, with drift across steps.
 
 Built on :mod:`turnstile.workload.synth` (``DEFAULT_SPEC``, the fit to the AgentCgroup sessions,
-or any fitted :class:`~turnstile.workload.synth.SynthSpec`). Per step ``k``:
+or any fitted :class:`~turnstile.workload.synth_spec.SynthSpec`). Per step ``k``:
 
 1. **Drift.** The step's spec scales turns per trajectory by ``turns_growth ** k`` and output
    tokens per turn by ``output_growth ** k`` (both capped), and shifts ``tools_per_turn`` towards
@@ -38,7 +38,7 @@ import numpy as np
 
 from turnstile.workload import synth
 from turnstile.workload.model import ToolCall, ToolStatus, Turn, Workflow
-from turnstile.workload.synth import Dist, SynthSpec
+from turnstile.workload.synth_spec import Dist, SynthSpec
 
 __all__ = [
     "RolloutSpec",

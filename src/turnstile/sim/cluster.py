@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from turnstile.core.scheduler import Release, Scheduler
+from turnstile.core.actions import Release
+from turnstile.core.scheduler import Scheduler
 from turnstile.core.state import EngineLoad, TurnRecord, TurnState, WorkflowRecord
 from turnstile.policies import PolicySet
 from turnstile.sim.engine import EngineConfig, EngineModel, SimRequest
@@ -22,6 +23,7 @@ from turnstile.workload.model import Workflow
 
 # event kinds (ints: cheap to compare)
 _ARRIVE, _STEP_END, _TOOL_END, _KICK, _WAKE = range(5)
+_NEVER = float("inf")
 
 
 @dataclass
@@ -146,7 +148,14 @@ class ClusterSim:
                 if outcome.first_token or outcome.finished:
                     self._apply_outcome(now, i, outcome)
                     self._touched = True
-                self._step(now, i)
+                    self._step(now, i)
+                elif ff and engines[i].resume(outcome, now, q.peek_time_or(_NEVER)):
+                    # a leap cut short by an event that did not reach this engine goes on: the
+                    # iterations a step and a leap would run (this event scheduled nothing else)
+                    self.iterations += outcome.iterations
+                    q.push(outcome.end_s, _STEP_END, payload)
+                else:
+                    self._step(now, i)
             elif kind == _ARRIVE:
                 self._act(now, sched.workflow_arrived(now, payload))
                 self._touched = True
@@ -233,9 +242,9 @@ class ClusterSim:
         outcome = engine.step(now)
         if outcome is None:
             self._busy[i] = False
-            load = self.scheduler.view[engine.engine_id]
-            load.queue_len = 0
-            self._act(now, self.scheduler.engine_stats(now, engine.engine_id, running=0))
+            # reported through the core's API (the view is read-only to drivers)
+            self._act(now, self.scheduler.engine_stats(now, engine.engine_id, queue_len=0,
+                                                        running=0))
             self._touched = True
             return
         self._busy[i] = True

@@ -39,6 +39,10 @@ class EventQueue:
     def peek_time(self) -> float | None:
         return self._heap[0][0] if self._heap else None
 
+    def peek_time_or(self, default: float) -> float:
+        """The next event's time, or ``default`` when there is none."""
+        return self._heap[0][0] if self._heap else default
+
     def __len__(self) -> int:
         return len(self._heap)
 

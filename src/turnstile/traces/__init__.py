@@ -7,7 +7,15 @@
 * ``*.csv`` (Azure LLM inference trace columns) → :func:`load_azure_conv`
 * ``*.jsonl[.gz]`` whose first line is a turnstile workload header → the workload file itself
 * ``*.jsonl[.gz]`` whose records have ``hash_ids`` → :func:`load_mooncake`
-* ``*.jsonl[.gz]`` whose records have ``round_index`` → :func:`load_tracelab`
+* ``*.jsonl[.gz]`` whose records have ``round_index`` → :func:`load_tracelab` (TraceLab's
+  Claude Code and Codex session exports)
+* ``*.jsonl[.gz]`` of OpenAI-style request logs (LiteLLM payloads or spend logs,
+  request/response pairs) → :func:`load_request_log`
+* ``*.traj.json[.gz]`` / ``*.traj[.gz]`` agent trajectories, or a folder holding some →
+  :func:`load_trajectories` (mini-swe-agent, SWE-agent)
+
+Malformed input raises :class:`TraceFormatError` (a ``ValueError``) naming the file, the line or
+JSON path, and the field.
 """
 
 from __future__ import annotations
@@ -18,17 +26,22 @@ from typing import Any
 
 from turnstile.traces.agentcgroup import is_agentcgroup_dir, load_agentcgroup
 from turnstile.traces.azure import arrival_times, load_azure_conv
-from turnstile.traces.base import LoadedTrace, default_traces_dir, open_text
+from turnstile.traces.base import LoadedTrace, TraceFormatError, default_traces_dir, open_text
 from turnstile.traces.mooncake import load_mooncake
+from turnstile.traces.requestlog import load_request_log, looks_like_request_log
 from turnstile.traces.tracelab import load_tracelab
-from turnstile.workload.jsonl import FORMAT_NAME, read_workload
+from turnstile.traces.trajectory import is_trajectory_path, load_trajectories
+from turnstile.workload.jsonl import FORMAT_NAME, read_header, read_workload
 
 SUPPORTED_FORMATS: tuple[str, ...] = (
     "AgentCgroup directory (haiku/ and glm47flash_local/ subsets, <task>/attempt_<n> folders, or "
     "an attempt folder with trace.jsonl[.gz])",
     "Azure LLM inference trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens)",
     "Mooncake JSON Lines (records with hash_ids)",
-    "TraceLab round_trace JSON Lines (records with round_index)",
+    "TraceLab round_trace JSON Lines (records with round_index): Claude Code / Codex sessions",
+    "OpenAI-style request logs, JSON Lines (LiteLLM StandardLoggingPayload or spend logs, "
+    "request/response pairs)",
+    "mini-swe-agent *.traj.json / SWE-agent *.traj trajectories (optionally .gz), or a folder",
     f"turnstile workload JSON Lines ({FORMAT_NAME!r} header)",
 )
 
@@ -49,6 +62,8 @@ def _first_record(path: Path) -> Any:
 def _load_workload_file(path: Path) -> LoadedTrace:
     workflows = read_workload(path)
     turns = sum(len(w.turns) for w in workflows)
+    meta = read_header(path).get("meta")
+    block_tokens = meta.get("hash_block_tokens") if isinstance(meta, dict) else None
     return LoadedTrace(
         name=f"workload:{path.stem}",
         source=str(path),
@@ -60,6 +75,7 @@ def _load_workload_file(path: Path) -> LoadedTrace:
             "tool_calls": sum(len(t.tools) for w in workflows for t in w.turns),
             "skipped": 0,
         },
+        hash_block_tokens=block_tokens if isinstance(block_tokens, int) else 0,
     )
 
 
@@ -76,8 +92,12 @@ def load_trace(path: str | Path, progress: bool = False, **kw: Any) -> LoadedTra
     if p.is_dir():
         if is_agentcgroup_dir(p):
             return load_agentcgroup(p, progress=progress, **kw)
-        raise _unsupported(p, "a directory that holds no AgentCgroup sessions")
+        if is_trajectory_path(p):
+            return load_trajectories(p, **kw)
+        raise _unsupported(p, "a directory that holds no AgentCgroup sessions or trajectories")
     name = p.name.lower()
+    if is_trajectory_path(p):
+        return load_trajectories(p, **kw)
     if name.endswith((".csv", ".csv.gz")):
         return load_azure_conv(p, **kw)
     if name.endswith((".jsonl", ".jsonl.gz", ".json", ".ndjson")):
@@ -97,6 +117,8 @@ def load_trace(path: str | Path, progress: bool = False, **kw: Any) -> LoadedTra
             if kw:
                 raise TypeError(f"load_tracelab takes no options, got {sorted(kw)}")
             return load_tracelab(p)
+        if looks_like_request_log(first):
+            return load_request_log(p, **kw)
         raise _unsupported(p, f"JSON Lines records with unknown keys {sorted(first)[:8]}")
     raise _unsupported(p, "unknown file type")
 
@@ -104,11 +126,14 @@ def load_trace(path: str | Path, progress: bool = False, **kw: Any) -> LoadedTra
 __all__ = [
     "SUPPORTED_FORMATS",
     "LoadedTrace",
+    "TraceFormatError",
     "arrival_times",
     "default_traces_dir",
     "load_agentcgroup",
     "load_azure_conv",
     "load_mooncake",
+    "load_request_log",
     "load_trace",
     "load_tracelab",
+    "load_trajectories",
 ]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import gzip
+import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from turnstile.workload.model import Workflow
 
@@ -31,6 +32,8 @@ class LoadedTrace:
     workflows: list[Workflow]
     notes: list[str] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
+    #: tokens one entry of ``Turn.block_hashes`` names (0: no hashes, or the simulator's block)
+    hash_block_tokens: int = 0
 
     @property
     def n_turns(self) -> int:
@@ -86,12 +89,96 @@ def default_traces_dir() -> Path | None:
     return None
 
 
+def counted_notes(source: str, counts: Mapping[str, int], explain: Mapping[str, str]
+                  ) -> list[str]:
+    """One note per caveat that occurred: ``"<source>: <count> <explanation>"``."""
+    return [f"{source}: {counts[key]} {text}" for key, text in explain.items()
+            if counts.get(key)]
+
+
 def plural(n: int, word: str) -> str:
     return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
 
 
-def join_names(items: Iterable[str], limit: int = 5) -> str:
-    xs = list(items)
-    if len(xs) <= limit:
-        return ", ".join(xs)
-    return ", ".join(xs[:limit]) + f", … ({len(xs) - limit} more)"
+class TraceFormatError(ValueError):
+    """Malformed input to an importer: names the file, the line or JSON path, and the field."""
+
+    def __init__(self, path: str | Path, where: str, message: str) -> None:
+        self.path, self.where = str(path), where
+        super().__init__(f"{path}: {where}: {message}" if where else f"{path}: {message}")
+
+
+class JsonPath:
+    """Typed access into decoded JSON that raises :class:`TraceFormatError` with the JSON path
+    (``$.messages[3].extra.response.usage.prompt_tokens``) of the first problem."""
+
+    __slots__ = ("file", "prefix")
+
+    def __init__(self, file: str | Path, prefix: str = "$") -> None:
+        self.file, self.prefix = file, prefix
+
+    def fail(self, where: str, message: str) -> TraceFormatError:
+        return TraceFormatError(self.file, where, message)
+
+    def get(self, obj: Any, where: str, key: str, kinds: tuple[type, ...], *,
+            required: bool = False) -> Any:
+        """``obj[key]`` when it has one of ``kinds`` (None when absent/null unless required)."""
+        path = f"{where}.{key}"
+        if not isinstance(obj, dict):
+            raise self.fail(where, f"expected an object, got {_type_name(obj)}")
+        v = obj.get(key)
+        if v is None:
+            if required:
+                raise self.fail(path, "missing")
+            return None
+        if isinstance(v, bool) and bool not in kinds:
+            raise self.fail(path, f"expected {_kinds(kinds)}, got bool")
+        if not isinstance(v, kinds):
+            raise self.fail(path, f"expected {_kinds(kinds)}, got {_type_name(v)}")
+        return v
+
+    def count(self, obj: Any, where: str, key: str) -> int | None:
+        """A token count: a non-negative integer (or an integral float), None when absent."""
+        v = self.get(obj, where, key, (int, float))
+        if v is None:
+            return None
+        if v < 0 or v != int(v):
+            raise self.fail(f"{where}.{key}", f"expected a non-negative integer, got {v!r}")
+        return int(v)
+
+
+def _type_name(v: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "bool", int: "integer",
+            float: "number", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def _kinds(kinds: tuple[type, ...]) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", list: "an array",
+             dict: "an object", bool: "a boolean"}
+    return " or ".join(dict.fromkeys(names.get(k, k.__name__) for k in kinds))
+
+
+def read_json_file(path: str | Path) -> Any:
+    """Decode a whole JSON file (``.gz`` too); a syntax error names the file, line and column."""
+    try:
+        with open_text(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise TraceFormatError(path, f"line {e.lineno} column {e.colno}",
+                               f"not valid JSON ({e.msg})") from None
+    except (UnicodeDecodeError, EOFError, gzip.BadGzipFile) as e:
+        raise TraceFormatError(path, "", f"cannot be read as JSON text ({e})") from None
+
+
+def iter_json_lines(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """``(line number, decoded value)`` for every non-blank line of a JSON Lines file (``.gz``
+    too); a line that is not JSON raises :class:`TraceFormatError` naming the file and line."""
+    with open_text(path) as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TraceFormatError(path, f"line {lineno}",
+                                       f"not valid JSON ({e.msg}, column {e.colno})") from None

@@ -33,12 +33,11 @@ that also contains the earlier turn's own service time.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from turnstile.traces.base import LoadedTrace, open_text
+from turnstile.traces.base import LoadedTrace, TraceFormatError, iter_json_lines
 from turnstile.workload.model import ToolCall, Turn, Workflow
 
 BLOCK_SIZE = 512
@@ -47,16 +46,14 @@ GAP_TOOL = "gap"
 
 def _read(path: Path) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    with open_text(path) as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            d = json.loads(line)
-            for key in ("timestamp", "input_length", "output_length", "hash_ids"):
-                if key not in d:
-                    raise ValueError(f"{path}:{lineno}: field '{key}': missing")
-            d["_line"] = lineno
-            out.append(d)
+    for lineno, d in iter_json_lines(path):
+        if not isinstance(d, dict):
+            raise TraceFormatError(f"{path}:{lineno}", "", "expected a JSON object")
+        for key in ("timestamp", "input_length", "output_length", "hash_ids"):
+            if key not in d:
+                raise TraceFormatError(f"{path}:{lineno}", "", f"field '{key}': missing")
+        d["_line"] = lineno
+        out.append(d)
     return out
 
 
@@ -202,5 +199,6 @@ def load_mooncake(path_to_jsonl: str | Path, block_size: int = BLOCK_SIZE) -> Lo
         "skipped": 0,
     }
     return LoadedTrace(
-        name=f"mooncake:{stem}", source=str(path), workflows=workflows, notes=notes, counts=counts
+        name=f"mooncake:{stem}", source=str(path), workflows=workflows, notes=notes, counts=counts,
+        hash_block_tokens=block_size,
     )

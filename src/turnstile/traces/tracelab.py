@@ -20,12 +20,17 @@ Every fallback is counted and reported in :attr:`LoadedTrace.notes`.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from turnstile.traces.base import LoadedTrace, open_text, parse_utc
+from turnstile.traces.base import (
+    LoadedTrace,
+    TraceFormatError,
+    counted_notes,
+    iter_json_lines,
+    parse_utc,
+)
 from turnstile.workload.model import ToolCall, ToolStatus, Turn, Workflow
 
 
@@ -89,18 +94,14 @@ def load_tracelab(path: str | Path) -> LoadedTrace:
     """Load TraceLab rounds (see the module docstring for every mapping and fallback)."""
     p = Path(path)
     rounds: dict[str, list[tuple[int, int, dict[str, Any]]]] = {}
-    with open_text(p) as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            r = json.loads(line)
-            if not isinstance(r, dict):
-                raise ValueError(f"{p}:{lineno}: expected a JSON object")
-            sid = r.get("session_id")
-            if sid is None:
-                raise ValueError(f"{p}:{lineno}: field 'session_id': missing")
-            idx = _num(r, "round_index")
-            rounds.setdefault(str(sid), []).append((idx if idx is not None else lineno, lineno, r))
+    for lineno, r in iter_json_lines(p):
+        if not isinstance(r, dict):
+            raise TraceFormatError(f"{p}:{lineno}", "", "expected a JSON object")
+        sid = r.get("session_id")
+        if sid is None:
+            raise TraceFormatError(f"{p}:{lineno}", "", "field 'session_id': missing")
+        idx = _num(r, "round_index")
+        rounds.setdefault(str(sid), []).append((idx if idx is not None else lineno, lineno, r))
     c: Counter[str] = Counter()
     starts: list[tuple[float | None, Workflow]] = []
     for sid, rs in rounds.items():
@@ -191,9 +192,7 @@ def load_tracelab(path: str | Path) -> LoadedTrace:
         "result_chars_null": "tool calls with result_chars null: result_tokens None",
         "sessions_without_timestamps": "sessions without any timestamp: arrival 0",
     }
-    for key, text in explain.items():
-        if c[key]:
-            notes.append(f"tracelab: {c[key]} {text}")
+    notes.extend(counted_notes("tracelab", c, explain))
     counts = dict(c)
     counts.update(
         llm_calls=c["rounds"],

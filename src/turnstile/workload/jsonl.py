@@ -5,7 +5,7 @@ following line is one workflow::
 
     {"id": "s1", "arrival_s": 0.0, "tenant": "default", "meta": {...},
      "turns": [{"input_tokens": 900, "context_tokens": 0, "output_tokens": 120,
-                "block_hashes": [1, 2], "parents": null, "think_s": 0.0,
+                "block_hashes": [1, 2], "parents": null, "think_s": 0.0, "cached_tokens": 0,
                 "tools": [{"name": "Bash", "duration_s": 1.2, "status": "ok",
                            "result_tokens": 40}]}]}
 
@@ -55,6 +55,8 @@ def turn_to_dict(t: Turn) -> dict[str, Any]:
         d["parents"] = list(t.parents)
     if t.think_s:
         d["think_s"] = round(t.think_s, 6)
+    if t.cached_tokens is not None:
+        d["cached_tokens"] = t.cached_tokens
     return d
 
 
@@ -155,6 +157,7 @@ def _parse_turn(c: _Checker, d: Any, where: str) -> Turn:
         tools=tuple(_parse_tool(c, t, f"{where}.tools[{j}]") for j, t in enumerate(tools)),
         parents=parents,
         think_s=float(c.get(d, "think_s", where, (int, float), 0.0)),
+        cached_tokens=c.get(d, "cached_tokens", where, (int,), None),
     )
 
 

@@ -45,6 +45,9 @@ class Turn:
     parents: tuple[int, ...] | None = None
     #: client-side think time after the tools return and before the turn is ready
     think_s: float = 0.0
+    #: prompt tokens the engine served from its prefix cache when this turn was *recorded*
+    #: (an observation kept for comparison; the simulator computes its own cache hits)
+    cached_tokens: int | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -53,11 +56,6 @@ class Turn:
     @property
     def tool_duration_s(self) -> float:
         return sum(t.duration_s for t in self.tools)
-
-    @property
-    def gap_after_s(self) -> float:
-        """Wall time between this turn finishing and the next turn being ready."""
-        return self.tool_duration_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +111,9 @@ def validate_workflow(wf: Workflow) -> list[str]:
             problems.append(f"{where}: token counts must be >= 0")
         if t.input_tokens + t.context_tokens <= 0:
             problems.append(f"{where}: a turn needs a prompt of at least one token")
+        if t.cached_tokens is not None and not 0 <= t.cached_tokens <= t.prompt_tokens:
+            problems.append(f"{where}.cached_tokens: must be in [0, prompt tokens], got "
+                            f"{t.cached_tokens}")
         if t.output_tokens < 1:
             problems.append(f"{where}.output_tokens: must be >= 1, got {t.output_tokens}")
         if t.parents is not None:

@@ -1,0 +1,116 @@
+"""Engine health and load: periodic health checks, engine stats fed to the scheduler.
+
+The scheduler hears about health only through ``engine_stats(healthy=...)``; an engine is never
+marked down when it is the last one up (routing needs one; a turn sent to a dead engine fails
+fast and is retried).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from turnstile.core.scheduler import Action, Scheduler
+from turnstile.gateway.adapters import EngineAdapter
+from turnstile.gateway.config import GatewayConfig
+
+__all__ = ["EngineState", "HealthMonitor"]
+
+log = logging.getLogger("turnstile.gateway")
+
+
+@dataclass
+class EngineState:
+    up: bool = True
+    next_check_s: float = 0.0
+    failures: int = 0
+    stats_counters: dict[str, float] = field(default_factory=dict)
+
+
+class HealthMonitor:
+    """``apply`` carries out the actions an engine event returns (held turns may go)."""
+
+    def __init__(self, adapters: dict[str, EngineAdapter], scheduler: Scheduler,
+                 config: GatewayConfig, now: Callable[[], float],
+                 apply: Callable[[list[Action]], None]) -> None:
+        self.adapters = adapters
+        self.scheduler = scheduler
+        self.config = config
+        self.now = now
+        self.apply = apply
+        self.engines: dict[str, EngineState] = {a: EngineState() for a in adapters}
+        #: model names learned from the engines (when none were configured)
+        self.models: list[str] = list(config.models)
+
+    def up(self, eid: str) -> bool:
+        return self.engines[eid].up
+
+    def set_health(self, eid: str, up: bool) -> None:
+        st = self.engines[eid]
+        if st.up != up:
+            log.warning("engine %s is %s", eid, "up" if up else "DOWN")
+        st.up = up
+        st.failures = 0 if up else st.failures + 1
+        st.next_check_s = self.now() + (self.config.health_interval_s if up
+                                        else self.config.recheck_interval_s)
+        self._sync()
+
+    def _sync(self) -> None:
+        view = self.scheduler.view
+        now = self.now()
+        for eid, st in self.engines.items():
+            if st.up and not view[eid].healthy:
+                self.apply(self.scheduler.engine_stats(now, eid, healthy=True))
+        for eid, st in self.engines.items():
+            if not st.up and view[eid].healthy:
+                if sum(1 for e in view.ids if view[e].healthy) <= 1:
+                    continue
+                self.apply(self.scheduler.engine_stats(now, eid, healthy=False))
+
+    async def check_all(self) -> None:
+        """One health check of every engine (at start-up), and the model names."""
+        health = await asyncio.gather(*(a.health() for a in self.adapters.values()))
+        for eid, up in zip(self.adapters, health, strict=True):
+            self.set_health(eid, bool(up))
+        if not self.models:
+            found = await asyncio.gather(*(a.models() for a in self.adapters.values()))
+            self.models = list(dict.fromkeys(m for ms in found for m in ms))
+
+    async def _check(self, eid: str) -> None:
+        self.set_health(eid, await self.adapters[eid].health())
+
+    async def health_loop(self, on_round: Callable[[], None]) -> None:
+        """Re-check engines when due; ``on_round`` runs after each round (a safety-net tick)."""
+        while True:
+            await asyncio.sleep(min(self.config.recheck_interval_s, 0.5))
+            now = self.now()
+            due = [eid for eid, st in self.engines.items() if st.next_check_s <= now]
+            if due:
+                await asyncio.gather(*(self._check(e) for e in due), return_exceptions=True)
+                if not self.models:
+                    # no engine answered at start-up: learn the model names once one is up
+                    for eid, st in self.engines.items():
+                        if st.up and (names := await self.adapters[eid].models()):
+                            self.models = names
+                            break
+            on_round()
+
+    async def stats_loop(self) -> None:
+        interval = self.config.stats_interval_s
+        if interval <= 0:
+            return
+        while True:
+            await asyncio.sleep(interval)
+            ids = [e for e, st in self.engines.items() if st.up]
+            results = await asyncio.gather(*(self.adapters[e].stats() for e in ids),
+                                           return_exceptions=True)
+            now = self.now()
+            for eid, stats in zip(ids, results, strict=True):
+                if stats is None or isinstance(stats, BaseException):
+                    continue
+                self.engines[eid].stats_counters = dict(stats.counters)
+                self.apply(self.scheduler.engine_stats(
+                    now, eid, queue_len=stats.queue_len, running=stats.running,
+                    kv_used_frac=stats.kv_used_frac))

@@ -1,0 +1,128 @@
+"""Turns served with no client attached, and their results.
+
+A turn is *adopted* when nobody waits for it here: restored from the state backend after a
+restart, or taken over from a dead replica. It is served like any other (the same retry loop),
+non-streamed, and its result is kept (in memory and in the backend, for ``result_ttl_s``) so the
+client's retry of the same ``x-request-id`` gets the answer once, from any replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Protocol
+
+from turnstile.gateway.durability import Durability, OffsetClock
+from turnstile.gateway.protocol import (
+    JSON_CT,
+    GatewayError,
+    Outcome,
+    TurnRequest,
+    cached_outcome,
+    started,
+)
+from turnstile.gateway.sessions import PendingTurn, SessionTable
+from turnstile.gateway.store import HeldTurnRow
+from turnstile.workload.model import Turn
+
+__all__ = ["Recovery", "RecoveryHost"]
+
+log = logging.getLogger("turnstile.gateway")
+
+
+class RecoveryHost(Protocol):
+    table: SessionTable
+    by_request: dict[str, PendingTurn]
+    clock: OffsetClock
+    durable: Durability | None
+
+    def _ready(self, p: PendingTurn, turn: Turn, ready_s: float | None = None) -> None: ...
+
+    async def _serve(self, p: PendingTurn) -> Outcome: ...
+
+    def spawn(self, coro: Any) -> asyncio.Task[Any]: ...
+
+
+class Recovery:
+    def __init__(self, host: RecoveryHost) -> None:
+        self.host = host
+        #: results of turns served with no client attached: request id → (status, body, at, path)
+        self.results: dict[str, tuple[int, bytes, float, str]] = {}
+
+    def restore(self) -> None:
+        """Start-up with a state backend: the clock, sessions, kept results, held turns."""
+        host = self.host
+        durable = host.durable
+        assert durable is not None
+        host.clock.continue_from(durable.backend)
+        self.results, held = durable.restore(host.table, host.clock.now())
+        for h in held:
+            self.adopt(h)
+        if len(host.table) or self.results:
+            log.warning("restored %d sessions, %d held turns, %d kept results",
+                        len(host.table), len(host.by_request), len(self.results))
+
+    def adopt(self, h: HeldTurnRow) -> None:
+        """Serve an accepted turn nobody waits for here, keeping its result."""
+        host = self.host
+        durable = host.durable
+        assert durable is not None
+        s = host.table.open(h.session_id, "default", h.session_id.startswith("req-"),
+                            h.ready_s)
+        if s.active is not None or h.request_id in host.by_request:
+            durable.backend.drop_turn(h.request_id)
+            return
+        p = PendingTurn(h.request_id, s, h.path, h.body, h.stream)
+        p.attached = False
+        p.keep_result = True
+        p.persisted = True
+        if h.stream:
+            opts = h.body.get("stream_options")
+            p.client_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+        s.active = p
+        host.by_request[p.request_id] = p
+        host._ready(p, Turn(h.input_tokens, h.output_tokens, h.context_tokens), h.ready_s)
+
+    def serve_detached(self, p: PendingTurn) -> None:
+        if p.detached_done is None:
+            p.detached_done = asyncio.Event()
+            self.host.spawn(self._detached(p))
+
+    async def _detached(self, p: PendingTurn) -> None:
+        assert p.detached_done is not None
+        body = {k: v for k, v in p.body.items() if k != "stream_options"}
+        body["stream"] = False
+        p.body = body
+        p.stream = False
+        host = self.host
+        try:
+            try:
+                out = await host._serve(p)
+            except GatewayError as e:
+                out = Outcome(e.status, [JSON_CT], body=e.body())
+            assert out.body is not None
+            now = host.clock.now()
+            self.results[p.request_id] = (out.status, out.body, now, p.path)
+            if host.durable is not None:
+                # the result is written before the turn's row goes: a retry always finds one
+                host.durable.result(p, out.status, out.body, now)
+                host.durable.forget(p)
+        finally:
+            p.detached_done.set()
+
+    async def cached_outcome(self, rid: str, req: TurnRequest) -> Outcome | None:
+        cached = self.results.get(rid)
+        if cached is None and self.host.durable is not None:
+            cached = await self.host.durable.backend.lookup_result(rid)
+        if cached is None:
+            return None
+        status, body, _, path = cached
+        out = cached_outcome(rid, status, body, path, req.stream)
+        return out if out.events is None else await started(out)
+
+    def expire(self, before_s: float) -> None:
+        expired = [k for k, v in self.results.items() if v[2] < before_s]
+        for k in expired:
+            del self.results[k]
+        if expired and self.host.durable is not None:
+            self.host.durable.purge_results(before_s)

@@ -1,0 +1,225 @@
+"""Forwarding one released turn to its engine and relaying the answer (whole or streamed).
+
+The relay drives a turn's life at the engine and reports it through :class:`TurnEvents` (the
+service implements them on the scheduler): ``started`` when forwarded, ``first_token`` at the
+first streamed token, ``finished`` with the engine's real ``usage.completion_tokens``, and
+``failed`` when an attempt failed before anything reached the client — then
+:class:`RetryableFailure` is raised and the service's one retry loop re-readies the turn. After
+bytes were streamed, a failure becomes an SSE error event (the HTTP status was already sent).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, Protocol
+
+from turnstile.gateway.adapters import (
+    EngineAdapter,
+    ForwardHints,
+    UpstreamError,
+    UpstreamHTTPError,
+)
+from turnstile.gateway.metrics import GatewayMetrics
+from turnstile.gateway.protocol import (
+    SSE_HEADERS,
+    Outcome,
+    completion_tokens,
+    error_body,
+    has_token,
+    started,
+)
+from turnstile.gateway.sessions import PendingTurn
+
+__all__ = ["Relay", "RetryableFailure", "TurnEvents"]
+
+
+class RetryableFailure(Exception):
+    """A forwarding attempt failed before anything reached the client."""
+
+    def __init__(self, message: str, status: int = 502) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class TurnEvents(Protocol):
+    def turn_started(self, p: PendingTurn) -> ForwardHints: ...
+
+    def turn_first_token(self, p: PendingTurn) -> None: ...
+
+    def turn_finished(self, p: PendingTurn, output_tokens: int | None, usage: dict[str, Any] | None,
+                 *, cancelled: bool = False) -> None: ...
+
+    def turn_failed(self, p: PendingTurn, engine_down: bool, reason: str) -> None: ...
+
+    def engine_failed(self, engine_id: str) -> None: ...
+
+
+class Relay:
+    def __init__(self, adapters: dict[str, EngineAdapter], events: TurnEvents,
+                 metrics: GatewayMetrics, now: Callable[[], float]) -> None:
+        self.adapters = adapters
+        self.events = events
+        self.metrics = metrics
+        self.now = now
+
+    def _end(self, adapter: EngineAdapter, hints: ForwardHints) -> None:
+        hints.now_s = self.now()
+        adapter.end(hints)
+
+    @staticmethod
+    def headers(p: PendingTurn) -> list[tuple[bytes, bytes]]:
+        rec = p.rec
+        hold_ms = 0.0 if rec is None else max(rec.released_s - rec.ready_s, 0.0) * 1e3
+        return [(b"x-request-id", p.request_id.encode()),
+                (b"x-session-id", p.session.id.encode()),
+                (b"x-turnstile-engine", p.engine.encode()),
+                (b"x-turnstile-hold-ms", f"{hold_ms:.3f}".encode())]
+
+    async def forward(self, p: PendingTurn) -> Outcome:
+        adapter = self.adapters[p.engine]
+        hints = self.events.turn_started(p)
+        try:
+            await adapter.begin(hints)
+        except BaseException:  # cancelled while restoring offloaded KV
+            self._end(adapter, hints)
+            self.events.turn_finished(p, 0, None, cancelled=True)
+            raise
+        if p.stream:
+            return await self._forward_stream(p, adapter, hints)
+        try:
+            resp = await adapter.complete(p.path, p.body, hints)
+        except UpstreamHTTPError as e:
+            self._end(adapter, hints)
+            return self._http_error(p, e)
+        except UpstreamError as e:
+            self._end(adapter, hints)
+            self.events.turn_failed(p, e.engine_down, str(e))
+            raise RetryableFailure(str(e), 502 if e.engine_down else 504) from None
+        except BaseException:
+            self._end(adapter, hints)
+            self.events.turn_finished(p, 0, None, cancelled=True)
+            raise
+        self._end(adapter, hints)
+        usage = None
+        with contextlib.suppress(ValueError, AttributeError, TypeError, IndexError):
+            obj = resp.json()
+            usage = obj.get("usage")
+            if p.reply_text is not None and p.reply_args is not None:
+                msg = obj["choices"][0].get("message") or {}
+                p.reply_text.append(msg.get("content") or "")
+                for c in msg.get("tool_calls") or ():
+                    p.reply_args.append(c["function"]["arguments"])
+        self.events.turn_finished(p, completion_tokens(usage), usage)
+        return Outcome(resp.status, [(b"content-type", resp.content_type.encode()),
+                                     *self.headers(p)], body=resp.body)
+
+    def _http_error(self, p: PendingTurn, e: UpstreamHTTPError) -> Outcome:
+        if e.status >= 500:
+            self.events.turn_failed(p, False, f"HTTP {e.status}")
+            raise RetryableFailure(f"engine {p.engine} answered HTTP {e.status}", e.status)
+        # the engine refused the request itself (bad parameters, context overflow): pass it on
+        self.events.turn_finished(p, 0, None)
+        return Outcome(e.status, [(b"content-type", e.content_type.encode()),
+                                  *self.headers(p)], body=e.body)
+
+    async def _forward_stream(self, p: PendingTurn, adapter: EngineAdapter,
+                              hints: ForwardHints) -> Outcome:
+        gen = adapter.stream_batches(p.path, p.body, hints)
+        try:
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            self._end(adapter, hints)
+            self.events.turn_failed(p, False, "empty stream")
+            raise RetryableFailure(f"engine {p.engine} closed the stream without data") from None
+        except UpstreamHTTPError as e:
+            self._end(adapter, hints)
+            return self._http_error(p, e)
+        except UpstreamError as e:
+            self._end(adapter, hints)
+            self.events.turn_failed(p, e.engine_down, str(e))
+            raise RetryableFailure(str(e), 502 if e.engine_down else 504) from None
+        except BaseException:
+            await gen.aclose()
+            self._end(adapter, hints)
+            self.events.turn_finished(p, 0, None, cancelled=True)
+            raise
+        return await started(Outcome(200, [*SSE_HEADERS, *self.headers(p)],
+                                     events=self._relay(p, adapter, hints, gen, first)))
+
+    async def _relay(self, p: PendingTurn, adapter: EngineAdapter, hints: ForwardHints,
+                     gen: AsyncGenerator[list[bytes], None], first: list[bytes]
+                     ) -> AsyncGenerator[bytes, None]:
+        """Pass the engine's events on (each burst in one write), watching for the first
+        token and the usage (and collecting the reply when affinity keys need it); finishes
+        the turn however the stream ends."""
+        chunks = 0
+        usage: dict[str, Any] | None = None
+        got_token = False
+        completed = False
+        reply = p.reply_text
+        args = p.reply_args if p.reply_args is not None else []
+        batch = first
+        try:
+            while True:
+                out: list[bytes] = []
+                for ev in batch:
+                    forward = True
+                    if ev.startswith(b"data: {"):
+                        if not got_token or reply is not None or b'"usage"' in ev:
+                            try:
+                                obj = json.loads(ev[6:])
+                            except ValueError:
+                                obj = None
+                            if isinstance(obj, dict):
+                                choices = obj.get("choices")
+                                if choices:
+                                    chunks += 1
+                                    if not got_token and has_token(choices):
+                                        got_token = True
+                                        self.events.turn_first_token(p)
+                                    if reply is not None:
+                                        _collect(choices, reply, args)
+                                u = obj.get("usage")
+                                if isinstance(u, dict):
+                                    usage = u
+                                    if not choices and not p.client_usage:
+                                        forward = False  # the usage chunk only we asked for
+                        else:
+                            chunks += 1
+                    if forward:
+                        out.append(ev)
+                if out:
+                    yield out[0] if len(out) == 1 else b"".join(out)
+                try:
+                    batch = await gen.__anext__()
+                except StopAsyncIteration:
+                    completed = True
+                    return
+        except UpstreamError as e:
+            self.metrics.turns_failed.labels(p.engine, "mid_stream").inc()
+            if e.engine_down:
+                self.events.engine_failed(p.engine)
+            msg = f"engine {p.engine} failed mid-stream: {e}"
+            yield b"data: " + error_body(msg, "upstream_error", 502) + b"\n\n"
+        finally:
+            await gen.aclose()
+            self._end(adapter, hints)
+            out_tokens = completion_tokens(usage)
+            self.events.turn_finished(p, out_tokens if out_tokens is not None else chunks, usage,
+                                 cancelled=not completed)
+
+
+def _collect(choices: list[Any], reply: list[str], args: list[str]) -> None:
+    """A streamed chunk's content and tool-call argument fragments."""
+    c = choices[0]
+    d = c.get("delta") if isinstance(c, dict) else None
+    if not isinstance(d, dict):
+        return
+    if isinstance(d.get("content"), str):
+        reply.append(d["content"])
+    for call in d.get("tool_calls") or ():
+        f = call.get("function") if isinstance(call, dict) else None
+        if isinstance(f, dict) and isinstance(f.get("arguments"), str):
+            args.append(f["arguments"])

@@ -1,0 +1,260 @@
+"""The engine model's step executor: one iteration (:meth:`StepExecutor.step`), the exact
+fast-forward over event-free decode iterations (:meth:`StepExecutor.leap`), and the
+continuation of a leap that an unrelated event cut short (:meth:`StepExecutor.resume`).
+
+A step is schedule → time → apply, as nano-vllm's: the batch scheduler picks the decodes and
+prefill chunks, the :class:`~turnstile.sim.perf.PerfModel` prices them from O(1) running sums,
+and the effects (first tokens, finishes) land at the end of the step.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from turnstile.sim.batch_scheduler import BatchScheduler
+from turnstile.sim.block_pool import BlockPool
+from turnstile.sim.perf import PerfModel, RooflinePerf
+from turnstile.sim.request import SimRequest, StepOutcome
+
+#: pins expiring within this of ``now`` expire now (so ``now + (t - now)`` rounding is harmless)
+EPS = 1e-9
+
+
+class StepExecutor:
+    """Runs iterations of one engine over its batch scheduler and block pool."""
+
+    engine_id: str
+    perf: PerfModel
+    pool: BlockPool
+    sched: BatchScheduler
+    #: seconds to copy one block back from the CPU tier
+    reload_s_per_block: float
+
+    def _init_executor(self) -> None:
+        """Counters and the resumable leap (called by the engine's constructor)."""
+        #: the outcome whose leap stopped only at ``until``, while nothing has reached the
+        #: engine since (see :meth:`resume`)
+        self._cut_out: StepOutcome | None = None
+        self._cut_plan: tuple = ()
+        self.decode_tokens = 0
+        self.iterations = 0
+        self.busy_s = 0.0
+        self.idle_wait_s = 0.0
+
+    def step(self, now: float) -> StepOutcome | None:
+        """Run one iteration starting at ``now``; ``None`` when there is nothing to do."""
+        pool = self.pool
+        s = self.sched
+        self._cut_out = None
+        if pool.pin_heap and pool.pin_heap[0][0] <= now + EPS:
+            pool.expire_pins(now + EPS)
+        if not s.running and not s.waiting:
+            return None
+        it = s.it
+        n_dec = s.n_dec
+        # 1. decodes: one token each; some cross into a new block
+        if n_dec:
+            need = s.phase[it % s.bs]
+            if need:
+                if need > pool.free:
+                    if need > pool.free + pool.n_evict:
+                        need = s.preempt_for_decode(it)
+                        n_dec = s.n_dec
+                    pool.take(need)
+                else:
+                    pool.free -= need
+                pool.private += need
+        # 2. prefills (continued, then admitted), retrying after a preemption if all stalled
+        started: list[SimRequest] = []
+        done_prefill: list[SimRequest] = []
+        if s.prefilling or s.waiting:
+            while True:
+                pre = s.schedule_prefills(n_dec, started, done_prefill, now)
+                if n_dec or pre[0] or not s.running:
+                    break
+                # every running request is a prefill stalled on memory: free the least important
+                s.preempt(s.victim(), it)
+            prefill_tokens, attn2, ctx_read, reload_blocks = pre
+        else:  # pure decode (running and not prefilling, so n_dec > 0): nothing to schedule
+            prefill_tokens, attn2, ctx_read, reload_blocks = 0, 0.0, 0, 0
+        if not n_dec and not prefill_tokens:
+            return self._idle(now)
+        # 3. duration
+        dur = self.perf.step_time(prefill_tokens, n_dec, s.kv_sum + n_dec + ctx_read, attn2)
+        if reload_blocks:
+            dur += reload_blocks * self.reload_s_per_block
+        end = now + dur
+        # 4. effects at the end of the step
+        finished: list[SimRequest] = []
+        if n_dec:
+            s.kv_sum += n_dec
+            self.decode_tokens += n_dec
+            bucket = s.fin.pop(it, None)
+            if bucket:
+                heap = s.fin_heap
+                while heap and heap[0] <= it:
+                    heapq.heappop(heap)
+                s.finish_decoders(bucket, it + 1, end, finished)
+        first_token: list[SimRequest] = []
+        if done_prefill:
+            s.start_decoding(done_prefill, it, end, first_token, finished)
+        s.it = it + 1
+        self.iterations += 1
+        self.busy_s += dur
+        return StepOutcome(dur, started, first_token, finished, end_s=end)
+
+    def leap(self, out: StepOutcome, until: float) -> None:
+        """Extend ``out`` (what :meth:`step` just returned) with the following iterations that
+        would start strictly before ``until`` and that nothing observable happens in: pure
+        decode, no admission possible, no pin expiring, no preemption. It stops after the
+        iteration in which a request finishes (``out.finished``), before an iteration that is
+        not such a decode iteration, and once the next one would start at or after ``until``.
+
+        The result is exactly what stepping would give: the same iterations in the same order
+        with the same state changes and the same float sums (each end is the previous end plus
+        that iteration's ``step_time``), so ``out.end_s`` is the time the driver's next ``step``
+        would have been due after the last of them. The driver must pass as ``until`` the time
+        of the next event that could reach this engine (a submit, a retention, or any event of
+        its loop), so that no such event falls inside the leap."""
+        s = self.sched
+        n_dec = s.n_dec
+        self._cut_out = None
+        if not n_dec or out.finished or out.first_token or not out.busy or s.prefilling:
+            return
+        pool = self.pool
+        waiting = s.waiting
+        blocked = False
+        if waiting:
+            # admission is impossible for the whole leap: the batch is full, the budget is
+            # spent, or the head request's memo says it does not fit (memory only shrinks here)
+            if len(s.running) >= s.max_seqs or s.max_tokens - n_dec <= 0:
+                pass
+            elif (
+                s.head() is s.blk_req
+                and s.max_tokens - n_dec >= s.blk_budget
+                and pool.ver == s.blk_ver
+            ):
+                blocked = True
+            else:
+                return
+        pin_heap = pool.pin_heap
+        perf = self.perf
+        if type(perf) is RooflinePerf:  # its step_time(0, n_dec, kv, 0.0) inlined in _run
+            roof: tuple[float, ...] | None = (
+                perf._flop_s * n_dec, perf._attn_s, perf._weights_s, perf._kv_s,
+                perf._overhead_s, perf._ar_tok_s * n_dec)
+        else:
+            roof = None
+        # all of it holds until something reaches the engine (see resume)
+        plan = (n_dec, blocked, s.blk_avail,
+                pin_heap[0][0] if pin_heap else None,  # no pin changes in a leap
+                s.next_finish() + 1,  # no further than the next finish
+                roof)
+        self._run(out, plan, until)
+
+    def _run(self, out: StepOutcome, plan: tuple, until: float) -> None:
+        """The leap's decode iterations from ``out.end_s`` on (see :meth:`leap`)."""
+        n_dec, blocked, blk_avail, pin_t, stop, roof = plan
+        s = self.sched
+        pool = self.pool
+        if roof is not None:
+            c_tok, attn_s, weights_s, kv_s, overhead_s, ar_tok = roof
+        step_time = self.perf.step_time
+        end = out.end_s
+        phase = s.phase
+        bs = s.bs
+        it0 = s.it
+        kv = s.kv_sum + n_dec  # KV tokens the next iteration's decodes read
+        busy_s = self.busy_s
+        # the decodes' new blocks are allocated in one go after the loop: nothing reads the pool
+        # in between, eviction keeps ``free + n_evict``, and one eviction of the sum evicts the
+        # same units in the same order as one per iteration would. Not so with an offload tier
+        # that overflows: a unit evicted again moves to the tier's recent end, which changes what
+        # the tier drops, so with a tier each eviction happens in its own iteration.
+        free = pool.free
+        avail = free + pool.n_evict
+        taken = 0
+        tier = pool.cpu_cap > 0
+        total = 0.0
+        it = it0
+        for it in range(it0, stop):
+            if end >= until:
+                self._cut_out = out
+                self._cut_plan = plan
+                break
+            if pin_t is not None and pin_t <= end + EPS:
+                break
+            need = phase[it % bs]
+            if need:
+                if need > avail:
+                    break  # preemption: left to step()
+                if blocked and avail - need > blk_avail:
+                    break  # step() would try the admission again
+                avail -= need
+                taken += need
+                if tier and taken > free:
+                    pool.take(taken)
+                    pool.private += taken
+                    taken = 0
+                    free = pool.free
+            elif blocked and avail > blk_avail:
+                break
+            if roof is not None:  # the same float operations as RooflinePerf.step_time
+                compute = c_tok + attn_s * kv
+                memory = weights_s + kv_s * kv
+                dur = (compute if compute > memory else memory) + overhead_s + ar_tok
+            else:
+                dur = step_time(0, n_dec, kv, 0.0)
+            end += dur
+            busy_s += dur
+            total += dur
+            kv += n_dec
+        else:
+            it = stop
+        k = it - it0
+        if not k:
+            return
+        if taken:
+            pool.take(taken)
+            pool.private += taken
+        s.it = it
+        s.kv_sum = kv - n_dec
+        self.busy_s = busy_s
+        self.iterations += k
+        self.decode_tokens += n_dec * k
+        out.iterations += k
+        out.duration_s += total
+        out.end_s = end
+        if it == stop:
+            bucket = s.fin.pop(stop - 1)
+            s.finish_decoders(bucket, it, end, out.finished)
+
+    def resume(self, out: StepOutcome, now: float, until: float) -> bool:
+        """The driver's next step, due at ``now = out.end_s``, when ``out``'s leap stopped only
+        because of ``until`` and nothing reached the engine since (no submit, no retention, no
+        step): continue the same decode run in ``out`` (reset to start at ``now``) as
+        :meth:`leap` would after a :meth:`step` at ``now``, with the same results, but without
+        the step's bookkeeping. Returns False, with no change to the engine, when that does not
+        hold or the iteration at ``now`` is not such a decode iteration; the driver then calls
+        ``step``."""
+        if self._cut_out is not out or out.end_s != now:
+            return False
+        self._cut_out = None
+        out.duration_s = 0.0
+        out.iterations = 0
+        if out.started:
+            out.started = []
+        self._run(out, self._cut_plan, until)
+        return out.iterations > 0
+
+    def _idle(self, now: float) -> StepOutcome:
+        """Requests wait, nothing can run: KV is held by pinned sessions. Wait for a pin."""
+        t = self.pool.next_pin_expiry
+        if t is None:
+            raise RuntimeError(
+                f"engine {self.engine_id}: {len(self.sched.waiting)} requests wait, none can be "
+                f"admitted and nothing holds memory (free={self.pool.free}): a bug"
+            )
+        dur = max(t - now, 0.0)
+        self.idle_wait_s += dur
+        return StepOutcome(dur, busy=False, end_s=now + dur)
