@@ -19,6 +19,7 @@ The real side is put together from the project's own commands, nothing re-implem
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -159,8 +160,6 @@ class _Gateway:
 
 def _replay(gateway: str, workflows: list[Workflow], run: AbRun, label: str, seed: int,
             out: Path) -> dict[str, Any]:
-    import json
-
     spec = ReplaySpec(target=gateway, rate=1.0, workflows=len(workflows), time_scale=1.0,
                       max_context=run.engines.ctx // run.engines.n_parallel,
                       max_tokens=run.max_tokens, arrivals="trace", label=label, seed=seed,
