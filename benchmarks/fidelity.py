@@ -138,7 +138,10 @@ def main(argv: list[str] | None = None) -> int:
                         quick=args.quick_profile, repeats=args.profile_repeats,
                         # the sweep covers the contexts the scaled trace reaches
                         max_context=args.max_context + 64,
-                        kv_bytes_per_token=spec.kv_bytes_per_token(), seed=args.seed,
+                        # fresh prompts per profile: a repeat of the last profile's prompts
+                        # would be served from llama.cpp's host prompt cache
+                        kv_bytes_per_token=spec.kv_bytes_per_token(),
+                        seed=args.seed + 100_000 * len(profiles),
                         on_total=lambda n: bar.update(task, total=n),
                         on_progress=lambda label: bar.update(task, advance=1,
                                                              description=f"profile: {label}"),

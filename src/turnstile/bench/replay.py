@@ -154,6 +154,9 @@ class _Replayer:
         self.errors: dict[str, int] = {}
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        #: prompt tokens the engines computed although the session had computed them before
+        #: (its KV was evicted): processed (prompt − cached) beyond the turn's new tokens
+        self.recomputed_tokens = 0
         self.requests = 0
         self.engines: dict[str, int] = {}
         self.scales: list[float] = []
@@ -182,7 +185,11 @@ class _Replayer:
             if not ok:
                 return  # the workflow stops at a failed turn (it stays unfinished)
             messages.append({"role": "assistant", "content": reply})
-            context = int(usage.get("prompt_tokens", 0)) + rec.output_tokens
+            prompt = int(usage.get("prompt_tokens", 0))
+            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+            # new this turn: what the prompt adds to the previous prompt and reply
+            self.recomputed_tokens += max(0, (prompt - cached) - max(0, prompt - context))
+            context = prompt + rec.output_tokens
             if i + 1 < len(plan.inputs):
                 tool_s = wf.turns[i].tool_duration_s * spec.time_scale
                 if tool_s > 0:
@@ -260,7 +267,8 @@ class _Replayer:
 async def calibrate(client: httpx.AsyncClient, model: str) -> float:
     """Characters per token of the target's tokenizer, from one small request."""
     rng = random.Random(0)
-    texts = [synth_text(100, 4.0, rng), synth_text(300, 4.0, rng)]
+    # short texts: an engine with small slots (a few hundred tokens) must still answer them
+    texts = [synth_text(40, 4.0, rng), synth_text(120, 4.0, rng)]
     counts = []
     for text in texts:
         r = await client.post("/v1/chat/completions", json={
@@ -300,7 +308,8 @@ async def run_replay(spec: ReplaySpec, workflows: list[Workflow], trace_info: di
     metrics = compute_metrics(
         rep.records,
         engine_stats={"target": {"prompt_tokens": rep.prompt_tokens,
-                                 "prefix_hit_tokens": rep.cached_tokens}},
+                                 "prefix_hit_tokens": rep.cached_tokens,
+                                 "recomputed_prefill_tokens": rep.recomputed_tokens}},
         makespan_s=makespan,
     )
     scales = np.array(rep.scales or [1.0])

@@ -113,6 +113,9 @@ def profile_cmd(
     )
     names = ("b0 s/step", "b1 s/prefill tok", "b2 s/decode seq", "b3 s/kv tok", "b4 s/attn pair")
     _out.print("  ".join(f"{n} {v:.3g}" for n, v in zip(names, perf.coefficients, strict=True)))
+    if perf.b5:
+        _out.print(f"b5 s/small-chunk attn pair {perf.b5:.3g} (knee {perf.small_chunk_tokens:g} "
+                   "prefill tokens)")
     _out.print(f"wrote {out}")
 
 

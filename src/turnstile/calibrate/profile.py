@@ -14,7 +14,8 @@ prefixes) and times the streamed tokens:
 
 Each measurement becomes a ``(features, step_time)`` sample (:mod:`turnstile.calibrate.features`)
 and :func:`turnstile.sim.perf.fit_profile` fits ``b0..b4`` to them (relative least squares by
-default: step times span three orders of magnitude). :func:`write_profile` stores the result as
+default: step times span three orders of magnitude), and the small-chunk attention term ``b5``
+with its knee where it fits better. :func:`write_profile` stores the result as
 a ``turnstile-profile`` file with its provenance: engine kind, model, slots, when, the samples and
 the fit's residuals.
 
@@ -69,6 +70,8 @@ __all__ = [
 LLAMACPP_BATCH = 2048
 #: vLLM V1's default ``max_num_batched_tokens`` for online serving (pass the real one)
 VLLM_BATCH = 8192
+#: knees tried for the small-chunk attention term (see :class:`~turnstile.sim.perf.FittedPerf`)
+SMALL_CHUNK_KNEES = (4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
 
 
 @dataclass
@@ -337,6 +340,7 @@ def profile_engine(
     repeats: int = 1,
     decode_tokens: int | None = None,
     relative: bool = True,
+    small_chunk: bool = True,
     kv_bytes_per_token: float = 0.0,
     seed: int = 0,
     token_range: tuple[int, int] = (33, 127),
@@ -355,8 +359,11 @@ def profile_engine(
     ``chunk`` is the engine's per-step token budget (llama.cpp ``-b``, default 2048; vLLM
     ``max_num_batched_tokens``); ``max_seqs`` its concurrent sequences (llama.cpp slots are
     discovered); ``max_context`` caps prompt lengths (default: the per-sequence context the
-    engine reports, at most 4096). ``on_progress`` is called once per finished measurement with
-    a label, ``on_total`` once with the number planned.
+    engine reports, at most 4096). ``small_chunk`` also fits the small-chunk attention term
+    (kept only where it fits better). ``seed`` draws the random prompts: profiling the same
+    engine again needs another seed, or the engine's prompt cache serves the earlier prompts.
+    ``on_progress`` is called once per finished measurement with a label, ``on_total`` once with
+    the number planned.
     """
     t0 = time.perf_counter()
     urls = [url] if isinstance(url, str) else list(url)
@@ -454,6 +461,7 @@ def profile_engine(
     perf = fit_profile(
         samples,
         relative=relative,
+        small_chunk_knees=SMALL_CHUNK_KNEES if small_chunk else (),
         kv_bytes_per_token=kv_bytes_per_token,
         engine=info.kind,
         model=info.model,

@@ -21,7 +21,8 @@ name = "llama-0"            # engine id (default: host:port)
 weight = 1.0
 tp = 1                      # tensor parallelism and bucket (for the rollout routers: cmlfq)
 bucket = "tp1"
-# api_key, priority (vllm/sglang), offload (llama.cpp), slots (llama.cpp)
+# api_key, priority (vllm/sglang), offload (llama.cpp), slots (llama.cpp),
+# kv_tokens (KV capacity in tokens, e.g. llama.cpp -c: enables cvar's KV gate)
 ```
 """
 
@@ -51,7 +52,8 @@ class EngineConfig:
     #: tensor-parallel degree and bucket name (rollout routers group engines by them)
     tp: int = 1
     bucket: str = ""
-    #: adapter options (``priority``, ``offload``, ``slots``, ``low_priority_first``)
+    #: adapter options (``priority``, ``offload``, ``slots``, ``low_priority_first``) and
+    #: ``kv_tokens``, the engine's KV capacity in tokens (the release policy's KV gate)
     options: dict[str, Any] = field(default_factory=dict)
 
 

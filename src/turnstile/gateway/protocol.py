@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["CHAT_PATH", "COMPLETIONS_PATH", "JSON_CT", "SSE_HEADERS", "GatewayError", "Outcome",
-           "TurnRequest", "cached_outcome", "completion_tokens", "error_body", "has_token",
+           "TurnRequest", "cached_outcome", "cached_tokens", "completion_tokens", "error_body",
+           "has_token",
            "sse_from_response", "started"]
 
 CHAT_PATH = "/v1/chat/completions"
@@ -83,6 +84,16 @@ def completion_tokens(usage: Any) -> int | None:
         n = usage.get("completion_tokens")
         if isinstance(n, int):
             return n
+    return None
+
+
+def cached_tokens(usage: Any) -> int | None:
+    """Prompt tokens the engine served from its prefix cache (OpenAI ``prompt_tokens_details``),
+    which the release policy's KV-miss feedback (``cvar``) reads."""
+    if isinstance(usage, dict):
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            return int(details["cached_tokens"])
     return None
 
 

@@ -51,6 +51,7 @@ from turnstile.gateway.protocol import (
     GatewayError,
     Outcome,
     TurnRequest,
+    cached_tokens,
 )
 from turnstile.gateway.recorder import SessionRecorder
 from turnstile.gateway.recovery import Recovery
@@ -450,7 +451,8 @@ class Gateway:
         assert rec is not None
         now = self.clock.now()
         out = output_tokens if output_tokens is not None else 0
-        actions = list(self.scheduler.turn_finished(now, rec.workflow_id, rec.index, out))
+        actions = list(self.scheduler.turn_finished(now, rec.workflow_id, rec.index, out,
+                                                    cached_tokens(usage)))
         self.metrics.turns_finished.labels(p.engine).inc()
         self.metrics.output_tokens.labels(p.engine).inc(out)
         self.metrics.e2e.observe(max(now - rec.ready_s, 0.0))

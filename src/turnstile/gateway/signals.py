@@ -26,13 +26,17 @@ _STATUSES: dict[str, ToolStatus] = {"ok": "ok", "success": "ok", "error": "error
 
 
 def engine_loads(adapters: Sequence[Any], configs: Sequence[Any]) -> list[EngineLoad]:
-    """One core engine record per adapter, with ``tp``/``bucket`` from the engine configs when
+    """One core engine record per adapter (KV capacity from its ``kv_tokens`` option), with
+    ``tp``/``bucket`` from the engine configs when
     they line up with the adapters (same count, in order)."""
     meta = configs if len(configs) == len(adapters) else [None] * len(adapters)
     out = []
     for a, c in zip(adapters, meta, strict=True):
         tp = int(getattr(c, "tp", 1) or 1)
-        out.append(EngineLoad(a.id, weight=a.weight, tp=tp, bucket=getattr(c, "bucket", "")))
+        # ``kv_tokens`` (engine option): the KV capacity the release policy's KV gate needs
+        kv_tokens = int(a.options.get("kv_tokens", 0) or 0)
+        out.append(EngineLoad(a.id, kv_tokens, weight=a.weight, tp=tp,
+                              bucket=getattr(c, "bucket", "")))
     return out
 
 

@@ -373,7 +373,15 @@ FEATURES: tuple[str, ...] = (
 
 @dataclass(slots=True)
 class FittedPerf:
-    """``step_time = b0 + b1·prefill + b2·decode + b3·kv_read + b4·attn2`` (all ``b ≥ 0``)."""
+    """``step_time = b0 + b1·prefill + b2·decode + b3·kv_read + b4·attn2`` (all ``b ≥ 0``),
+    plus, when fitted, a small-chunk attention term ``b5·attn2·k/(k + prefill)``.
+
+    The extra term is what a CPU engine shows (llama.cpp): a prefill chunk of a few tokens
+    appended to a long cached context pays more per attention pair than a large chunk (the
+    attention runs as matrix-vector products instead of a tiled matrix product), so each pair
+    costs ``b4 + b5`` when the step's prefill is much smaller than the knee ``k``
+    (``small_chunk_tokens``) and ``b4`` when much larger. ``b5 = 0`` is the linear model.
+    """
 
     b0: float
     b1: float = 0.0
@@ -387,6 +395,10 @@ class FittedPerf:
     #: fit diagnostics and provenance (samples, rmse_s, r2, hardware...)
     meta: dict[str, Any] = field(default_factory=dict)
     name: str = ""
+    #: extra seconds per attention pair of a small prefill chunk (0: the linear model)
+    b5: float = 0.0
+    #: the knee ``k`` of the small-chunk term, in prefill tokens per step
+    small_chunk_tokens: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -403,13 +415,17 @@ class FittedPerf:
         kv_read_tokens: int,
         prefill_attn_tokens2: float = 0.0,
     ) -> float:
-        return (
+        t = (
             self.b0
             + self.b1 * prefill_tokens
             + self.b2 * decode_seqs
             + self.b3 * kv_read_tokens
             + self.b4 * prefill_attn_tokens2
         )
+        if self.b5:
+            k = self.small_chunk_tokens
+            t += self.b5 * prefill_attn_tokens2 * k / (k + prefill_tokens)
+        return t
 
     # -- profile files -------------------------------------------------------------------------
 
@@ -427,6 +443,8 @@ class FittedPerf:
                 "b2_s_per_decode_seq": self.b2,
                 "b3_s_per_kv_read_token": self.b3,
                 "b4_s_per_attn_pair": self.b4,
+                "b5_s_per_small_chunk_attn_pair": self.b5,
+                "small_chunk_tokens": self.small_chunk_tokens,
             },
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "meta": self.meta,
@@ -460,8 +478,14 @@ class FittedPerf:
         b = [float(c.get(k, 0.0)) for k in keys]
         if any(v < 0 or not math.isfinite(v) for v in b):
             raise ValueError(f"{p}: coefficients must be finite and non-negative, got {b}")
+        b5 = float(c.get("b5_s_per_small_chunk_attn_pair", 0.0))
+        knee = float(c.get("small_chunk_tokens", 0.0))
+        if b5 < 0 or knee < 0 or not (math.isfinite(b5) and math.isfinite(knee)):
+            raise ValueError(f"{p}: the small-chunk term must be finite and non-negative")
         return cls(
             *b,
+            b5=b5 if knee > 0 else 0.0,
+            small_chunk_tokens=knee,
             kv_bytes_per_token=float(doc.get("kv_bytes_per_token", 0.0)),
             engine=str(doc.get("engine", "")),
             model=str(doc.get("model", "")),
@@ -503,6 +527,14 @@ def nnls(a: np.ndarray, b: np.ndarray, tol: float | None = None) -> np.ndarray:
     return x
 
 
+def _nnls_scaled(x: np.ndarray, y: np.ndarray, wgt: np.ndarray) -> np.ndarray:
+    """Weighted NNLS with columns scaled to unit norm (features span ten orders of magnitude)."""
+    a = x * wgt[:, None]
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0
+    return nnls(a / scale, y * wgt) / scale
+
+
 def fit_profile(
     samples: Iterable[Sample],
     *,
@@ -512,8 +544,14 @@ def fit_profile(
     model: str = "",
     measured_at: str = "",
     meta: dict[str, Any] | None = None,
+    small_chunk_knees: Sequence[float] = (),
 ) -> FittedPerf:
     """Fit :class:`FittedPerf` to measured ``(features, step_time_s)`` samples.
+
+    ``small_chunk_knees``: candidate knees ``k`` of the small-chunk attention term; each is
+    fitted (its column ``attn2·k/(k + prefill)`` beside the five linear ones) and the knee with
+    the smallest weighted error is kept, or none when no knee beats the linear model by 2%
+    (empty: the linear model only).
 
     ``features`` is ``(prefill_tokens, decode_seqs, kv_read_tokens[, prefill_attn_tokens2])``.
     Coefficients are constrained non-negative (a negative per-token cost would make bigger
@@ -542,10 +580,19 @@ def fit_profile(
         wgt = 1.0 / y
     else:
         wgt = np.ones_like(y)
-    a = x * wgt[:, None]
-    scale = np.linalg.norm(a, axis=0)
-    scale[scale == 0] = 1.0
-    coef = nnls(a / scale, y * wgt) / scale
+    coef = _nnls_scaled(x, y, wgt)
+    sse = float((((x @ coef) - y) * wgt) ** 2 @ np.ones_like(y))
+    knee = 0.0
+    for k in small_chunk_knees:
+        if k <= 0:
+            raise ValueError(f"small-chunk knees must be > 0, got {k}")
+        xk = np.column_stack([x, x[:, 4] * k / (k + x[:, 1])])
+        ck = _nnls_scaled(xk, y, wgt)
+        sse_k = float((((xk @ ck) - y) * wgt) ** 2 @ np.ones_like(y))
+        if ck[5] > 0 and sse_k < 0.98**2 * sse:
+            coef, sse, knee = ck, sse_k, float(k)
+    if knee:
+        x = np.column_stack([x, x[:, 4] * knee / (knee + x[:, 1])])
     pred = x @ coef
     resid = y - pred
     ss_tot = float(((y - y.mean()) ** 2).sum())
@@ -555,9 +602,12 @@ def fit_profile(
         "median_abs_rel_err": float(np.median(np.abs(resid) / np.maximum(np.abs(y), 1e-12))),
         "r2": 1.0 - float((resid**2).sum()) / ss_tot if ss_tot > 0 else 1.0,
         "relative": relative,
+        "small_chunk_tokens": knee,
     }
     return FittedPerf(
-        *(float(c) for c in coef),
+        *(float(c) for c in coef[:5]),
+        b5=float(coef[5]) if knee else 0.0,
+        small_chunk_tokens=knee,
         kv_bytes_per_token=kv_bytes_per_token,
         engine=engine,
         model=model,

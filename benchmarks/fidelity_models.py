@@ -1,0 +1,99 @@
+"""Step models side by side on the *same* measured fidelity run: the linear model and the one with
+the small-chunk attention term, both fitted to the run's own profile samples, each simulating the
+run's workflows, each compared with the same real turn times (``turn_log`` in ``fidelity.json``).
+
+Nothing is replayed again, so the host's load cannot favour either model: only the model differs.
+
+    .venv/bin/python benchmarks/fidelity_models.py benchmarks/results/fidelity-llamacpp
+
+Prints a table of median relative errors (TTFT, E2E per turn; flow time per workflow), per rate
+and all rates pooled, and writes ``fidelity_models.json`` beside ``fidelity.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from turnstile.calibrate.fidelity import (
+    Observed,
+    SimEngineSpec,
+    TraceScale,
+    compare,
+    on_poisson,
+    select_sessions,
+    simulate,
+)
+from turnstile.calibrate.profile import SMALL_CHUNK_KNEES
+from turnstile.calibrate.replay import assign_round_robin
+from turnstile.sim.perf import FEATURES, FittedPerf, fit_profile
+from turnstile.traces import load_trace
+
+
+def real_observed(turn_log: list[list], arrivals: dict[str, float]) -> Observed:
+    """Per-turn TTFT/E2E and per-workflow flow time from a saved ``turn_log``
+    (``[wf, index, engine, ready, first_token, finished, prompt, cached, output]``)."""
+    o = Observed()
+    last: dict[str, float] = {}
+    for wf, i, _eng, ready, first, done, *_ in turn_log:
+        o.ttft[(wf, i)] = first - ready
+        o.e2e[(wf, i)] = done - ready
+        last[wf] = max(last.get(wf, 0.0), done)
+    o.flow = {wf: t - arrivals[wf] for wf, t in last.items()}
+    return o
+
+
+def fitted(profile: Path, knees: tuple[float, ...]) -> FittedPerf:
+    doc = json.loads(profile.read_text())
+    samples = [([s[f] for f in FEATURES], s["step_s"]) for s in doc["meta"]["samples"]]
+    meta = {"request_overhead_s": doc["meta"].get("request_overhead_s", 0.0)}
+    return fit_profile(samples, relative=True, small_chunk_knees=knees, meta=meta)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("run", type=Path, help="a fidelity output directory (fidelity.json)")
+    args = ap.parse_args(argv)
+    doc = json.loads((args.run / "fidelity.json").read_text())
+    setup = doc["setup"]
+    scale = TraceScale(**setup["scale"])
+    workflows = load_trace(setup["trace"], subset=setup["subset"]).workflows
+    sessions = select_sessions(workflows, doc["sessions"], scale, seed=0)
+    engine = SimEngineSpec(**doc["engine"])
+    models = {"linear": (), "linear + small-chunk term": SMALL_CHUNK_KNEES}
+    pooled: dict[str, dict[str, list]] = {m: {"ttft": [], "e2e": [], "flow": []} for m in models}
+    out: dict[str, dict] = {}
+    print("| step model | rate | TTFT med | E2E med | flow med | knee |")
+    print("|---|---|---:|---:|---:|---:|")
+    for run in doc["runs"]:
+        rate = run["rate"]
+        profile = args.run / f"profile_rate{rate:g}.json"
+        if not profile.is_file():  # older runs kept only the last rate's profile
+            profile = sorted(args.run.glob("profile_rate*.json"))[-1]
+        wfs = on_poisson(sessions, rate, 0)
+        assignment = assign_round_robin(wfs, setup["engines"])
+        real = real_observed(run["turn_log"], {w.id: w.arrival_s for w in wfs})
+        for name, knees in models.items():
+            perf = fitted(profile, knees)
+            err = compare(real, simulate(wfs, assignment, engine, perf))
+            for m in ("ttft", "e2e", "flow"):
+                pooled[name][m] += [abs(p - r) / r for r, p in err["pairs"][m] if r > 0]
+            out.setdefault(name, {})[f"{rate:g}"] = {m: err[m]["median"] for m in
+                                                      ("ttft", "e2e", "flow")}
+            print(f"| {name} | {rate:g} | {100 * err['ttft']['median']:.1f}% "
+                  f"| {100 * err['e2e']['median']:.1f}% | {100 * err['flow']['median']:.1f}% "
+                  f"| {perf.small_chunk_tokens:g} |")
+    for name in models:
+        med = {m: float(np.median(v)) for m, v in pooled[name].items()}
+        out[name]["all"] = med
+        print(f"| {name} | all | {100 * med['ttft']:.1f}% | {100 * med['e2e']:.1f}% "
+              f"| {100 * med['flow']:.1f}% | |")
+    (args.run / "fidelity_models.json").write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

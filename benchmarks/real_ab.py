@@ -1,0 +1,148 @@
+"""Real-engine A/B: do the policies help real engines, and does the simulator predict by how much?
+
+The same scaled agent sessions (AgentCgroup ``glm47flash_local`` chains plus synthetic sessions
+from the packaged fit) are replayed as closed-loop agents through ``turnstile serve`` in front of
+two llama.cpp ``llama-server`` engines, once per policy, offered load and seed, under KV
+contention: more live sessions than the engines' slots hold, and no host prompt cache, so a
+session whose slot was taken re-prefills its whole context. In the same run a profile fitted to
+those engines (``turnstile profile``'s sweep) lets ``turnstile bench``'s runner predict every
+cell. See :mod:`turnstile.calibrate.ab_real` for the protocol.
+
+    .venv/bin/python benchmarks/real_ab.py --out benchmarks/results/real-ab     # ~15 min
+
+Writes ``real_ab.json`` (every cell, the aggregated rows, the goals, the host load),
+``real_ab.md`` (the table) and ``real_ab.png`` (the plot) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from turnstile.calibrate.ab import (
+    AbEngines,
+    aggregate,
+    build_sessions,
+    check_goals,
+    plot_ab,
+    render_table,
+    slot_kv_tokens,
+)
+from turnstile.calibrate.ab_real import AbRun, run_ab
+from turnstile.calibrate.fidelity import TraceScale
+from turnstile.engines.llama_server import require_llama_server
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "agentcgroup_swerebench_claude_code"
+POLICIES = "eager,cvar,eager+composite,cvar+composite+ttl"
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "real-ab")
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--subset", default="glm47flash_local")
+    ap.add_argument("--policies", default=POLICIES)
+    ap.add_argument("--loads", default="0.2,1,2",
+                    help="offered loads (fractions of the engines' estimated capacity)")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--trace-sessions", type=int, default=12)
+    ap.add_argument("--synth-sessions", type=int, default=6)
+    ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--n-parallel", type=int, default=4, help="llama-server -np (slots)")
+    ap.add_argument("--ctx", type=int, default=3184, help="llama-server -c (all slots)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--hidden", type=int, default=384)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--max-context", type=int, default=600,
+                    help="a scaled session ends before its context passes this")
+    ap.add_argument("--max-turns", type=int, default=8)
+    ap.add_argument("--max-output", type=int, default=8)
+    ap.add_argument("--tool-div", type=float, default=20.0)
+    ap.add_argument("--max-tool-s", type=float, default=0.5)
+    ap.add_argument("--quick-profile", action="store_true")
+    ap.add_argument("--seed", type=int, default=0, help="session choice")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    require_llama_server()
+    from turnstile.traces import load_trace
+
+    scale = TraceScale(token_div=32.0, output_div=8.0, max_output=args.max_output,
+                       tool_div=args.tool_div, max_tool_s=args.max_tool_s,
+                       max_context=args.max_context, max_turns=args.max_turns)
+    trace_wfs = []
+    if args.trace_sessions:
+        trace_wfs = load_trace(args.trace, subset=args.subset).workflows
+    sessions = build_sessions(trace_wfs, args.trace_sessions, args.synth_sessions, scale,
+                              seed=args.seed)
+    # llama.cpp keeps one session per slot: the simulator and the KV gate get that much KV
+    engines = AbEngines(count=args.engines, n_parallel=args.n_parallel, ctx=args.ctx,
+                        kv_tokens=slot_kv_tokens(sessions, args.n_parallel))
+    # a slot must hold a whole session as the replay sends it: template tokens per message, the
+    # replay's margins, and 10% for its characters-per-token estimate; else the replay shrinks
+    # the prompts and the simulator would not be predicting the same work
+    need = int(1.1 * args.max_context) + args.max_output + 32 + 12 * args.max_turns
+    if args.ctx // args.n_parallel < need:
+        raise SystemExit(f"--ctx / --n-parallel must be >= {need} tokens (a whole session)")
+    run = AbRun(policies=[p for p in args.policies.split(",") if p], loads=_floats(args.loads),
+                seeds=[int(s) for s in args.seeds.split(",") if s.strip()], engines=engines,
+                threads=args.threads, hidden=args.hidden, layers=args.layers,
+                max_tokens=args.max_output, quick_profile=args.quick_profile,
+                # longer than any tool call: the gateway must not close a session mid-task
+                session_idle_s=args.max_tool_s + 0.3)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    load0 = os.getloadavg()
+    t0 = time.time()
+
+    def on_cell(c: dict) -> None:
+        r = c["real"]
+        print(f"load {c['load']:g} seed {c['seed']} {c['policy']:>20}: P95 "
+              f"{r['flow_p95_s']:.2f} s (sim {c['pred']['flow_p95_s']:.2f} s), hit "
+              f"{100 * c['engine_hit_rate']:.0f}%, {c['wall_s']:.0f} s, load avg "
+              f"{c['loadavg'][0]:.1f}", flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="turnstile-ab-") as work:
+        doc = run_ab(run, sessions, Path(work), on_cell=on_cell)
+        shutil.copy(Path(work) / "profile.json", out / "profile.json")
+    rows = aggregate(doc["cells"])
+    goals = check_goals(rows)
+    doc.update(rows=rows, goals=goals, setup={
+        "trace": str(args.trace), "subset": args.subset, "sessions": len(sessions),
+        "trace_sessions": args.trace_sessions, "synth_sessions": args.synth_sessions,
+        "scale": vars(scale) if hasattr(scale, "__dict__") else str(scale),
+        "loadavg_before": load0, "loadavg_after": os.getloadavg(), "cpus": os.cpu_count(),
+        "machine": platform.machine(), "wall_s": round(time.time() - t0, 1),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    })
+    (out / "real_ab.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    table = render_table(rows)
+    loads = [c["loadavg"][0] for c in doc["cells"]]
+    note = (f"\nHost load average (1 min) during the cells: {min(loads):.1f}–{max(loads):.1f} "
+            f"on {os.cpu_count()} CPUs; wall time {doc['setup']['wall_s']:.0f} s.\n")
+    (out / "real_ab.md").write_text(table + note + "\n```json\n"
+                                    + json.dumps(goals, indent=1) + "\n```\n")
+    plot_ab(rows, out / "real_ab.png",
+            f"{len(sessions)} agent sessions through turnstile serve on {args.engines}x llama.cpp "
+            f"(-np {args.n_parallel} -c {args.ctx}): measured vs simulated")
+    print(table + note)
+    print(json.dumps({k: v for k, v in goals.items() if k != "ratio_errors"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

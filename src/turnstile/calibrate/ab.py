@@ -1,0 +1,350 @@
+"""Real-engine A/B: the workload, the simulator's prediction of each cell, and the report.
+
+An A/B *cell* is one (policy, offered load, seed): the same scaled agent sessions, on the same
+seeded Poisson arrivals, replayed for real through the gateway (:mod:`.ab_real`) and simulated by
+``turnstile bench``'s runner with a profile fitted to the same engines. This module holds what
+does not touch a real engine:
+
+* :func:`build_sessions`: AgentCgroup sessions plus synthetic ones (the packaged fit), scaled with
+  :class:`~turnstile.calibrate.fidelity.TraceScale` so that they fit a small CPU engine;
+* :func:`cell_workload` / :func:`sim_workflows`: a cell's arrivals, and the same workflows as the
+  simulator sees them (the chat template's tokens per message added to each turn's input);
+* :func:`predict`: :func:`turnstile.bench.runner.run_bench` on engines configured like the real
+  ones (slots, KV tokens, per-step budget, fitted step times);
+* :func:`cell_row`, :func:`aggregate`, :func:`check_goals`, :func:`render_table`,
+  :func:`plot_ab`: per-cell figures, their mean and spread over seeds, the issue's goals, the
+  README table and plot.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from turnstile.bench.runner import capacity_rate, run_bench
+from turnstile.calibrate.fidelity import TraceScale, on_poisson, scale_workflow, select_sessions
+from turnstile.sim.cluster import EngineGroup
+from turnstile.sim.perf import PerfModel
+from turnstile.workload import synth
+from turnstile.workload.model import Workflow
+
+__all__ = [
+    "AbEngines",
+    "aggregate",
+    "build_sessions",
+    "cell_row",
+    "cell_workload",
+    "check_goals",
+    "offered_load",
+    "plot_ab",
+    "predict",
+    "render_table",
+    "sim_workflows",
+    "slot_kv_tokens",
+]
+
+#: tokens the ChatML template adds around one message (``<|im_start|>role\n … <|im_end|>\n``)
+CHAT_TOKENS_PER_MESSAGE = 6
+
+
+@dataclass(frozen=True)
+class AbEngines:
+    """The real engines, as the simulator must model them (one llama.cpp server each)."""
+
+    count: int
+    #: llama.cpp ``-np``: concurrent sequences, each with its own slot
+    n_parallel: int
+    #: llama.cpp ``-c``: KV tokens of one server (all slots)
+    ctx: int
+    #: llama.cpp ``-b``: the most tokens one step computes
+    chunk: int = 2048
+    #: the KV an engine keeps *for sessions* (tokens), given to the simulator and to the
+    #: gateway's KV gate; ``None``: ``ctx``. llama.cpp holds one sequence per slot, so across
+    #: tool calls it keeps ``n_parallel`` sessions whatever their length, not ``ctx`` tokens of
+    #: them: :func:`slot_kv_tokens` gives the tokens that many sessions hold
+    kv_tokens: int | None = None
+
+    @property
+    def session_kv_tokens(self) -> int:
+        return self.kv_tokens if self.kv_tokens is not None else self.ctx
+
+    def group(self, perf: PerfModel) -> EngineGroup:
+        return EngineGroup(count=self.count, kv_tokens=self.session_kv_tokens,
+                           max_num_seqs=self.n_parallel,
+                           max_batched_tokens=max(self.chunk, self.n_parallel), perf=perf)
+
+
+def slot_kv_tokens(sessions: Sequence[Workflow], n_parallel: int) -> int:
+    """KV tokens that ``n_parallel`` slots hold of these sessions: ``n_parallel`` × the mean
+    context of a live session (turn prompts and outputs averaged over the sessions' turns, as
+    the engine sees them through the chat API)."""
+    ctx = [t.prompt_tokens + t.output_tokens for w in sim_workflows(sessions) for t in w.turns]
+    return round(n_parallel * float(np.mean(ctx)))
+
+
+def _no_think(wf: Workflow) -> Workflow:
+    """The replay sends the next turn when the tools return: no client think time."""
+    return replace(wf, turns=tuple(replace(t, think_s=0.0) for t in wf.turns))
+
+
+def build_sessions(
+    trace_workflows: Sequence[Workflow],
+    n_trace: int,
+    n_synth: int,
+    scale: TraceScale,
+    *,
+    seed: int = 0,
+    min_turns: int = 4,
+) -> list[Workflow]:
+    """``n_trace`` real sessions (seeded choice of chains) and ``n_synth`` synthetic ones from
+    the packaged AgentCgroup fit, all scaled by ``scale``; arrival times are set per cell."""
+    out: list[Workflow] = []
+    if n_trace:
+        out += select_sessions(trace_workflows, n_trace, scale, seed=seed, min_turns=min_turns)
+    if n_synth:
+        drawn = synth.generate(synth.DEFAULT_SPEC, 20 * n_synth, seed + 7919)
+        got = 0
+        for wf in drawn:
+            s = scale_workflow(wf, scale)
+            if s is not None and len(s.turns) >= min_turns:
+                out.append(replace(s, id=f"synth-{wf.id}"))
+                got += 1
+                if got == n_synth:
+                    break
+        if got < n_synth:
+            raise ValueError(f"only {got} synthetic sessions keep {min_turns}+ turns")
+    return [_no_think(w) for w in out]
+
+
+def cell_workload(sessions: Sequence[Workflow], rate: float, seed: int) -> list[Workflow]:
+    """The sessions on seeded Poisson arrivals at ``rate`` sessions/s, first arrival at 0."""
+    wfs = sorted(on_poisson(sessions, rate, seed), key=lambda w: w.arrival_s)
+    t0 = wfs[0].arrival_s
+    return [w.shifted(w.arrival_s - t0) for w in wfs]
+
+
+def sim_workflows(workflows: Sequence[Workflow],
+                  per_message: int = CHAT_TOKENS_PER_MESSAGE) -> list[Workflow]:
+    """The workflows as the engine sees them through the chat API: each turn also carries its
+    user message's and the previous reply's template tokens (and the first line naming the
+    session that the replay adds, about ``per_message`` tokens)."""
+    out = []
+    for wf in workflows:
+        turns = []
+        ctx = 0
+        for i, t in enumerate(wf.turns):
+            extra = per_message if i else 2 * per_message
+            inp = t.input_tokens + extra
+            turns.append(replace(t, input_tokens=inp, context_tokens=ctx))
+            ctx += inp + t.output_tokens
+        out.append(replace(wf, turns=tuple(turns)))
+    return out
+
+
+def offered_load(rate: float, sessions: Sequence[Workflow], engines: AbEngines,
+                 perf: PerfModel) -> float:
+    """``rate`` as a fraction of the estimated capacity of the engines (compute and KV bound,
+    :func:`turnstile.bench.runner.capacity_rate`)."""
+    return rate / capacity_rate(sessions, [engines.group(perf)])
+
+
+def predict(workflows: Sequence[Workflow], policies: Sequence[str], engines: AbEngines,
+            perf: PerfModel) -> dict[str, dict[str, Any]]:
+    """Simulated metrics of each policy on ``workflows`` (``turnstile bench``'s runner)."""
+    results = run_bench(sim_workflows(workflows), policies, [engines.group(perf)])
+    return {r["policy"]: r["metrics"] for r in results}
+
+
+def cell_row(metrics: Mapping[str, Any]) -> dict[str, float | None]:
+    """The figures the A/B reports of one run (real or simulated)."""
+    flow = metrics.get("flow_time_s") or {}
+    totals = metrics.get("engine_totals") or {}
+    return {
+        "flow_p50_s": flow.get("p50"),
+        "flow_p95_s": flow.get("p95"),
+        "flow_mean_s": flow.get("mean"),
+        "prefix_hit_rate": metrics.get("prefix_hit_rate"),
+        "recomputed_prompt_tokens": totals.get("recomputed_prefill_tokens"),
+        "prompt_tokens": totals.get("prompt_tokens"),
+        "hold_mean_s": (metrics.get("hold_s") or {}).get("mean"),
+        "workflows": metrics.get("workflows"),
+        "unfinished": metrics.get("workflows_unfinished"),
+    }
+
+
+def _mean(xs: Sequence[float | None]) -> float | None:
+    v = [x for x in xs if x is not None and math.isfinite(x)]
+    return float(np.mean(v)) if v else None
+
+
+def aggregate(cells: Sequence[Mapping[str, Any]], baseline: str = "eager") -> list[dict[str, Any]]:
+    """One row per (load, policy): real and predicted figures averaged over seeds, and the
+    P95 ratio ``baseline / policy`` per seed (mean, min, max), real and predicted.
+
+    ``cells`` items: ``{"policy", "load", "rate", "seed", "real": cell_row, "pred": cell_row,
+    ...}`` (extra keys such as the engine counters are averaged when numeric)."""
+    by: dict[tuple[float, str], list[Mapping[str, Any]]] = {}
+    for c in cells:
+        by.setdefault((c["load"], c["policy"]), []).append(c)
+    base: dict[tuple[float, int], Mapping[str, Any]] = {
+        (c["load"], c["seed"]): c for c in cells if c["policy"] == baseline
+    }
+    rows = []
+    for (load, policy), group in sorted(by.items(), key=lambda kv: kv[0][0]):
+        row: dict[str, Any] = {"load": load, "policy": policy, "seeds": len(group),
+                               "rate": _mean([c["rate"] for c in group])}
+        for side in ("real", "pred"):
+            keys = group[0][side].keys()
+            row[side] = {k: _mean([c[side][k] for c in group]) for k in keys}
+        for side in ("real", "pred"):
+            ratios = []
+            for c in group:
+                b = base.get((load, c["seed"]))
+                p95, b95 = c[side]["flow_p95_s"], b[side]["flow_p95_s"] if b else None
+                if p95 and b95:
+                    ratios.append(b95 / p95)
+            row[f"{side}_ratio"] = ({"mean": float(np.mean(ratios)), "min": min(ratios),
+                                     "max": max(ratios), "n": len(ratios)} if ratios else None)
+        extra = [k for k in group[0] if k.startswith("engine_")]
+        for k in extra:
+            row[k] = _mean([c.get(k) for c in group])
+        rows.append(row)
+    return rows
+
+
+def check_goals(rows: Sequence[Mapping[str, Any]], *, best: str = "cvar",
+                baseline: str = "eager", gain: float = 2.0, light_slack: float = 0.03,
+                ratio_tol: float = 0.20, tie: float = 0.05) -> dict[str, Any]:
+    """The issue's goals, measured: ``best`` beats ``baseline`` on real P95 by ``gain``× at the
+    most contended load and is at most ``light_slack`` worse at the lightest; the simulator
+    ranks the policies as the real runs do at every load (every pair whose real P95 differ by
+    more than ``tie`` is ordered the same way); each predicted P95 ratio is within
+    ``ratio_tol`` of the real one."""
+    loads = sorted({r["load"] for r in rows})
+    at = {(r["load"], r["policy"]): r for r in rows}
+    out: dict[str, Any] = {"loads": loads}
+    hi, lo = at.get((loads[-1], best)), at.get((loads[0], best))
+    if hi and hi["real_ratio"]:
+        out["gain_at_most_contended"] = hi["real_ratio"]["mean"]
+        out["gain_met"] = hi["real_ratio"]["mean"] >= gain
+    if lo and lo["real_ratio"]:
+        out["light_ratio"] = lo["real_ratio"]["mean"]
+        out["light_met"] = lo["real_ratio"]["mean"] >= 1.0 - light_slack
+    ranks = {}
+    for load in loads:
+        pols = [r for r in rows if r["load"] == load]
+        real = [r["policy"] for r in sorted(pols, key=lambda r: r["real"]["flow_p95_s"] or 1e18)]
+        pred = [r["policy"] for r in sorted(pols, key=lambda r: r["pred"]["flow_p95_s"] or 1e18)]
+        # pairs the real runs tell apart (P95 more than ``tie`` apart) must be ordered alike
+        wrong = []
+        for i, a in enumerate(pols):
+            for b in pols[i + 1:]:
+                ra, rb = a["real"]["flow_p95_s"], b["real"]["flow_p95_s"]
+                pa, pb = a["pred"]["flow_p95_s"], b["pred"]["flow_p95_s"]
+                if not (ra and rb and pa and pb) or abs(ra / rb - 1.0) <= tie:
+                    continue
+                if (ra < rb) != (pa < pb):
+                    wrong.append([a["policy"], b["policy"]])
+        ranks[str(load)] = {"real": real, "pred": pred, "same": not wrong,
+                            "misordered_pairs": wrong}
+    out["ranking"] = ranks
+    out["ranking_met"] = all(v["same"] for v in ranks.values())
+    errs = []
+    for r in rows:
+        if r["policy"] == baseline or not r["real_ratio"] or not r["pred_ratio"]:
+            continue
+        real, pred = r["real_ratio"]["mean"], r["pred_ratio"]["mean"]
+        errs.append({"load": r["load"], "policy": r["policy"], "real": real, "pred": pred,
+                     "rel_err": abs(pred - real) / real})
+    out["ratio_errors"] = errs
+    out["ratio_max_err"] = max((e["rel_err"] for e in errs), default=None)
+    out["ratio_met"] = bool(errs) and all(e["rel_err"] <= ratio_tol for e in errs)
+    return out
+
+
+def _s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f} s" if v >= 10 else f"{v:.2f} s"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
+
+
+def _tok(v: float | None) -> str:
+    return "-" if v is None else f"{v / 1e3:.1f}k" if v >= 1e3 else f"{v:.0f}"
+
+
+def _ratio(r: Mapping[str, float] | None) -> str:
+    if not r:
+        return "-"
+    if r.get("n", 1) > 1:
+        return f"{r['mean']:.2f}× ({r['min']:.2f}–{r['max']:.2f})"
+    return f"{r['mean']:.2f}×"
+
+
+def render_table(rows: Sequence[Mapping[str, Any]], baseline: str = "eager") -> str:
+    """Markdown: per load and policy, real (measured) beside predicted (simulated)."""
+    head = (
+        "| load (rate) | policy | flow P95 real / pred | P50 real / pred | mean real / pred "
+        f"| prefix hit real / pred | recomputed prompt tokens real / pred | {baseline}/policy "
+        "P95 real (min–max over seeds) | pred |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for r in rows:
+        real, pred = r["real"], r["pred"]
+        lines.append(
+            f"| {r['load']:g} ({r['rate']:.2f}/s) | {r['policy']} "
+            f"| {_s(real['flow_p95_s'])} / {_s(pred['flow_p95_s'])} "
+            f"| {_s(real['flow_p50_s'])} / {_s(pred['flow_p50_s'])} "
+            f"| {_s(real['flow_mean_s'])} / {_s(pred['flow_mean_s'])} "
+            f"| {_pct(real['prefix_hit_rate'])} / {_pct(pred['prefix_hit_rate'])} "
+            f"| {_tok(real['recomputed_prompt_tokens'])} "
+            f"/ {_tok(pred['recomputed_prompt_tokens'])} "
+            f"| {_ratio(r['real_ratio'])} | {_ratio(r['pred_ratio'])} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def plot_ab(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str) -> Path:
+    """P95 flow time vs offered load per policy: measured (solid, seed range shaded) and
+    predicted (dashed); right: the prefix hit rate the engines reported."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    for i, pol in enumerate(policies):
+        pts = sorted((r for r in rows if r["policy"] == pol), key=lambda r: r["load"])
+        x = [r["load"] for r in pts]
+        color = f"C{i}"
+        ax.plot(x, [r["real"]["flow_p95_s"] for r in pts], "-o", color=color,
+                label=f"{pol} (measured)")
+        ax.plot(x, [r["pred"]["flow_p95_s"] for r in pts], "--x", color=color, alpha=0.8,
+                label=f"{pol} (simulated)")
+        ax2.plot(x, [r["real"]["prefix_hit_rate"] for r in pts], "-o", color=color, label=pol)
+        ax2.plot(x, [r["pred"]["prefix_hit_rate"] for r in pts], "--x", color=color, alpha=0.8)
+    ax.set_xlabel("offered load (fraction of estimated capacity)")
+    ax.set_ylabel("workflow flow time P95 (s)")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax2.set_xlabel("offered load")
+    ax2.set_ylabel("prefix hit rate")
+    ax2.set_title("solid: engines' own counters, dashed: simulated", fontsize=8)
+    ax2.set_ylim(0, 1)
+    ax2.grid(alpha=0.3)
+    ax2.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    return out

@@ -1,0 +1,263 @@
+"""Real-engine A/B: replay the same sessions through ``turnstile serve`` per policy, load and seed,
+and let ``turnstile bench``'s runner, with a profile fitted to the same engines, predict each
+cell (:func:`run_ab`).
+
+The real side is put together from the project's own commands, nothing re-implemented:
+
+* engines: llama.cpp ``llama-server`` processes (``-np`` slots, ``-c`` KV tokens, no host prompt
+  cache, ``--cache-ram 0``, so a session whose slot was taken really re-prefills its context);
+* ``turnstile profile``'s sweep (:func:`~turnstile.calibrate.profile.profile_engine`) fits the
+  step-time model the simulator uses;
+* per cell, a fresh gateway process (``python -m turnstile.gateway serve --config``, the policy
+  and each engine's KV capacity in its TOML) in front of the engines, whose slots are erased
+  first so no cell inherits another's cache;
+* ``turnstile replay``'s driver (:func:`turnstile.gateway.replay.run_replay`) plays the sessions
+  as closed-loop agents; the engines' own Prometheus counters (``llamacpp:prompt_tokens_total``,
+  ``llamacpp:prompt_tokens_cached_total``) are read before and after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from turnstile.bench.replay import ReplaySpec, run_replay
+from turnstile.calibrate.ab import AbEngines, cell_row, cell_workload, offered_load, predict
+from turnstile.calibrate.profile import profile_engine
+from turnstile.engines.llama_server import LlamaServerProcess, free_port
+from turnstile.engines.tiny_model import write_tiny_gguf
+from turnstile.gateway.adapters import parse_prometheus
+from turnstile.sim.perf import FittedPerf
+from turnstile.workload.model import Workflow
+
+__all__ = ["AbRun", "run_ab"]
+
+_COUNTERS = ("llamacpp:prompt_tokens_total", "llamacpp:prompt_tokens_cached_total")
+
+
+@dataclass
+class AbRun:
+    """What one A/B run measures, and on what."""
+
+    policies: list[str]
+    #: offered loads, as fractions of the estimated capacity of the engines
+    loads: list[float]
+    seeds: list[int]
+    engines: AbEngines
+    threads: int = 1
+    hidden: int = 256
+    layers: int = 4
+    max_tokens: int = 64
+    #: the gateway closes a session idle this long (the replay never says a session ended)
+    session_idle_s: float = 0.8
+    profile_repeats: int = 2
+    quick_profile: bool = False
+    request_timeout_s: float = 120.0
+    #: stream replies token by token; off by default: flow time is what the A/B measures, and
+    #: relaying every token through two Python processes (gateway, client) costs CPU that a
+    #: 2-core host takes from the engines
+    stream: bool = False
+    #: per-policy gateway settings, e.g. ``{"release": {"budget_per_engine": 4096}}``
+    policy_params: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _get(url: str, timeout: float = 5.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return bytes(r.read())
+
+
+def _post(url: str, timeout: float = 5.0) -> None:
+    req = urllib.request.Request(url, data=b"{}", method="POST",
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout):
+        pass
+
+
+def engine_counters(urls: Sequence[str]) -> dict[str, float]:
+    """The engines' prompt-token counters, summed (processed = computed, cached = reused)."""
+    total = {"processed": 0.0, "cached": 0.0}
+    for u in urls:
+        m = parse_prometheus(_get(u + "/metrics").decode())
+        total["processed"] += m.get(_COUNTERS[0], 0.0)
+        total["cached"] += m.get(_COUNTERS[1], 0.0)
+    return total
+
+
+def erase_slots(urls: Sequence[str], n_parallel: int) -> None:
+    """Empty every slot (needs ``--slot-save-path``): no cell starts with another's KV."""
+    for u in urls:
+        for i in range(n_parallel):
+            _post(f"{u}/slots/{i}?action=erase")
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def gateway_toml(policy: str, urls: Sequence[str], engines: AbEngines, *, port: int,
+                 session_idle_s: float, params: dict[str, dict[str, Any]]) -> str:
+    lines = ["[gateway]", 'host = "127.0.0.1"', f"port = {port}", f'policy = "{policy}"',
+             f"session_idle_s = {session_idle_s!r}", "stats_interval_s = 0.5",
+             # exact prompt tokens (the engine's /tokenize), as the simulator has them: the KV
+             # gate must not admit sessions on a characters-per-token guess
+             "tokenize = true", ""]
+    for kind, kw in params.items():
+        lines.append(f"[policy.{kind}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in kw.items()]
+        lines.append("")
+    for i, u in enumerate(urls):
+        lines += ["[[engines]]", f'url = "{u}"', 'kind = "llama.cpp"', f'name = "llama-{i}"',
+                  f"slots = {engines.n_parallel}", f"kv_tokens = {engines.session_kv_tokens}",
+                  ""]
+    return "\n".join(lines)
+
+
+class _Gateway:
+    """``turnstile serve`` as a subprocess, for one cell."""
+
+    def __init__(self, config: Path, port: int, log: Path) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = open(log, "ab")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "turnstile.gateway", "serve", "--config", str(config)],
+            stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.proc.returncode} (log: {log})")
+            try:
+                _get(self.url + "/health", timeout=1.0)
+                return
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"gateway did not answer /health within 60 s (log: {log})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def _replay(gateway: str, workflows: list[Workflow], run: AbRun, label: str, seed: int,
+            out: Path) -> dict[str, Any]:
+    spec = ReplaySpec(target=gateway, rate=1.0, workflows=len(workflows), time_scale=1.0,
+                      max_context=run.engines.ctx // run.engines.n_parallel,
+                      max_tokens=run.max_tokens, arrivals="trace", label=label, seed=seed,
+                      timeout_s=run.request_timeout_s, stream=run.stream)
+    info = {"path": None, "name": "scaled AgentCgroup + synthetic sessions (A/B)",
+            "arrivals": "poisson (sessions superimposed, seeded)"}
+    path, _ = asyncio.run(run_replay(spec, workflows, info, out))
+    doc = json.loads(Path(path).read_text())
+    res = doc["policies"][0]
+    return {"metrics": res["metrics"], "replay": res.get("replay", {})}
+
+
+def run_ab(
+    run: AbRun,
+    sessions: Sequence[Workflow],
+    work_dir: Path,
+    *,
+    on_cell: Callable[[dict[str, Any]], None] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Start the engines, profile them, then for each load, seed and policy replay the sessions
+    through the gateway and predict the cell. Returns ``{"cells", "profile", "rates", ...}``."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    eng = run.engines
+    tmp = Path(tempfile.mkdtemp(prefix="turnstile-ab-", dir=work_dir))
+    heads, kv_heads = 4, 2
+    model = write_tiny_gguf(tmp / "model.gguf", hidden=run.hidden, layers=run.layers,
+                            ffn=2 * run.hidden, heads=heads, kv_heads=kv_heads)
+    servers = [
+        LlamaServerProcess(model, n_parallel=eng.n_parallel, ctx=eng.ctx, threads=run.threads,
+                           slot_save_dir=tmp / f"slots{i}", extra_args=["--cache-ram", "0"])
+        for i in range(eng.count)
+    ]
+    cells: list[dict[str, Any]] = []
+    t0 = time.time()
+    try:
+        for s in servers:
+            s.start()
+        urls = [s.base_url for s in servers]
+        log(f"engines {', '.join(urls)}: {run.hidden}x{run.layers}, -np {eng.n_parallel} "
+            f"-c {eng.ctx} -t {run.threads} --cache-ram 0; session KV {eng.session_kv_tokens} "
+            "tokens per engine")
+        # all engines at once: each is measured under the others' load, as when they serve
+        prof = profile_engine(urls, out=work_dir / "profile.json",
+                              quick=run.quick_profile, repeats=run.profile_repeats,
+                              max_context=eng.ctx // eng.n_parallel, chunk=eng.chunk,
+                              seed=int(time.time()) % 100_000)
+        perf: FittedPerf = prof.perf
+        fit = perf.meta["fit"]
+        log(f"profile: {fit['samples']} samples in {prof.wall_s:.0f} s, median |rel err| "
+            f"{100 * fit['median_abs_rel_err']:.1f}%, loadavg {os.getloadavg()[0]:.2f}")
+        rates = {ld: ld / offered_load(1.0, sessions, eng, perf) for ld in run.loads}
+        for load in run.loads:
+            for seed in run.seeds:
+                wfs = cell_workload(sessions, rates[load], seed)
+                pred = predict(wfs, run.policies, eng, perf)
+                for policy in run.policies:
+                    erase_slots(urls, eng.n_parallel)
+                    port = free_port()
+                    cfg = tmp / f"gw-{port}.toml"
+                    cfg.write_text(gateway_toml(policy, urls, eng, port=port,
+                                                session_idle_s=run.session_idle_s,
+                                                params=run.policy_params))
+                    load_before = os.getloadavg()[0]
+                    before = engine_counters(urls)
+                    gw = _Gateway(cfg, port, tmp / "gateway.log")
+                    try:
+                        t_cell = time.time()
+                        real = _replay(gw.url, wfs, run, policy, seed,
+                                       tmp / "cells" / f"{policy}-{load:g}-{seed}")
+                        wall = time.time() - t_cell
+                    finally:
+                        gw.stop()
+                    after = engine_counters(urls)
+                    processed = after["processed"] - before["processed"]
+                    cached = after["cached"] - before["cached"]
+                    cell = {
+                        "policy": policy, "load": load, "rate": rates[load], "seed": seed,
+                        "real": cell_row(real["metrics"]), "pred": cell_row(pred[policy]),
+                        "engine_hit_rate": cached / max(processed + cached, 1.0),
+                        "engine_processed_tokens": processed,
+                        "errors": real["replay"].get("errors"),
+                        "wall_s": round(wall, 2),
+                        "loadavg": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                    }
+                    # the prefix hit rate reported is the engines' own counter
+                    cell["real"]["prefix_hit_rate"] = cell["engine_hit_rate"]
+                    cells.append(cell)
+                    if on_cell is not None:
+                        on_cell(cell)
+    finally:
+        for s in servers:
+            s.stop()
+    return {
+        "cells": cells,
+        "rates": {f"{k:g}": v for k, v in rates.items()},
+        "profile": {"coefficients": perf.coefficients, "fit": fit,
+                    "loadavg": perf.meta.get("loadavg"), "wall_s": prof.wall_s},
+        "run": {**asdict(run), "engines": asdict(eng)},
+        "wall_s": round(time.time() - t0, 1),
+    }

@@ -1,0 +1,189 @@
+"""The A/B pieces that need no real engine: workload, prediction, aggregation, goals, report;
+the small-chunk attention term of the fitted step model; the gateway settings the A/B relies on
+(an engine's KV capacity reaches the release policy, the engine's cache hits reach it too)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from turnstile.calibrate.ab import (
+    AbEngines,
+    aggregate,
+    build_sessions,
+    cell_row,
+    cell_workload,
+    check_goals,
+    plot_ab,
+    predict,
+    render_table,
+    sim_workflows,
+    slot_kv_tokens,
+)
+from turnstile.calibrate.ab_real import gateway_toml
+from turnstile.calibrate.fidelity import TraceScale
+from turnstile.gateway.config import load_config
+from turnstile.gateway.protocol import cached_tokens
+from turnstile.gateway.service import Gateway
+from turnstile.sim.perf import FittedPerf, fit_profile
+from turnstile.workload.model import Turn, Workflow
+
+SCALE = TraceScale(max_output=16, tool_div=20.0, max_tool_s=0.5, max_context=600, max_turns=6)
+PERF = FittedPerf(0.002, 1e-4, 6e-4, 1e-6, 5e-8, engine="test")
+ENGINES = AbEngines(count=2, n_parallel=2, ctx=1536)
+
+
+def test_build_sessions_synthetic_scaled_chains() -> None:
+    sessions = build_sessions([], 0, 5, SCALE, seed=3)
+    assert len(sessions) == 5
+    for wf in sessions:
+        assert wf.id.startswith("synth-")
+        assert 4 <= len(wf.turns) <= SCALE.max_turns
+        last = wf.turns[-1]
+        assert last.prompt_tokens + last.output_tokens <= SCALE.max_context
+        assert all(t.think_s == 0 and t.output_tokens <= 16 for t in wf.turns)
+        for a, b in zip(wf.turns, wf.turns[1:], strict=False):  # a chain: context grows
+            assert b.context_tokens == a.prompt_tokens + a.output_tokens
+
+
+def test_cell_workload_same_sessions_seeded_arrivals() -> None:
+    sessions = build_sessions([], 0, 4, SCALE, seed=1)
+    a, b = cell_workload(sessions, 2.0, 7), cell_workload(sessions, 2.0, 7)
+    assert [w.arrival_s for w in a] == [w.arrival_s for w in b]
+    assert a[0].arrival_s == 0.0
+    assert sorted(len(w.turns) for w in a) == sorted(len(w.turns) for w in sessions)
+    slow = cell_workload(sessions, 0.5, 7)
+    assert slow[-1].arrival_s > a[-1].arrival_s  # a lower rate spreads the same arrivals
+
+
+def test_sim_workflows_adds_template_tokens_and_stays_a_chain() -> None:
+    wf = Workflow("w", 0.0, (Turn(100, 10), Turn(20, 5, 110), Turn(30, 5, 135)))
+    (got,) = sim_workflows([wf], per_message=6)
+    assert [t.input_tokens for t in got.turns] == [112, 26, 36]
+    assert [t.context_tokens for t in got.turns] == [0, 122, 153]
+
+
+def test_predict_contention_eager_recomputes_cvar_gates() -> None:
+    sessions = build_sessions([], 0, 10, SCALE, seed=0)
+    wfs = cell_workload(sessions, 20.0, 0)
+    pred = predict(wfs, ["eager", "cvar"], ENGINES, PERF)
+    eager, cvar = cell_row(pred["eager"]), cell_row(pred["cvar"])
+    assert eager["workflows"] == cvar["workflows"] == 10
+    # 10 sessions arriving at once on 4 slots: eager loses contexts, cvar's gate keeps them
+    assert eager["recomputed_prompt_tokens"] > cvar["recomputed_prompt_tokens"]
+    assert eager["prefix_hit_rate"] < cvar["prefix_hit_rate"]
+
+
+def _cell(policy: str, load: float, seed: int, p95: float, pred95: float) -> dict:
+    row = {"flow_p50_s": p95 / 2, "flow_p95_s": p95, "flow_mean_s": p95 / 1.5,
+           "prefix_hit_rate": 0.5, "recomputed_prompt_tokens": 100.0, "prompt_tokens": 1e3,
+           "workflows": 4, "unfinished": 0}
+    pred = {**row, "flow_p95_s": pred95}
+    return {"policy": policy, "load": load, "rate": load * 2, "seed": seed, "real": row,
+            "pred": pred, "engine_hit_rate": 0.5}
+
+
+def test_aggregate_ratios_and_goals() -> None:
+    cells = []
+    for seed, jitter in ((0, 1.0), (1, 1.2)):
+        cells += [_cell("eager", 0.3, seed, 10.2, 10), _cell("cvar", 0.3, seed, 10, 10.3),
+                  _cell("eager", 2.0, seed, 60 * jitter, 50), _cell("cvar", 2.0, seed, 20, 20)]
+    rows = aggregate(cells)
+    hi = next(r for r in rows if r["load"] == 2.0 and r["policy"] == "cvar")
+    assert hi["real_ratio"]["min"] == pytest.approx(3.0)
+    assert hi["real_ratio"]["max"] == pytest.approx(3.6)
+    assert hi["real_ratio"]["mean"] == pytest.approx(3.3)
+    assert hi["pred_ratio"]["mean"] == pytest.approx(2.5)
+    assert hi["real"]["flow_p95_s"] == pytest.approx(20)
+    goals = check_goals(rows)
+    assert goals["gain_met"] and goals["light_met"] and goals["ranking_met"]
+    # within the tie band the simulator's order is free (10.2 vs 10 real, 10 vs 10.3 predicted)
+    assert goals["ranking"]["0.3"]["real"] != goals["ranking"]["0.3"]["pred"]
+    bad = aggregate([*cells[:2], _cell("eager", 2.0, 0, 60, 15), _cell("cvar", 2.0, 0, 20, 20)])
+    assert check_goals(bad)["ranking"]["2.0"]["misordered_pairs"] == [["eager", "cvar"]]
+    assert goals["ratio_max_err"] == pytest.approx(abs(2.5 - 3.3) / 3.3)
+    assert not goals["ratio_met"]  # 24% off > 20%
+    table = render_table(rows)
+    assert table.count("\n| ") == 4 and "3.30× (3.00–3.60)" in table
+
+
+def test_plot_ab_writes_png(tmp_path: Path) -> None:
+    rows = aggregate([_cell("eager", 1.0, 0, 5, 5), _cell("cvar", 1.0, 0, 4, 4),
+                      _cell("eager", 2.0, 0, 9, 8), _cell("cvar", 2.0, 0, 4, 5)])
+    out = plot_ab(rows, tmp_path / "ab.png", "test")
+    assert out.stat().st_size > 1000
+
+
+# --- the small-chunk attention term -----------------------------------------------------------
+
+
+def _chunk_samples(truth: FittedPerf, seed: int) -> list:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(120):
+        n = rng.choice([1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
+        c = rng.randint(0, 2000)
+        k = rng.randint(0, 4)
+        f = (float(n), float(k), float(c + k * 500), n * c + n * (n + 1) / 2)
+        out.append((f, truth.step_time(*f) * (1 + rng.uniform(-0.01, 0.01))))
+    return out
+
+
+def test_fit_recovers_small_chunk_term() -> None:
+    truth = FittedPerf(0.004, 2e-4, 1.5e-3, 4e-6, 3e-7, b5=1e-6, small_chunk_tokens=16.0)
+    samples = _chunk_samples(truth, 0)
+    linear = fit_profile(samples, relative=True)
+    fit = fit_profile(samples, relative=True, small_chunk_knees=(4, 16, 64))
+    assert fit.small_chunk_tokens == 16.0
+    assert fit.b5 == pytest.approx(1e-6, rel=0.1)
+    assert fit.meta["fit"]["median_abs_rel_err"] < 0.5 * linear.meta["fit"]["median_abs_rel_err"]
+    # a small append to a long context costs more per pair than the linear model says
+    assert fit.step_time(8, 0, 1500, 8 * 1500 + 36) > linear.step_time(8, 0, 1500, 8 * 1500 + 36)
+
+
+def test_fit_keeps_linear_model_when_term_does_not_help() -> None:
+    truth = FittedPerf(0.004, 2e-4, 1.5e-3, 4e-6, 3e-7)
+    fit = fit_profile(_chunk_samples(truth, 1), relative=True, small_chunk_knees=(4, 16, 64))
+    assert fit.b5 == 0.0 and fit.small_chunk_tokens == 0.0
+
+
+def test_profile_file_round_trip_with_small_chunk_term(tmp_path: Path) -> None:
+    perf = FittedPerf(0.004, 2e-4, 1.5e-3, 4e-6, 3e-7, b5=1e-6, small_chunk_tokens=16.0)
+    perf.to_profile(tmp_path / "p.json")
+    back = FittedPerf.from_profile(tmp_path / "p.json")
+    assert back.b5 == perf.b5 and back.small_chunk_tokens == 16.0
+    assert back.step_time(4, 1, 900, 3610.0) == pytest.approx(perf.step_time(4, 1, 900, 3610.0))
+
+
+# --- the gateway as the A/B configures it -----------------------------------------------------
+
+
+def test_gateway_engine_kv_tokens_reach_the_release_policy(tmp_path: Path) -> None:
+    toml = gateway_toml("cvar", ["http://127.0.0.1:9", "http://127.0.0.1:10"], ENGINES,
+                        port=8123, session_idle_s=1.5, params={"release": {"kv_fill": 0.6}})
+    (tmp_path / "gw.toml").write_text(toml)
+    cfg = load_config(tmp_path / "gw.toml")
+    assert cfg.policy == "cvar" and cfg.session_idle_s == 1.5
+    gw = Gateway(cfg)
+    view = gw.scheduler.view
+    assert [view[e].capacity_tokens for e in view.ids] == [1536, 1536]
+    assert gw.policies.release.kv_fill == 0.6
+    # with the capacity known the KV gate is on: room = kv_fill × capacity
+    assert gw.policies.release.kv_room(view) == pytest.approx(0.6 * 1536)
+
+
+def test_cached_tokens_from_usage() -> None:
+    assert cached_tokens({"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 7}}) == 7
+    assert cached_tokens({"prompt_tokens": 9}) is None
+    assert cached_tokens(None) is None
+
+
+def test_slot_kv_tokens_is_slots_times_mean_live_context() -> None:
+    wf = Workflow("w", 0.0, (Turn(100, 10), Turn(20, 5, 110)))
+    # as the engine sees them: prompts 112 and 148 (template tokens), outputs 10 and 5
+    assert slot_kv_tokens([wf], 2) == round(2 * ((112 + 10) + (148 + 5)) / 2)
+    engines = AbEngines(count=1, n_parallel=2, ctx=4096, kv_tokens=275)
+    assert engines.group(PERF).kv_tokens == 275 and engines.session_kv_tokens == 275
+    assert AbEngines(count=1, n_parallel=2, ctx=4096).session_kv_tokens == 4096

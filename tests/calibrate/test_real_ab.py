@@ -1,0 +1,57 @@
+"""Smoke test of the real-engine A/B (``benchmarks/real_ab.py``): one load, two policies, one seed,
+a few synthetic sessions, two real llama.cpp engines behind a real ``turnstile serve`` process.
+It asserts that the protocol runs end to end and writes its table, JSON and plot; the figures
+themselves are the benchmark's business (too small and noisy here to mean anything)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "real_ab.py"
+
+
+def _load_benchmark() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("real_ab", BENCH)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_real_ab_smoke(tmp_path: Path, llama_server_binary: Path,
+                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TURNSTILE_LLAMA_SERVER", str(llama_server_binary))
+    out = tmp_path / "ab"
+    rc = _load_benchmark().main([
+        "--out", str(out), "--policies", "eager,cvar", "--loads", "1.5", "--seeds", "0",
+        "--trace-sessions", "0", "--synth-sessions", "4", "--max-turns", "4",
+        "--max-context", "500", "--ctx", "2048", "--n-parallel", "2", "--quick-profile",
+    ])
+    assert rc == 0
+    doc = json.loads((out / "real_ab.json").read_text())
+    cells = doc["cells"]
+    assert {c["policy"] for c in cells} == {"eager", "cvar"} and len(cells) == 2
+    for c in cells:
+        assert not c["errors"], c["errors"]
+        assert c["real"]["workflows"] == 4 and c["real"]["unfinished"] == 0
+        assert c["pred"]["workflows"] == 4
+        assert c["real"]["flow_p95_s"] > 0 and c["pred"]["flow_p95_s"] > 0
+        # the engines' own counters saw the prompts, and some of them hit the slot cache
+        assert c["engine_processed_tokens"] > 0 and 0 < c["engine_hit_rate"] < 1
+        assert c["loadavg"][0] >= 0
+    assert doc["profile"]["fit"]["samples"] >= 5
+    rows = doc["rows"]
+    cvar = next(r for r in rows if r["policy"] == "cvar")
+    assert cvar["real_ratio"]["n"] == 1 and cvar["pred_ratio"]["n"] == 1
+    table = (out / "real_ab.md").read_text()
+    assert "| 1.5 (" in table and "| eager |" in table and "| cvar |" in table
+    assert "Host load average" in table
+    assert (out / "real_ab.png").stat().st_size > 1000
+    assert (out / "profile.json").is_file()
