@@ -131,8 +131,13 @@ class ClusterSim:
     def run(self) -> SimResult:
         t0 = time.perf_counter()
         q = self.queue
-        for wf in self.workflows:
-            q.push(wf.arrival_s, _ARRIVE, wf)
+        # arrivals are read from the sorted workflow list instead of the heap: pushed first, an
+        # arrival would win every tie with a later event (priority 0, lowest sequence number),
+        # so taking it whenever it is not later than the heap's top keeps the same order
+        arrivals = self.workflows
+        n_arr = len(arrivals)
+        a = 0
+        arr_t = arrivals[0].arrival_s if n_arr else _NEVER
         sched = self.scheduler
         engines = self.engines
         busy = self._busy
@@ -140,22 +145,51 @@ class ClusterSim:
         done_reported = 0
         now = 0.0
         ff = self._ff
-        while q:
-            now, kind, payload = q.pop()
-            self.events += 1
+        clock = q.clock
+        #: a step end due strictly before every queued event and arrival: handled next, without
+        #: going through the heap (it would be popped next anyway)
+        due: tuple[int, Any] | None = None
+        events = 0
+        while True:
+            if due is not None:
+                payload = due
+                due = None
+                now = payload[1].end_s
+                clock.t = now
+                kind = _STEP_END
+            elif q and q.peek_time() < arr_t:
+                now, kind, payload = q.pop()
+            elif a < n_arr:
+                now = arr_t
+                clock.t = now
+                kind = _ARRIVE
+                payload = arrivals[a]
+                a += 1
+                arr_t = arrivals[a].arrival_s if a < n_arr else _NEVER
+            else:
+                break
+            events += 1
             if kind == _STEP_END:
                 i, outcome = payload
                 if outcome.first_token or outcome.finished:
                     self._apply_outcome(now, i, outcome)
                     self._touched = True
                     self._step(now, i)
-                elif ff and engines[i].resume(outcome, now, q.peek_time_or(_NEVER)):
-                    # a leap cut short by an event that did not reach this engine goes on: the
-                    # iterations a step and a leap would run (this event scheduled nothing else)
-                    self.iterations += outcome.iterations
-                    q.push(outcome.end_s, _STEP_END, payload)
                 else:
-                    self._step(now, i)
+                    nxt = q.peek_time_or(_NEVER)
+                    if nxt > arr_t:
+                        nxt = arr_t
+                    if ff and engines[i].resume(outcome, now, nxt):
+                        # a leap cut short by an event that did not reach this engine goes on:
+                        # the iterations a step and a leap would run (this event scheduled
+                        # nothing else)
+                        self.iterations += outcome.iterations
+                        if outcome.end_s < nxt:
+                            due = payload
+                        else:
+                            q.push(outcome.end_s, _STEP_END, payload)
+                    else:
+                        self._step(now, i)
             elif kind == _ARRIVE:
                 self._act(now, sched.workflow_arrived(now, payload))
                 self._touched = True
@@ -187,14 +221,20 @@ class ClusterSim:
                 # leap must see every event this one scheduled
                 self._pending = None
                 i, outcome = pending
+                nxt = q.peek_time_or(_NEVER)
+                if nxt > arr_t:
+                    nxt = arr_t
                 if ff:
-                    nxt = q.peek_time()
-                    engines[i].leap(outcome, float("inf") if nxt is None else nxt)
+                    engines[i].leap(outcome, nxt)
                     self.iterations += outcome.iterations - 1
-                q.push(outcome.end_s, _STEP_END, pending)
+                if outcome.end_s < nxt:
+                    due = pending
+                else:
+                    q.push(outcome.end_s, _STEP_END, pending)
             if progress is not None and len(self.finished) != done_reported:
                 done_reported = len(self.finished)
                 progress(done_reported)
+        self.events = events
         lost = sched.active_workflows
         if lost:
             raise RuntimeError(
