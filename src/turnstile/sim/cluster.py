@@ -224,7 +224,11 @@ class ClusterSim:
                 nxt = q.peek_time_or(_NEVER)
                 if nxt > arr_t:
                     nxt = arr_t
-                if ff:
+                if outcome is None:  # a decode iteration, stepped with its leap
+                    outcome = engines[i].step_and_leap(now, nxt)
+                    self.iterations += outcome.iterations
+                    pending = (i, outcome)
+                elif ff:
                     engines[i].leap(outcome, nxt)
                     self.iterations += outcome.iterations - 1
                 if outcome.end_s < nxt:
@@ -279,6 +283,12 @@ class ClusterSim:
 
     def _step(self, now: float, i: int) -> None:
         engine = self.engines[i]
+        if self._ff and engine.decodes_only(now):
+            # nothing to tell the scheduler: the iteration runs with its leap, once the event
+            # is done (see run)
+            self._busy[i] = True
+            self._pending = (i, None)
+            return
         outcome = engine.step(now)
         if outcome is None:
             self._busy[i] = False

@@ -103,6 +103,33 @@ class StepExecutor:
         self.busy_s += dur
         return StepOutcome(dur, started, first_token, finished, end_s=end)
 
+    def decodes_only(self, now: float) -> bool:
+        """Whether the iteration at ``now`` is a pure decode iteration with nothing to admit
+        (decoders running, no prefill, an empty queue, no pin expiring): what
+        :meth:`step_and_leap` runs inside the leap."""
+        s = self.sched
+        pin_heap = self.pool.pin_heap
+        return bool(s.n_dec and not s.waiting and not s.prefilling
+                    and not (pin_heap and pin_heap[0][0] <= now + EPS))
+
+    def step_and_leap(self, now: float, until: float) -> StepOutcome | None:
+        """:meth:`step` at ``now`` followed by :meth:`leap` to ``until``, with the same results
+        (engine state, iterations, ``end_s``). When :meth:`decodes_only` holds, the first
+        iteration is the leap's first, without the step's bookkeeping; ``duration_s`` is then
+        summed from the first iteration on instead of first + the rest (the driver reads
+        ``end_s``, which is summed as stepping would)."""
+        if now < until and self.decodes_only(now):
+            out = StepOutcome(0.0, end_s=now, iterations=0)
+            self._cut_out = None
+            self._run(out, self._plan(self.sched.n_dec, False), until)
+            if out.iterations:
+                return out
+            # the first iteration needs a preemption: left to step()
+        out = self.step(now)
+        if out is not None:
+            self.leap(out, until)
+        return out
+
     def leap(self, out: StepOutcome, until: float) -> None:
         """Extend ``out`` (what :meth:`step` just returned) with the following iterations that
         would start strictly before ``until`` and that nothing observable happens in: pure
@@ -137,7 +164,13 @@ class StepExecutor:
                 blocked = True
             else:
                 return
-        pin_heap = pool.pin_heap
+        self._run(out, self._plan(n_dec, blocked), until)
+
+    def _plan(self, n_dec: int, blocked: bool) -> tuple:
+        """What a leap of ``n_dec`` decoders relies on; all of it holds until something reaches
+        the engine (see :meth:`resume`)."""
+        s = self.sched
+        pin_heap = self.pool.pin_heap
         perf = self.perf
         if type(perf) is RooflinePerf:  # its step_time(0, n_dec, kv, 0.0) inlined in _run
             roof: tuple[float, ...] | None = (
@@ -145,12 +178,10 @@ class StepExecutor:
                 perf._overhead_s, perf._ar_tok_s * n_dec)
         else:
             roof = None
-        # all of it holds until something reaches the engine (see resume)
-        plan = (n_dec, blocked, s.blk_avail,
+        return (n_dec, blocked, s.blk_avail,
                 pin_heap[0][0] if pin_heap else None,  # no pin changes in a leap
                 s.next_finish() + 1,  # no further than the next finish
                 roof)
-        self._run(out, plan, until)
 
     def _run(self, out: StepOutcome, plan: tuple, until: float) -> None:
         """The leap's decode iterations from ``out.end_s`` on (see :meth:`leap`)."""
