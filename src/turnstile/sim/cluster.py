@@ -225,7 +225,7 @@ class ClusterSim:
                 if nxt > arr_t:
                     nxt = arr_t
                 if outcome is None:  # a decode iteration, stepped with its leap
-                    outcome = engines[i].step_and_leap(now, nxt)
+                    outcome = engines[i].step_and_leap(now, nxt, True)
                     self.iterations += outcome.iterations
                     pending = (i, outcome)
                 elif ff:

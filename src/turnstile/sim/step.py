@@ -112,13 +112,13 @@ class StepExecutor:
         return bool(s.n_dec and not s.waiting and not s.prefilling
                     and not (pin_heap and pin_heap[0][0] <= now + EPS))
 
-    def step_and_leap(self, now: float, until: float) -> StepOutcome | None:
+    def step_and_leap(self, now: float, until: float, decodes_only: bool) -> StepOutcome | None:
         """:meth:`step` at ``now`` followed by :meth:`leap` to ``until``, with the same results
-        (engine state, iterations, ``end_s``). When :meth:`decodes_only` holds, the first
-        iteration is the leap's first, without the step's bookkeeping; ``duration_s`` is then
-        summed from the first iteration on instead of first + the rest (the driver reads
-        ``end_s``, which is summed as stepping would)."""
-        if now < until and self.decodes_only(now):
+        (engine state, iterations, ``end_s``). ``decodes_only`` is :meth:`decodes_only` at
+        ``now`` (the caller asked already); then the first iteration is the leap's first,
+        without the step's bookkeeping, and ``duration_s`` is summed from the first iteration on
+        instead of first + the rest (the driver reads ``end_s``, summed as stepping would)."""
+        if decodes_only and now < until:
             out = StepOutcome(0.0, end_s=now, iterations=0)
             self._cut_out = None
             self._run(out, self._plan(self.sched.n_dec, False), until)
@@ -185,6 +185,9 @@ class StepExecutor:
 
     def _run(self, out: StepOutcome, plan: tuple, until: float) -> None:
         """The leap's decode iterations from ``out.end_s`` on (see :meth:`leap`)."""
+        if plan[5] is not None and plan[3] is None and not self.pool.cpu_cap:
+            self._run_roofline(out, plan, until)
+            return
         n_dec, blocked, blk_avail, pin_t, stop, roof = plan
         s = self.sched
         pool = self.pool
@@ -248,6 +251,108 @@ class StepExecutor:
         if taken:
             pool.take(taken)
             pool.private += taken
+        s.it = it
+        s.kv_sum = kv - n_dec
+        self.busy_s = busy_s
+        self.iterations += k
+        self.decode_tokens += n_dec * k
+        out.iterations += k
+        out.duration_s += total
+        out.end_s = end
+        if it == stop:
+            bucket = s.fin.pop(stop - 1)
+            s.finish_decoders(bucket, it, end, out.finished)
+
+    def _run_roofline(self, out: StepOutcome, plan: tuple, until: float) -> None:
+        """:meth:`_run` for the common case (a :class:`RooflinePerf`, no pin, no offload tier),
+        with the same iterations and float sums. Which iterations memory allows is worked out
+        before the loop from the block-need histogram (``phase``), so the loop only sums
+        durations; and when one roofline term is the larger over the whole KV range by a wide
+        margin, the other is not computed."""
+        n_dec, blocked, blk_avail, _, stop, roof = plan
+        c_tok, attn_s, weights_s, kv_s, overhead_s, ar_tok = roof
+        s = self.sched
+        pool = self.pool
+        phase = s.phase
+        bs = s.bs
+        it0 = s.it
+        left = stop - it0
+        avail = pool.free + pool.n_evict
+        # how many iterations the memory allows: the first iteration whose new blocks do not fit
+        # stops the leap (a preemption, left to step()); with a blocked admission, the first
+        # iteration leaves at most the memory the admission failed with (avail only shrinks)
+        cap = left
+        need0 = phase[it0 % bs]
+        if need0 > avail or (blocked and avail - need0 > blk_avail):
+            cap = 0
+        else:
+            per_cycle = sum(phase)
+            if per_cycle * -(-left // bs) > avail:  # may run out within ``left``
+                full = avail // per_cycle
+                acc = full * per_cycle
+                for t in range(bs):
+                    acc += phase[(it0 + t) % bs]
+                    if acc > avail:
+                        break
+                mem_cap = full * bs + t
+                if mem_cap < cap:
+                    cap = mem_cap
+        end = out.end_s
+        busy_s = self.busy_s
+        kv = s.kv_sum + n_dec  # KV tokens the next iteration's decodes read
+        kv_last = kv + n_dec * (cap - 1 if cap else 0)
+        total = 0.0
+        k = cap
+        # the larger roofline term at both ends of the KV range, by far more than rounding: it
+        # is the larger in between too (both terms are linear in the KV tokens)
+        lo_c, lo_m = c_tok + attn_s * kv, weights_s + kv_s * kv
+        hi_c, hi_m = c_tok + attn_s * kv_last, weights_s + kv_s * kv_last
+        if lo_m > lo_c * (1 + 1e-9) and hi_m > hi_c * (1 + 1e-9):
+            for j in range(cap):
+                if end >= until:
+                    k = j
+                    break
+                dur = weights_s + kv_s * kv + overhead_s + ar_tok
+                end += dur
+                busy_s += dur
+                total += dur
+                kv += n_dec
+        elif lo_c > lo_m * (1 + 1e-9) and hi_c > hi_m * (1 + 1e-9):
+            for j in range(cap):
+                if end >= until:
+                    k = j
+                    break
+                dur = c_tok + attn_s * kv + overhead_s + ar_tok
+                end += dur
+                busy_s += dur
+                total += dur
+                kv += n_dec
+        else:
+            for j in range(cap):
+                if end >= until:
+                    k = j
+                    break
+                compute = c_tok + attn_s * kv
+                memory = weights_s + kv_s * kv
+                dur = (compute if compute > memory else memory) + overhead_s + ar_tok
+                end += dur
+                busy_s += dur
+                total += dur
+                kv += n_dec
+        if k < left and end >= until:
+            # cut by ``until`` (checked first, as in _run, also where memory would stop it)
+            self._cut_out = out
+            self._cut_plan = plan
+        if not k:
+            return
+        full, rest = divmod(k, bs)
+        taken = full * sum(phase) if full else 0
+        for t in range(it0, it0 + rest):
+            taken += phase[t % bs]
+        if taken:
+            pool.take(taken)
+            pool.private += taken
+        it = it0 + k
         s.it = it
         s.kv_sum = kv - n_dec
         self.busy_s = busy_s
