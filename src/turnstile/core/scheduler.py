@@ -89,7 +89,7 @@ class Scheduler:
         n = len(workflow.turns)
         wf.turns = [TurnRecord(wf, i, t) for i, t in enumerate(workflow.turns)]
         wf.remaining = n
-        if not workflow.is_chain:
+        if n > 1 and not workflow.is_chain:  # one turn: a chain (and no scan of the turns)
             wf.children = [[] for _ in range(n)]
             wf.pending_parents = [0] * n
             for i in range(n):

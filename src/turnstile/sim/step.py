@@ -18,6 +18,9 @@ from turnstile.sim.request import SimRequest, StepOutcome
 
 #: pins expiring within this of ``now`` expire now (so ``now + (t - now)`` rounding is harmless)
 EPS = 1e-9
+#: the started and first-token lists of a decode run, which starts nothing and emits no first
+#: token (an empty tuple: read only, like every outcome's lists outside the engine)
+_NONE: tuple = ()
 
 
 class StepExecutor:
@@ -119,7 +122,7 @@ class StepExecutor:
         without the step's bookkeeping, and ``duration_s`` is summed from the first iteration on
         instead of first + the rest (the driver reads ``end_s``, summed as stepping would)."""
         if decodes_only and now < until:
-            out = StepOutcome(0.0, end_s=now, iterations=0)
+            out = StepOutcome(0.0, _NONE, _NONE, [], end_s=now, iterations=0)
             self._cut_out = None
             self._run(out, self._plan(self.sched.n_dec, False), until)
             if out.iterations:
