@@ -1,6 +1,7 @@
 """The engine model's step executor: one iteration (:meth:`StepExecutor.step`), the exact
-fast-forward over event-free decode iterations (:meth:`StepExecutor.leap`), and the
-continuation of a leap that an unrelated event cut short (:meth:`StepExecutor.resume`).
+fast-forward over event-free decode iterations (:meth:`StepExecutor.leap`; both in one call,
+:meth:`StepExecutor.step_and_leap`), and the continuation of a leap that an unrelated event cut
+short (:meth:`StepExecutor.resume`).
 
 A step is schedule → time → apply, as nano-vllm's: the batch scheduler picks the decodes and
 prefill chunks, the :class:`~turnstile.sim.perf.PerfModel` prices them from O(1) running sums,
@@ -248,12 +249,20 @@ class StepExecutor:
             kv += n_dec
         else:
             it = stop
-        k = it - it0
-        if not k:
-            return
+        if it > it0:
+            self._commit(out, it - it0, taken, n_dec, kv, end, busy_s, total, stop)
+
+    def _commit(self, out: StepOutcome, k: int, taken: int, n_dec: int, kv: int, end: float,
+                busy_s: float, total: float, stop: int) -> None:
+        """Record ``k`` leaped iterations: ``taken`` new decode blocks, ``kv`` the KV tokens the
+        next iteration's decodes read, ``end`` and ``busy_s`` the sums after the last one, and
+        the finish of the decoders whose last iteration was ``stop - 1`` if it was reached."""
+        s = self.sched
         if taken:
+            pool = self.pool
             pool.take(taken)
             pool.private += taken
+        it = s.it + k
         s.it = it
         s.kv_sum = kv - n_dec
         self.busy_s = busy_s
@@ -311,21 +320,17 @@ class StepExecutor:
         lo_c, lo_m = c_tok + attn_s * kv, weights_s + kv_s * kv
         hi_c, hi_m = c_tok + attn_s * kv_last, weights_s + kv_s * kv_last
         if lo_m > lo_c * (1 + 1e-9) and hi_m > hi_c * (1 + 1e-9):
-            for j in range(cap):
-                if end >= until:
-                    k = j
-                    break
-                dur = weights_s + kv_s * kv + overhead_s + ar_tok
-                end += dur
-                busy_s += dur
-                total += dur
-                kv += n_dec
+            base, per_kv = weights_s, kv_s  # memory-bound throughout
         elif lo_c > lo_m * (1 + 1e-9) and hi_c > hi_m * (1 + 1e-9):
+            base, per_kv = c_tok, attn_s  # compute-bound throughout
+        else:
+            base = per_kv = None
+        if base is not None:
             for j in range(cap):
                 if end >= until:
                     k = j
                     break
-                dur = c_tok + attn_s * kv + overhead_s + ar_tok
+                dur = base + per_kv * kv + overhead_s + ar_tok
                 end += dur
                 busy_s += dur
                 total += dur
@@ -352,21 +357,7 @@ class StepExecutor:
         taken = full * sum(phase) if full else 0
         for t in range(it0, it0 + rest):
             taken += phase[t % bs]
-        if taken:
-            pool.take(taken)
-            pool.private += taken
-        it = it0 + k
-        s.it = it
-        s.kv_sum = kv - n_dec
-        self.busy_s = busy_s
-        self.iterations += k
-        self.decode_tokens += n_dec * k
-        out.iterations += k
-        out.duration_s += total
-        out.end_s = end
-        if it == stop:
-            bucket = s.fin.pop(stop - 1)
-            s.finish_decoders(bucket, it, end, out.finished)
+        self._commit(out, k, taken, n_dec, kv, end, busy_s, total, stop)
 
     def resume(self, out: StepOutcome, now: float, until: float) -> bool:
         """The driver's next step, due at ``now = out.end_s``, when ``out``'s leap stopped only
