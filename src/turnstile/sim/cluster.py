@@ -277,15 +277,10 @@ class ClusterSim:
             if type(a) is Release:
                 rec = a.turn
                 turn = rec.turn
-                req = SimRequest(
-                    rid=rec,
-                    session=rec.workflow.id,
-                    prompt_tokens=turn.prompt_tokens,
-                    output_tokens=turn.output_tokens,
-                    priority=a.priority,
-                    block_hashes=turn.block_hashes,
-                    arrival_s=now,
-                )
+                # positional (rid, session, prompt, output, priority, block hashes, arrival):
+                # a third cheaper than keywords, once per turn
+                req = SimRequest(rec, rec.workflow.id, turn.prompt_tokens, turn.output_tokens,
+                                 a.priority, turn.block_hashes, now)
                 self.engines[i].submit(req, now)
                 if not self._busy[i] and not self._kicked[i]:
                     # step after every same-time release has landed (priority 1 > 0)
