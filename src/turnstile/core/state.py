@@ -219,8 +219,7 @@ class ClusterView(Mapping[str, EngineLoad]):
         return self._order
 
     def healthy(self) -> list[EngineLoad]:
-        # the dict keeps the registration order, which is ``_order``
-        return [e for e in self._engines.values() if e.healthy]
+        return [self._engines[i] for i in self._order if self._engines[i].healthy]
 
     def any_idle(self) -> bool:
         """Some healthy engine has nothing released to it."""
