@@ -93,7 +93,7 @@ class Scheduler:
         n = len(workflow.turns)
         wf.turns = [TurnRecord(wf, i, t) for i, t in enumerate(workflow.turns)]
         wf.remaining = n
-        if not workflow.is_chain:
+        if n > 1 and not workflow.is_chain:  # one turn: a chain (and no scan of the turns)
             wf.children = [[] for _ in range(n)]
             wf.pending_parents = [0] * n
             for i in range(n):
@@ -359,10 +359,13 @@ class Scheduler:
             raise SchedulerError(f"unknown workflow {wf_id!r}") from None
 
     def _turn(self, wf_id: str, index: int) -> TurnRecord:
-        wf = self._get(wf_id)
-        if not 0 <= index < len(wf.turns):
+        wf = self.workflows.get(wf_id)  # three calls per turn: one lookup, no _get
+        if wf is None:
+            raise SchedulerError(f"unknown workflow {wf_id!r}")
+        turns = wf.turns
+        if not 0 <= index < len(turns):
             raise SchedulerError(f"workflow {wf_id!r} has no turn {index}")
-        return wf.turns[index]
+        return turns[index]
 
     def _make_ready(self, rec: TurnRecord, ready_s: float, now: float | None = None) -> None:
         rec.state = TurnState.READY

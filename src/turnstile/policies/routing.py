@@ -114,6 +114,8 @@ class KvAffinityRouting(StatelessRouting):
 
     def route(self, turn: TurnRecord, view: ClusterView, now: float) -> str:
         engines = _healthy(view)
+        if len(engines) == 1:  # both rules below pick it
+            return engines[0].id
         last = turn.workflow.last_engine
         if last is not None and last in view and view[last] in engines and self.balanced(engines):
             return last

@@ -26,6 +26,8 @@ Contract with the driver (the cluster event loop):
   only at ``until`` and nothing reached the engine since (no submit, retention or step), it
   continues the same decode run in ``outcome`` instead of a ``step``; False means "call
   ``step``".
+* ``step_and_leap(now, until, decodes_only(now))`` (optional) is ``step`` then ``leap`` in one
+  call; a pure decode iteration (``decodes_only``) runs as the leap's first, without a step.
 * Requests are :class:`SimRequest` objects the driver creates; the engine fills in progress
   fields. ``num_output`` of a *decoding* request is only brought up to date at events
   (preemption, finish); everything else is exact at all times.

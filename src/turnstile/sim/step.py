@@ -1,6 +1,7 @@
 """The engine model's step executor: one iteration (:meth:`StepExecutor.step`), the exact
-fast-forward over event-free decode iterations (:meth:`StepExecutor.leap`), and the
-continuation of a leap that an unrelated event cut short (:meth:`StepExecutor.resume`).
+fast-forward over event-free decode iterations (:meth:`StepExecutor.leap`; both in one call,
+:meth:`StepExecutor.step_and_leap`), and the continuation of a leap that an unrelated event cut
+short (:meth:`StepExecutor.resume`).
 
 A step is schedule → time → apply, as nano-vllm's: the batch scheduler picks the decodes and
 prefill chunks, the :class:`~turnstile.sim.perf.PerfModel` prices them from O(1) running sums,
@@ -18,6 +19,9 @@ from turnstile.sim.request import SimRequest, StepOutcome
 
 #: pins expiring within this of ``now`` expire now (so ``now + (t - now)`` rounding is harmless)
 EPS = 1e-9
+#: the started and first-token lists of a decode run, which starts nothing and emits no first
+#: token (an empty tuple: read only, like every outcome's lists outside the engine)
+_NONE: tuple = ()
 
 
 class StepExecutor:
@@ -103,6 +107,33 @@ class StepExecutor:
         self.busy_s += dur
         return StepOutcome(dur, started, first_token, finished, end_s=end)
 
+    def decodes_only(self, now: float) -> bool:
+        """Whether the iteration at ``now`` is a pure decode iteration with nothing to admit
+        (decoders running, no prefill, an empty queue, no pin expiring): what
+        :meth:`step_and_leap` runs inside the leap."""
+        s = self.sched
+        pin_heap = self.pool.pin_heap
+        return bool(s.n_dec and not s.waiting and not s.prefilling
+                    and not (pin_heap and pin_heap[0][0] <= now + EPS))
+
+    def step_and_leap(self, now: float, until: float, decodes_only: bool) -> StepOutcome | None:
+        """:meth:`step` at ``now`` followed by :meth:`leap` to ``until``, with the same results
+        (engine state, iterations, ``end_s``). ``decodes_only`` is :meth:`decodes_only` at
+        ``now`` (the caller asked already); then the first iteration is the leap's first,
+        without the step's bookkeeping, and ``duration_s`` is summed from the first iteration on
+        instead of first + the rest (the driver reads ``end_s``, summed as stepping would)."""
+        if decodes_only and now < until:
+            out = StepOutcome(0.0, _NONE, _NONE, [], end_s=now, iterations=0)
+            self._cut_out = None
+            self._run(out, self._plan(self.sched.n_dec, False), until)
+            if out.iterations:
+                return out
+            # the first iteration needs a preemption: left to step()
+        out = self.step(now)
+        if out is not None:
+            self.leap(out, until)
+        return out
+
     def leap(self, out: StepOutcome, until: float) -> None:
         """Extend ``out`` (what :meth:`step` just returned) with the following iterations that
         would start strictly before ``until`` and that nothing observable happens in: pure
@@ -137,7 +168,13 @@ class StepExecutor:
                 blocked = True
             else:
                 return
-        pin_heap = pool.pin_heap
+        self._run(out, self._plan(n_dec, blocked), until)
+
+    def _plan(self, n_dec: int, blocked: bool) -> tuple:
+        """What a leap of ``n_dec`` decoders relies on; all of it holds until something reaches
+        the engine (see :meth:`resume`)."""
+        s = self.sched
+        pin_heap = self.pool.pin_heap
         perf = self.perf
         if type(perf) is RooflinePerf:  # its step_time(0, n_dec, kv, 0.0) inlined in _run
             roof: tuple[float, ...] | None = (
@@ -145,15 +182,16 @@ class StepExecutor:
                 perf._overhead_s, perf._ar_tok_s * n_dec)
         else:
             roof = None
-        # all of it holds until something reaches the engine (see resume)
-        plan = (n_dec, blocked, s.blk_avail,
+        return (n_dec, blocked, s.blk_avail,
                 pin_heap[0][0] if pin_heap else None,  # no pin changes in a leap
                 s.next_finish() + 1,  # no further than the next finish
                 roof)
-        self._run(out, plan, until)
 
     def _run(self, out: StepOutcome, plan: tuple, until: float) -> None:
         """The leap's decode iterations from ``out.end_s`` on (see :meth:`leap`)."""
+        if plan[5] is not None and plan[3] is None and not self.pool.cpu_cap:
+            self._run_roofline(out, plan, until)
+            return
         n_dec, blocked, blk_avail, pin_t, stop, roof = plan
         s = self.sched
         pool = self.pool
@@ -211,12 +249,20 @@ class StepExecutor:
             kv += n_dec
         else:
             it = stop
-        k = it - it0
-        if not k:
-            return
+        if it > it0:
+            self._commit(out, it - it0, taken, n_dec, kv, end, busy_s, total, stop)
+
+    def _commit(self, out: StepOutcome, k: int, taken: int, n_dec: int, kv: int, end: float,
+                busy_s: float, total: float, stop: int) -> None:
+        """Record ``k`` leaped iterations: ``taken`` new decode blocks, ``kv`` the KV tokens the
+        next iteration's decodes read, ``end`` and ``busy_s`` the sums after the last one, and
+        the finish of the decoders whose last iteration was ``stop - 1`` if it was reached."""
+        s = self.sched
         if taken:
+            pool = self.pool
             pool.take(taken)
             pool.private += taken
+        it = s.it + k
         s.it = it
         s.kv_sum = kv - n_dec
         self.busy_s = busy_s
@@ -228,6 +274,90 @@ class StepExecutor:
         if it == stop:
             bucket = s.fin.pop(stop - 1)
             s.finish_decoders(bucket, it, end, out.finished)
+
+    def _run_roofline(self, out: StepOutcome, plan: tuple, until: float) -> None:
+        """:meth:`_run` for the common case (a :class:`RooflinePerf`, no pin, no offload tier),
+        with the same iterations and float sums. Which iterations memory allows is worked out
+        before the loop from the block-need histogram (``phase``), so the loop only sums
+        durations; and when one roofline term is the larger over the whole KV range by a wide
+        margin, the other is not computed."""
+        n_dec, blocked, blk_avail, _, stop, roof = plan
+        c_tok, attn_s, weights_s, kv_s, overhead_s, ar_tok = roof
+        s = self.sched
+        pool = self.pool
+        phase = s.phase
+        bs = s.bs
+        it0 = s.it
+        left = stop - it0
+        avail = pool.free + pool.n_evict
+        # how many iterations the memory allows: the first iteration whose new blocks do not fit
+        # stops the leap (a preemption, left to step()); with a blocked admission, the first
+        # iteration leaves at most the memory the admission failed with (avail only shrinks)
+        cap = left
+        need0 = phase[it0 % bs]
+        if need0 > avail or (blocked and avail - need0 > blk_avail):
+            cap = 0
+        else:
+            per_cycle = sum(phase)
+            if per_cycle * -(-left // bs) > avail:  # may run out within ``left``
+                full = avail // per_cycle
+                acc = full * per_cycle
+                for t in range(bs):
+                    acc += phase[(it0 + t) % bs]
+                    if acc > avail:
+                        break
+                mem_cap = full * bs + t
+                if mem_cap < cap:
+                    cap = mem_cap
+        end = out.end_s
+        busy_s = self.busy_s
+        kv = s.kv_sum + n_dec  # KV tokens the next iteration's decodes read
+        kv_last = kv + n_dec * (cap - 1 if cap else 0)
+        total = 0.0
+        k = cap
+        # the larger roofline term at both ends of the KV range, by far more than rounding: it
+        # is the larger in between too (both terms are linear in the KV tokens)
+        lo_c, lo_m = c_tok + attn_s * kv, weights_s + kv_s * kv
+        hi_c, hi_m = c_tok + attn_s * kv_last, weights_s + kv_s * kv_last
+        if lo_m > lo_c * (1 + 1e-9) and hi_m > hi_c * (1 + 1e-9):
+            base, per_kv = weights_s, kv_s  # memory-bound throughout
+        elif lo_c > lo_m * (1 + 1e-9) and hi_c > hi_m * (1 + 1e-9):
+            base, per_kv = c_tok, attn_s  # compute-bound throughout
+        else:
+            base = per_kv = None
+        if base is not None:
+            for j in range(cap):
+                if end >= until:
+                    k = j
+                    break
+                dur = base + per_kv * kv + overhead_s + ar_tok
+                end += dur
+                busy_s += dur
+                total += dur
+                kv += n_dec
+        else:
+            for j in range(cap):
+                if end >= until:
+                    k = j
+                    break
+                compute = c_tok + attn_s * kv
+                memory = weights_s + kv_s * kv
+                dur = (compute if compute > memory else memory) + overhead_s + ar_tok
+                end += dur
+                busy_s += dur
+                total += dur
+                kv += n_dec
+        if k < left and end >= until:
+            # cut by ``until`` (checked first, as in _run, also where memory would stop it)
+            self._cut_out = out
+            self._cut_plan = plan
+        if not k:
+            return
+        full, rest = divmod(k, bs)
+        taken = full * sum(phase) if full else 0
+        for t in range(it0, it0 + rest):
+            taken += phase[t % bs]
+        self._commit(out, k, taken, n_dec, kv, end, busy_s, total, stop)
 
     def resume(self, out: StepOutcome, now: float, until: float) -> bool:
         """The driver's next step, due at ``now = out.end_s``, when ``out``'s leap stopped only
