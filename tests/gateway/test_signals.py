@@ -35,10 +35,13 @@ def test_no_tool_returns() -> None:
                                       {"role": "user", "content": "b"}]}) == ()
 
 
-def test_engine_loads_carry_tp_and_bucket() -> None:
-    adapters = [SimpleNamespace(id="a", weight=1.0), SimpleNamespace(id="b", weight=4.0)]
+def test_engine_loads_carry_tp_bucket_and_kv_capacity() -> None:
+    adapters = [SimpleNamespace(id="a", weight=1.0, options={}),
+                SimpleNamespace(id="b", weight=4.0, options={"kv_tokens": 8192})]
     configs = [SimpleNamespace(tp=1, bucket="short"), SimpleNamespace(tp=4, bucket="long")]
     loads = engine_loads(adapters, configs)
     assert [(e.id, e.tp, e.bucket, e.weight) for e in loads] == [
         ("a", 1, "short", 1.0), ("b", 4, "long", 4.0)]
+    # the engine's KV capacity (its ``kv_tokens`` option) reaches the release policy's KV gate
+    assert [e.capacity_tokens for e in loads] == [0, 8192]
     assert [e.tp for e in engine_loads(adapters, [])] == [1, 1]
