@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from turnstile.core import Release, Scheduler
 from turnstile.policies import PolicySet
-from turnstile.workload import Turn
+from turnstile.policies.cvar import CvarRelease
+from turnstile.workload import Turn, Workflow
 
 
 def test_open_session_carries_arrival_service_and_residency() -> None:
@@ -59,3 +60,24 @@ def test_peer_observations_teach_the_policies_through_their_hooks() -> None:
     assert s.retention.estimator.count("") == 40
     assert s.retention.estimator.quantile("", 0.9) == 2.0
     assert not s.workflows  # nothing of the peers' is tracked here
+
+
+def test_cvar_budget_counts_what_other_replicas_released() -> None:
+    """Gateway replicas share cvar's released-work budget: work other replicas report through
+    ``peer_load`` fills it as this replica's own releases do."""
+    def scheduler() -> Scheduler:
+        ps = PolicySet.from_spec("cvar+least-loaded")
+        ps.release = CvarRelease(budget_per_engine=5_000)
+        return Scheduler(ps, ["e0"])
+
+    wf = Workflow("a", 0.0, (Turn(input_tokens=1_000, output_tokens=10),))
+    alone = scheduler()
+    alone.peer_load(0.0, {"e0": (1, 100, 0)})  # the engine is busy, the budget nearly free
+    assert [a.turn.workflow.id for a in alone.workflow_arrived(0.0, wf)] == ["a"]
+    shared = scheduler()
+    shared.peer_load(0.0, {"e0": (3, 4_800, 0)})  # other replicas filled the budget
+    assert shared.view.peer_released_tokens == 4_800
+    assert shared.workflow_arrived(0.0, wf) == [] and shared.held_turns == 1
+    # the other replicas' turns finish: the held turn goes
+    actions = shared.peer_load(1.0, {"e0": (1, 100, 0)})
+    assert [a.turn.workflow.id for a in actions] == ["a"]

@@ -28,6 +28,7 @@ from turnstile.core.state import (
     add_engine,
     add_peer_load,
     charge,
+    count_peer_released,
     count_ready,
     count_released,
     discharge,
@@ -282,7 +283,7 @@ class Scheduler:
             e = view[engine_id]
             old_turns, old_tokens, old_paused = self._peer.get(engine_id, (0, 0, 0))
             add_peer_load(e, turns - old_turns, tokens - old_tokens, paused - old_paused)
-            count_released(view, turns - old_turns, tokens - old_tokens)
+            count_peer_released(view, turns - old_turns, tokens - old_tokens)
             self._peer[engine_id] = (turns, tokens, paused)
         count_ready(view, ready_turns - self._peer_ready)
         self._peer_ready = ready_turns

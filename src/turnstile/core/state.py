@@ -233,7 +233,14 @@ class ClusterView(Mapping[str, EngineLoad]):
     """Read-only view of the engines and the global released-work counters (assignment
     raises; the core writes through the functions below)."""
 
-    __slots__ = ("_engines", "_order", "ready_turns", "released_tokens", "released_turns")
+    __slots__ = (
+        "_engines",
+        "_order",
+        "peer_released_tokens",
+        "ready_turns",
+        "released_tokens",
+        "released_turns",
+    )
 
     __setattr__ = _read_only
 
@@ -243,6 +250,9 @@ class ClusterView(Mapping[str, EngineLoad]):
         _set(self, "released_turns", 0)
         _set(self, "released_tokens", 0)
         _set(self, "ready_turns", 0)
+        #: of ``released_tokens``, the part other drivers sharing these engines released (other
+        #: gateway replicas, see ``Scheduler.peer_load``); 0 for a lone driver
+        _set(self, "peer_released_tokens", 0)
 
     def __getitem__(self, key: str) -> EngineLoad:
         return self._engines[key]
@@ -337,6 +347,13 @@ def add_peer_load(engine: EngineLoad, turns: int, work_tokens: int, paused_token
     _set(engine, "outstanding_turns", engine.outstanding_turns + turns)
     _set(engine, "outstanding_tokens", engine.outstanding_tokens + work_tokens)
     _set(engine, "paused_context_tokens", engine.paused_context_tokens + paused_tokens)
+
+
+def count_peer_released(view: ClusterView, turns: int, work_tokens: int) -> None:
+    """Other drivers' released work changed by these deltas: counted in the view's totals and
+    in ``peer_released_tokens``."""
+    count_released(view, turns, work_tokens)
+    _set(view, "peer_released_tokens", view.peer_released_tokens + work_tokens)
 
 
 def count_ready(view: ClusterView, turns: int) -> None:

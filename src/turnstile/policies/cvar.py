@@ -265,7 +265,10 @@ class CvarRelease:
             _, seq, turn = heapq.heappop(expiry)
             if self._valid(seq, turn):
                 yield self._take(seq, turn, now)  # held longer than its hold limit
-        budget = self.budget(view)
+        # W counts what other drivers sharing the engines released too (gateway replicas report
+        # it through the core, in the core's units: prompt + expected output tokens), so the
+        # budget is global; a lone driver's peer part is 0
+        budget = self.budget(view) - view.peer_released_tokens
         while True:  # turns of started workflows, by WSPT index, under the budget
             best = self._best()
             if best is None:
