@@ -1,21 +1,6 @@
-"""Engine adapters: one small async interface in front of every OpenAI-compatible engine.
-
-The gateway speaks to engines only through :class:`EngineAdapter`:
-
-* :meth:`~EngineAdapter.complete` forwards a non-streaming request and returns the whole
-  response; :meth:`~EngineAdapter.stream` forwards a streaming one and yields its server-sent
-  events one by one (each a complete ``data: ...`` event, blank line included).
-* :meth:`~EngineAdapter.health`, :meth:`~EngineAdapter.stats` (a ``/metrics`` scrape),
-  :meth:`~EngineAdapter.models` and :meth:`~EngineAdapter.tokenize` for the control loop.
-* :meth:`~EngineAdapter.begin` / :meth:`~EngineAdapter.end` bracket each forwarded turn and
-  :meth:`~EngineAdapter.retain` carries out a retention decision (pin, offload, discard); the
-  base class does nothing, :class:`LlamaCppAdapter` maps them onto llama.cpp's slots.
-
-Retries: an adapter retries a request only when the engine sent nothing back — a refused
-connection, or a kept-alive connection the engine had closed — and never after any response
-byte arrived, so a completed turn is never run twice. Anything else surfaces as
-:class:`UpstreamError` (the gateway re-routes or fails the turn) or :class:`UpstreamHTTPError`
-(the engine answered with an error status; the gateway passes 4xx through).
+"""The engine adapter interface (see :mod:`turnstile.gateway.adapters` for the contract and the
+retry rule), its request/response types, and the HTTP, SSE and Prometheus helpers every kind
+of adapter shares.
 """
 
 from __future__ import annotations
