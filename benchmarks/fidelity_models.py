@@ -29,7 +29,8 @@ from turnstile.calibrate.fidelity import (
 )
 from turnstile.calibrate.profile import SMALL_CHUNK_KNEES
 from turnstile.calibrate.replay import assign_round_robin
-from turnstile.sim.perf import FEATURES, FittedPerf, fit_profile
+from turnstile.sim.fitted_perf import FittedPerf, fit_profile
+from turnstile.sim.perf import FEATURES
 from turnstile.traces import load_trace
 
 

@@ -27,7 +27,7 @@ from turnstile.calibrate.fidelity import (
 )
 from turnstile.calibrate.profile import plan_for
 from turnstile.calibrate.replay import assign_round_robin
-from turnstile.sim.perf import FittedPerf
+from turnstile.sim.fitted_perf import FittedPerf
 from turnstile.workload.model import ToolCall, Turn, Workflow
 
 PERF = FittedPerf(0.01, 2e-3, 5e-3, 1e-5, 1e-6, engine="test")

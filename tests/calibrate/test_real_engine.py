@@ -20,7 +20,8 @@ from turnstile.calibrate.fidelity import SimEngineSpec, TraceScale, compare, obs
 from turnstile.calibrate.replay import assign_round_robin, replay_workflows
 from turnstile.engines.llama_server import LlamaServerProcess
 from turnstile.engines.tiny_model import write_tiny_gguf
-from turnstile.sim.perf import FEATURES, FittedPerf
+from turnstile.sim.fitted_perf import FittedPerf
+from turnstile.sim.perf import FEATURES
 from turnstile.workload.model import ToolCall, Turn, Workflow
 
 pytestmark = pytest.mark.slow

@@ -179,7 +179,9 @@ def fidelity_cmd(
         select_sessions,
         write_report,
     )
-    from turnstile.sim.perf import FittedPerf, PerfModel, RooflinePerf
+    from turnstile.sim.fitted_perf import FittedPerf
+    from turnstile.sim.perf import PerfModel
+    from turnstile.sim.roofline_perf import RooflinePerf
     from turnstile.traces import load_trace
 
     try:

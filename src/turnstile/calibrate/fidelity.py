@@ -29,7 +29,8 @@ import numpy as np
 from turnstile.calibrate.replay import ReplayRun, assign_round_robin, replay_workflows
 from turnstile.core.state import WorkflowRecord
 from turnstile.sim.cluster import EngineGroup, run_sim
-from turnstile.sim.perf import ModelSpec, PerfModel, load_model
+from turnstile.sim.perf import PerfModel
+from turnstile.sim.roofline_perf import ModelSpec, load_model
 from turnstile.workload import synth
 from turnstile.workload.model import ToolCall, Turn, Workflow
 

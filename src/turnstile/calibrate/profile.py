@@ -13,7 +13,7 @@ prefixes) and times the streamed tokens:
   the newcomer's first token is one step holding both.
 
 Each measurement becomes a ``(features, step_time)`` sample (:mod:`turnstile.calibrate.features`)
-and :func:`turnstile.sim.perf.fit_profile` fits ``b0..b4`` to them (relative least squares by
+and :func:`turnstile.sim.fitted_perf.fit_profile` fits ``b0..b4`` to them (relative least squares by
 default: step times span three orders of magnitude), and the small-chunk attention term ``b5``
 with its knee where it fits better. :func:`write_profile` stores the result as
 a ``turnstile-profile`` file with its provenance: engine kind, model, slots, when, the samples and
@@ -55,7 +55,8 @@ from turnstile.calibrate.features import (
     mixed_sample,
     prefill_sample,
 )
-from turnstile.sim.perf import FEATURES, FittedPerf, fit_profile
+from turnstile.sim.fitted_perf import FittedPerf, fit_profile
+from turnstile.sim.perf import FEATURES
 
 __all__ = [
     "Measurement",
@@ -70,7 +71,8 @@ __all__ = [
 LLAMACPP_BATCH = 2048
 #: vLLM V1's default ``max_num_batched_tokens`` for online serving (pass the real one)
 VLLM_BATCH = 8192
-#: knees tried for the small-chunk attention term (see :class:`~turnstile.sim.perf.FittedPerf`)
+#: knees tried for the small-chunk attention term
+#: (see :class:`~turnstile.sim.fitted_perf.FittedPerf`)
 SMALL_CHUNK_KNEES = (4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
 
 
