@@ -19,14 +19,13 @@ from pathlib import Path
 import numpy as np
 
 from turnstile.calibrate.fidelity import (
-    Observed,
     SimEngineSpec,
     TraceScale,
-    compare,
     on_poisson,
     select_sessions,
     simulate,
 )
+from turnstile.calibrate.fidelity_report import Observed, compare
 from turnstile.calibrate.profile import SMALL_CHUNK_KNEES
 from turnstile.calibrate.replay import assign_round_robin
 from turnstile.sim.fitted_perf import FittedPerf, fit_profile

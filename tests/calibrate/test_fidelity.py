@@ -11,17 +11,19 @@ import pytest
 
 from turnstile.calibrate.fidelity import (
     REAL_RERUN,
-    Observed,
     SimEngineSpec,
     TraceScale,
-    compare,
-    observe,
     on_poisson,
-    plot_scatter,
-    render_markdown,
     scale_workflow,
     select_sessions,
     simulate,
+)
+from turnstile.calibrate.fidelity_report import (
+    Observed,
+    compare,
+    observe,
+    plot_scatter,
+    render_markdown,
     strip_pairs,
     write_report,
 )
