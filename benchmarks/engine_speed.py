@@ -17,7 +17,7 @@ import time
 from sim_speed import engine_decode  # the decode scenario, shared with sim_speed.py
 
 from turnstile.sim.engine import EngineConfig, EngineModel, SimRequest
-from turnstile.sim.perf import RooflinePerf
+from turnstile.sim.roofline_perf import RooflinePerf
 
 
 def bench_agentic(sessions: int, turns: int, seed: int = 0) -> tuple[float, int, dict]:

@@ -31,17 +31,14 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from turnstile.calibrate.fidelity import (
-    SimEngineSpec,
-    TraceScale,
-    run_fidelity,
-    select_sessions,
-    write_report,
-)
+from turnstile.calibrate.fidelity import SimEngineSpec, TraceScale, run_fidelity, select_sessions
+from turnstile.calibrate.fidelity_report import write_report
 from turnstile.calibrate.profile import LLAMACPP_BATCH, profile_engine
 from turnstile.engines.llama_server import LlamaServerProcess, require_llama_server
 from turnstile.engines.tiny_model import tiny_vocab, write_tiny_gguf
-from turnstile.sim.perf import FittedPerf, ModelSpec, PerfModel, RooflinePerf
+from turnstile.sim.fitted_perf import FittedPerf
+from turnstile.sim.perf import PerfModel
+from turnstile.sim.roofline_perf import ModelSpec, RooflinePerf
 from turnstile.traces import load_trace
 
 REPO = Path(__file__).resolve().parents[1]

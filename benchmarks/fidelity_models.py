@@ -19,17 +19,17 @@ from pathlib import Path
 import numpy as np
 
 from turnstile.calibrate.fidelity import (
-    Observed,
     SimEngineSpec,
     TraceScale,
-    compare,
     on_poisson,
     select_sessions,
     simulate,
 )
+from turnstile.calibrate.fidelity_report import Observed, compare
 from turnstile.calibrate.profile import SMALL_CHUNK_KNEES
 from turnstile.calibrate.replay import assign_round_robin
-from turnstile.sim.perf import FEATURES, FittedPerf, fit_profile
+from turnstile.sim.fitted_perf import FittedPerf, fit_profile
+from turnstile.sim.perf import FEATURES
 from turnstile.traces import load_trace
 
 

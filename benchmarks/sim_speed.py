@@ -57,7 +57,7 @@ from turnstile.bench.runner import WorkloadSpec, build_workload
 from turnstile.policies import PolicySet
 from turnstile.sim.cluster import ClusterSim, EngineGroup
 from turnstile.sim.engine import EngineConfig, EngineModel, SimRequest
-from turnstile.sim.perf import RooflinePerf
+from turnstile.sim.roofline_perf import RooflinePerf
 from turnstile.traces import load_trace
 from turnstile.workload.model import Turn, Workflow
 

@@ -208,7 +208,7 @@ def bench(
         raise _fail(str(e)) from None
     perf = None
     if profile is not None:
-        from turnstile.sim.perf import FittedPerf
+        from turnstile.sim.fitted_perf import FittedPerf
 
         perf = FittedPerf.from_profile(profile)
     groups = [EngineGroup(gpu=gpu, model=model, tp=tp, count=engines, kv_tokens=kv_tokens,

@@ -11,23 +11,25 @@ import pytest
 
 from turnstile.calibrate.fidelity import (
     REAL_RERUN,
-    Observed,
     SimEngineSpec,
     TraceScale,
-    compare,
-    observe,
     on_poisson,
-    plot_scatter,
-    render_markdown,
     scale_workflow,
     select_sessions,
     simulate,
+)
+from turnstile.calibrate.fidelity_report import (
+    Observed,
+    compare,
+    observe,
+    plot_scatter,
+    render_markdown,
     strip_pairs,
     write_report,
 )
 from turnstile.calibrate.profile import plan_for
 from turnstile.calibrate.replay import assign_round_robin
-from turnstile.sim.perf import FittedPerf
+from turnstile.sim.fitted_perf import FittedPerf
 from turnstile.workload.model import ToolCall, Turn, Workflow
 
 PERF = FittedPerf(0.01, 2e-3, 5e-3, 1e-5, 1e-6, engine="test")

@@ -16,11 +16,13 @@ import typer
 from typer.testing import CliRunner
 
 from turnstile.calibrate.cli import register
-from turnstile.calibrate.fidelity import SimEngineSpec, TraceScale, compare, observe, simulate
+from turnstile.calibrate.fidelity import SimEngineSpec, TraceScale, simulate
+from turnstile.calibrate.fidelity_report import compare, observe
 from turnstile.calibrate.replay import assign_round_robin, replay_workflows
 from turnstile.engines.llama_server import LlamaServerProcess
 from turnstile.engines.tiny_model import write_tiny_gguf
-from turnstile.sim.perf import FEATURES, FittedPerf
+from turnstile.sim.fitted_perf import FittedPerf
+from turnstile.sim.perf import FEATURES
 from turnstile.workload.model import ToolCall, Turn, Workflow
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,8 @@ import pytest
 from turnstile.policies import PolicySet
 from turnstile.sim.cluster import ClusterSim, EngineGroup
 from turnstile.sim.engine import EngineConfig, EngineModel, SimRequest
-from turnstile.sim.perf import FittedPerf, RooflinePerf
+from turnstile.sim.fitted_perf import FittedPerf
+from turnstile.sim.roofline_perf import RooflinePerf
 from turnstile.workload import Turn, Workflow, synth
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from turnstile.policies import PolicySet
 from turnstile.sim.cluster import ClusterSim, EngineGroup
-from turnstile.sim.perf import RooflinePerf, load_gpu, load_model
+from turnstile.sim.roofline_perf import RooflinePerf, load_gpu, load_model
 from turnstile.workload import Turn, Workflow
 
 

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from turnstile.core.actions import RetentionDecision
 from turnstile.sim.engine import EngineConfig, EngineModel, SimRequest, StepOutcome
-from turnstile.sim.perf import FittedPerf, RooflinePerf
+from turnstile.sim.fitted_perf import FittedPerf
+from turnstile.sim.roofline_perf import RooflinePerf
 
 KV_8B = 2 * 32 * 8 * 128 * 2  # llama-3.1-8b KV bytes per token
 

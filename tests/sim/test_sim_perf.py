@@ -10,17 +10,15 @@ import numpy as np
 import pytest
 
 from turnstile.core.registry import UnknownNameError
-from turnstile.sim.perf import (
-    FittedPerf,
-    PerfModel,
+from turnstile.sim.fitted_perf import FittedPerf, fit_profile, nnls
+from turnstile.sim.perf import PerfModel
+from turnstile.sim.roofline_perf import (
     RooflinePerf,
-    fit_profile,
     gpu_names,
     kv_capacity_tokens,
     load_gpu,
     load_model,
     model_names,
-    nnls,
 )
 
 # --- data files -------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from turnstile.core.registry import UnknownNameError
-from turnstile.sim.perf import PerfModel, RooflinePerf, load_gpu, load_model
+from turnstile.sim.perf import PerfModel
+from turnstile.sim.roofline_perf import RooflinePerf, load_gpu, load_model
 from turnstile.sim.tp_perf import (
     TpRooflinePerf,
     check_tp_reference,

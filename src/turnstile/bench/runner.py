@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from turnstile.sim.cluster import EngineGroup, run_sim
-from turnstile.sim.perf import RooflinePerf, load_gpu, load_model
+from turnstile.sim.roofline_perf import RooflinePerf, load_gpu, load_model
 from turnstile.workload import synth
 from turnstile.workload.model import Workflow
 

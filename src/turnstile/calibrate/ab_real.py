@@ -37,7 +37,7 @@ from turnstile.calibrate.profile import profile_engine
 from turnstile.engines.llama_server import LlamaServerProcess, free_port
 from turnstile.engines.tiny_model import write_tiny_gguf
 from turnstile.gateway.adapters import parse_prometheus
-from turnstile.sim.perf import FittedPerf
+from turnstile.sim.fitted_perf import FittedPerf
 from turnstile.workload.model import Workflow
 
 __all__ = ["AbRun", "run_ab"]

@@ -177,9 +177,11 @@ def fidelity_cmd(
         model_spec,
         run_fidelity,
         select_sessions,
-        write_report,
     )
-    from turnstile.sim.perf import FittedPerf, PerfModel, RooflinePerf
+    from turnstile.calibrate.fidelity_report import write_report
+    from turnstile.sim.fitted_perf import FittedPerf
+    from turnstile.sim.perf import PerfModel
+    from turnstile.sim.roofline_perf import RooflinePerf
     from turnstile.traces import load_trace
 
     try:

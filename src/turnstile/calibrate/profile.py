@@ -1,19 +1,12 @@
 """Profile a real engine through its HTTP API and fit the simulator's performance model to it.
 
-:func:`profile_engine` sweeps batch composition with token-id prompts (exact lengths, exact
-prefixes) and times the streamed tokens:
-
-* **prefill** (cache miss): one fresh prompt per length; the step time is llama.cpp's own
-  ``timings.prompt_ms`` when the engine reports it, else the TTFT;
-* **cache hit**: a prefix is computed once, then the prefix plus a new suffix is sent; the
-  engine's reported hit (``cached_tokens`` / ``cache_n``) sets the features;
-* **decode**: ``k = 1..N`` concurrent streams over a shared (cached) prefix of a given context;
-  the step time is the token inter-arrival time while all ``k`` decode;
-* **mixed**: ``k`` streams decoding while a new prompt arrives; the decoders' gap that ends with
-  the newcomer's first token is one step holding both.
+:func:`profile_engine` sweeps batch composition (a :class:`ProfilePlan`: cold prefills, cache
+hits, ``k = 1..N`` decoding streams, decoders plus a newcomer) with the probes of
+:mod:`turnstile.calibrate.probes`, which send token-id prompts (exact lengths, exact prefixes)
+and time the streamed tokens.
 
 Each measurement becomes a ``(features, step_time)`` sample (:mod:`turnstile.calibrate.features`)
-and :func:`turnstile.sim.perf.fit_profile` fits ``b0..b4`` to them (relative least squares by
+and :func:`turnstile.sim.fitted_perf.fit_profile` fits ``b0..b4`` to them (relative least squares by
 default: step times span three orders of magnitude), and the small-chunk attention term ``b5``
 with its knee where it fits better. :func:`write_profile` stores the result as
 a ``turnstile-profile`` file with its provenance: engine kind, model, slots, when, the samples and
@@ -28,12 +21,11 @@ from __future__ import annotations
 import datetime as dt
 import os
 import platform
-import random
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from statistics import median
@@ -41,24 +33,12 @@ from typing import Any
 
 import numpy as np
 
-from turnstile.calibrate.client import (
-    EngineInfo,
-    EngineRequestError,
-    StreamResult,
-    discover,
-    stream_completion,
-)
-from turnstile.calibrate.features import (
-    DecodeStream,
-    Sample,
-    decode_window_sample,
-    mixed_sample,
-    prefill_sample,
-)
-from turnstile.sim.perf import FEATURES, FittedPerf, fit_profile
+from turnstile.calibrate.client import EngineInfo, EngineRequestError, discover
+from turnstile.calibrate.probes import EngineProber, Measurement
+from turnstile.sim.fitted_perf import FittedPerf, fit_profile
+from turnstile.sim.perf import FEATURES
 
 __all__ = [
-    "Measurement",
     "ProfilePlan",
     "ProfileResult",
     "plan_for",
@@ -70,7 +50,8 @@ __all__ = [
 LLAMACPP_BATCH = 2048
 #: vLLM V1's default ``max_num_batched_tokens`` for online serving (pass the real one)
 VLLM_BATCH = 8192
-#: knees tried for the small-chunk attention term (see :class:`~turnstile.sim.perf.FittedPerf`)
+#: knees tried for the small-chunk attention term
+#: (see :class:`~turnstile.sim.fitted_perf.FittedPerf`)
 SMALL_CHUNK_KNEES = (4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
 
 
@@ -162,171 +143,11 @@ def plan_for(
 
 
 @dataclass
-class Measurement:
-    """One sample with where it came from."""
-
-    kind: str  # prefill | cache_hit | decode | mixed
-    features: tuple[float, float, float, float]
-    step_s: float
-    steps: int = 1
-    note: dict[str, Any] = field(default_factory=dict)
-
-    def sample(self) -> Sample:
-        return self.features, self.step_s
-
-
-@dataclass
 class ProfileResult:
     perf: FittedPerf
     info: EngineInfo
     measurements: list[Measurement]
     wall_s: float
-
-
-class _Tokens:
-    """Fresh random token ids (distinct prompts never share a prefix by accident)."""
-
-    def __init__(self, seed: int, lo: int = 33, hi: int = 127) -> None:
-        self._rng = random.Random(seed)
-        self.lo, self.hi = lo, hi
-
-    def take(self, n: int) -> list[int]:
-        r = self._rng
-        return [r.randrange(self.lo, self.hi) for _ in range(n)]
-
-
-class _Prober:
-    def __init__(
-        self,
-        info: EngineInfo,
-        chunk: int,
-        seed: int,
-        token_range: tuple[int, int],
-        timeout: float,
-    ) -> None:
-        self.info = info
-        self.chunk = chunk
-        self.tokens = _Tokens(seed, *token_range)
-        self.timeout = timeout
-        self.overheads: list[float] = []
-        self._prefixes: dict[int, list[int]] = {}
-
-    def _send(self, prompt: list[int], max_tokens: int) -> StreamResult:
-        return stream_completion(
-            self.info.url,
-            prompt,
-            max_tokens,
-            api="openai",
-            model=self.info.model,
-            timeout=self.timeout,
-        )
-
-    def _prompt_time(self, res: StreamResult) -> float:
-        """Prompt processing time: llama.cpp's own measure when present, else the TTFT."""
-        t = res.timings
-        if t and t.get("prompt_ms") is not None and float(t.get("prompt_n", 1)) > 0:
-            self.overheads.append(res.ttft_s - float(t["prompt_ms"]) / 1e3)
-            return float(t["prompt_ms"]) / 1e3
-        return res.ttft_s
-
-    def _cached(self, res: StreamResult, expect: int) -> int:
-        if res.cached_tokens is not None:
-            return res.cached_tokens
-        if res.timings and "prompt_n" in res.timings:
-            return max(0, res.prompt_tokens - int(res.timings["prompt_n"]))
-        return expect
-
-    def prefill(self, n: int, probe: int) -> Measurement:
-        res = self._send(self.tokens.take(n), probe)
-        cached = self._cached(res, 0)
-        secs = self._prompt_time(res)
-        feats, step = prefill_sample(res.prompt_tokens, cached, self.chunk, secs)
-        steps = max(1, round(secs / step))
-        return Measurement("prefill", feats, step, steps, {"prompt": n, "cached": cached})
-
-    def _prefix(self, n: int) -> list[int]:
-        """A prefix of ``n`` tokens, computed (and so cached) once and reused."""
-        got = self._prefixes.get(n)
-        if got is None:
-            got = self._prefixes[n] = self.tokens.take(n)
-            if n > 16:
-                self._send(got, 1)
-        return got
-
-    def cache_hit(self, prefix_len: int, suffix: int, probe: int) -> Measurement:
-        prefix = self._prefix(prefix_len)
-        res = self._send(prefix + self.tokens.take(suffix), probe)
-        # without a reported hit assume the prefix's full KV blocks hit (vLLM caches blocks)
-        block = int(self.info.extra.get("block_size", 1) or 1)
-        cached = self._cached(res, prefix_len // block * block)
-        secs = self._prompt_time(res)
-        feats, step = prefill_sample(res.prompt_tokens, cached, self.chunk, secs)
-        steps = max(1, round(secs / step))
-        note = {"prefix": prefix_len, "suffix": suffix, "cached": cached}
-        return Measurement("cache_hit", feats, step, steps, note)
-
-    def _streams(self, prompts: Sequence[list[int]], max_tokens: int) -> list[StreamResult]:
-        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-            futs = [pool.submit(self._send, p, max_tokens) for p in prompts]
-            return [f.result() for f in futs]
-
-    def decode(self, k: int, context: int, gen: int) -> Measurement | None:
-        # a shared prefix (cached once) keeps the set-up cheap; a short unique suffix per stream
-        suffix = min(8, max(1, context // 8))
-        prefix = self._prefix(max(1, context - suffix))
-        prompts = [prefix + self.tokens.take(suffix) for _ in range(k)]
-        results = self._streams(prompts, gen)
-        streams = [DecodeStream(r.prompt_tokens, r.token_times) for r in results]
-        got = decode_window_sample(streams)
-        if got is None:
-            return None
-        feats, step = got
-        return Measurement("decode", feats, step, gen, {"k": k, "context": context})
-
-    def mixed(self, k: int, newcomer: int, context: int) -> Measurement | None:
-        """``k`` decoders (``context``-token prompts) run; once each has a few tokens a fresh
-        ``newcomer``-token prompt is sent; the decoders are cut off after its first token."""
-        prompts = [self.tokens.take(context) for _ in range(k)]
-        fresh = self.tokens.take(newcomer)
-        counts = [0] * k
-        warm = threading.Event()
-        stop = threading.Event()
-        limit = max(64, (self.info.ctx_per_seq or 4096) - context - 8)
-
-        def decoder(i: int) -> StreamResult:
-            def on_token(n: int, _t: float) -> None:
-                counts[i] = n
-                if min(counts) >= 4:
-                    warm.set()
-
-            return stream_completion(
-                self.info.url,
-                prompts[i],
-                limit,
-                api="openai",
-                model=self.info.model,
-                timeout=self.timeout,
-                on_token=on_token,
-                should_stop=stop.is_set,
-            )
-
-        with ThreadPoolExecutor(max_workers=k) as pool:
-            futs = [pool.submit(decoder, i) for i in range(k)]
-            try:
-                if not warm.wait(self.timeout):
-                    return None
-                new = self._send(fresh, 2)
-                time.sleep(0.05)  # let the decoders read the token of the newcomer's step
-            finally:
-                stop.set()
-            results = [f.result() for f in futs]
-        cached = self._cached(new, 0)
-        streams = [DecodeStream(r.prompt_tokens, r.token_times) for r in results]
-        got = mixed_sample(streams, new.prompt_tokens, cached, new.first_token_s, self.chunk)
-        if got is None:
-            return None
-        feats, step = got
-        return Measurement("mixed", feats, step, 1, {"k": k, "prompt": newcomer})
 
 
 def profile_engine(
@@ -392,10 +213,10 @@ def profile_engine(
     raw: dict[str, list[Measurement]] = {}
     skipped: list[str] = []
     lock = threading.Lock()
-    probers: list[_Prober] = []
+    probers: list[EngineProber] = []
 
     def sweep(i: int) -> None:
-        prober = _Prober(infos[i], chunk, seed + 1000 * i, token_range, timeout)
+        prober = EngineProber(infos[i], chunk, seed + 1000 * i, token_range, timeout)
         probers.append(prober)
 
         def keep(measure: Callable[[], Measurement | None], label: str) -> None:
@@ -411,8 +232,7 @@ def profile_engine(
                     raw.setdefault(label, []).append(m)
             tick(label)
 
-        # warm-up: the first request pays one-off costs (graph allocation, page faults)
-        prober._send(prober.tokens.take(32), 4)
+        prober.warm_up()
         for _ in range(plan.repeats):
             for n in plan.prefill_lengths:
                 keep(partial(prober.prefill, n, plan.probe_tokens), f"prefill {n}")

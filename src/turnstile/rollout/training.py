@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from turnstile.sim.perf import as_gpu, as_model
+from turnstile.sim.roofline_perf import as_gpu, as_model
 
 __all__ = ["ParallelConfig", "TrainModel"]
 

@@ -20,7 +20,8 @@ from turnstile.core.state import EngineLoad, TurnRecord, TurnState, WorkflowReco
 from turnstile.policies import PolicySet
 from turnstile.sim.engine import EngineConfig, EngineModel, SimRequest
 from turnstile.sim.kernel import EventQueue
-from turnstile.sim.perf import PerfModel, RooflinePerf, kv_capacity_tokens, load_gpu, load_model
+from turnstile.sim.perf import PerfModel
+from turnstile.sim.roofline_perf import RooflinePerf, kv_capacity_tokens, load_gpu, load_model
 from turnstile.workload.model import Workflow
 
 # event kinds (ints: cheap to compare)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from turnstile.sim.perf import GpuSpec, ModelSpec, as_model, kv_capacity_tokens
+from turnstile.sim.roofline_perf import GpuSpec, ModelSpec, as_model, kv_capacity_tokens
 
 
 @dataclass(slots=True, kw_only=True)

@@ -14,8 +14,9 @@ import heapq
 
 from turnstile.sim.batch_scheduler import BatchScheduler
 from turnstile.sim.block_pool import BlockPool
-from turnstile.sim.perf import PerfModel, RooflinePerf
+from turnstile.sim.perf import PerfModel
 from turnstile.sim.request import SimRequest, StepOutcome
+from turnstile.sim.roofline_perf import RooflinePerf
 
 #: pins expiring within this of ``now`` expire now (so ``now + (t - now)`` rounding is harmless)
 EPS = 1e-9

@@ -1,9 +1,9 @@
 """Tensor-parallel performance: what a TP4 replica buys a straggler, and what it costs per GPU.
 
-:class:`~turnstile.sim.perf.RooflinePerf` already splits weights and KV across a ``tp`` group and
-charges two all-reduces per layer, but with one bandwidth for every message size. Decode moves
-small messages (``batch × hidden × 2`` bytes: kilobytes to a megabyte), where an all-reduce is
-latency- and kernel-bound, far from the link's line rate; prefill moves large ones (a 4k-token
+:class:`~turnstile.sim.roofline_perf.RooflinePerf` already splits weights and KV across a ``tp``
+group and charges two all-reduces per layer, but with one bandwidth for every message size. Decode
+moves small messages (``batch × hidden × 2`` bytes: kilobytes to a megabyte), where an all-reduce
+is latency- and kernel-bound, far from the link's line rate; prefill moves large ones (a 4k-token
 chunk of a 70B model is 64 MB), where NCCL's ring runs near its bus bandwidth. This module adds:
 
 * :class:`InterconnectSpec` (``data/interconnects.json``, each entry cited): per GPU, the
@@ -33,11 +33,11 @@ from functools import cache
 from typing import Any
 
 from turnstile.core.registry import UnknownNameError
-from turnstile.sim.perf import (
+from turnstile.sim.perf import PerfModel
+from turnstile.sim.roofline_perf import (
     _DATA,
     GpuSpec,
     ModelSpec,
-    PerfModel,
     RooflinePerf,
     as_model,
     kv_capacity_tokens,

@@ -1,0 +1,269 @@
+"""The fitted step-time model: coefficients fitted to step times measured on a real engine.
+
+:class:`FittedPerf` prices an engine iteration (the four features of
+:class:`~turnstile.sim.perf.PerfModel`) as ``b0 + b1·prefill + b2·decode + b3·kv_read +
+b4·attn2``, plus an optional small-chunk attention term ``b5``; :func:`fit_profile` fits it with
+non-negative least squares (:func:`nnls`) and :meth:`FittedPerf.to_profile` /
+:meth:`FittedPerf.from_profile` store it as a ``turnstile-profile`` JSON file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from turnstile.sim.perf import FEATURES
+
+PROFILE_FORMAT = "turnstile-profile"
+PROFILE_VERSION = 1
+
+
+@dataclass(slots=True)
+class FittedPerf:
+    """``step_time = b0 + b1·prefill + b2·decode + b3·kv_read + b4·attn2`` (all ``b ≥ 0``),
+    plus, when fitted, a small-chunk attention term ``b5·attn2·k/(k + prefill)``.
+
+    The extra term is what a CPU engine shows (llama.cpp): a prefill chunk of a few tokens
+    appended to a long cached context pays more per attention pair than a large chunk (the
+    attention runs as matrix-vector products instead of a tiled matrix product), so each pair
+    costs ``b4 + b5`` when the step's prefill is much smaller than the knee ``k``
+    (``small_chunk_tokens``) and ``b4`` when much larger. ``b5 = 0`` is the linear model.
+    """
+
+    b0: float
+    b1: float = 0.0
+    b2: float = 0.0
+    b3: float = 0.0
+    b4: float = 0.0
+    kv_bytes_per_token: float = 0.0
+    engine: str = ""
+    model: str = ""
+    measured_at: str = ""
+    #: fit diagnostics and provenance (samples, rmse_s, r2, hardware...)
+    meta: dict[str, Any] = field(default_factory=dict)
+    name: str = ""
+    #: extra seconds per attention pair of a small prefill chunk (0: the linear model)
+    b5: float = 0.0
+    #: the knee ``k`` of the small-chunk term, in prefill tokens per step
+    small_chunk_tokens: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            self.name = f"fitted:{self.engine or '?'}/{self.model or '?'}"
+
+    @property
+    def coefficients(self) -> tuple[float, float, float, float, float]:
+        return (self.b0, self.b1, self.b2, self.b3, self.b4)
+
+    def step_time(
+        self,
+        prefill_tokens: int,
+        decode_seqs: int,
+        kv_read_tokens: int,
+        prefill_attn_tokens2: float = 0.0,
+    ) -> float:
+        t = (
+            self.b0
+            + self.b1 * prefill_tokens
+            + self.b2 * decode_seqs
+            + self.b3 * kv_read_tokens
+            + self.b4 * prefill_attn_tokens2
+        )
+        if self.b5:
+            k = self.small_chunk_tokens
+            t += self.b5 * prefill_attn_tokens2 * k / (k + prefill_tokens)
+        return t
+
+    # -- profile files -------------------------------------------------------------------------
+
+    def to_profile(self, path: str | Path) -> None:
+        doc = {
+            "format": PROFILE_FORMAT,
+            "version": PROFILE_VERSION,
+            "engine": self.engine,
+            "model": self.model,
+            "measured_at": self.measured_at,
+            "features": list(FEATURES),
+            "coefficients": {
+                "b0_s": self.b0,
+                "b1_s_per_prefill_token": self.b1,
+                "b2_s_per_decode_seq": self.b2,
+                "b3_s_per_kv_read_token": self.b3,
+                "b4_s_per_attn_pair": self.b4,
+                "b5_s_per_small_chunk_attn_pair": self.b5,
+                "small_chunk_tokens": self.small_chunk_tokens,
+            },
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "meta": self.meta,
+        }
+        Path(path).write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+
+    @classmethod
+    def from_profile(cls, path: str | Path) -> FittedPerf:
+        p = Path(path)
+        try:
+            doc = json.loads(p.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{p}: not JSON ({exc})") from None
+        if not isinstance(doc, dict) or doc.get("format") != PROFILE_FORMAT:
+            raise ValueError(f"{p}: not a {PROFILE_FORMAT} file (missing 'format' header)")
+        if doc.get("version") != PROFILE_VERSION:
+            raise ValueError(
+                f"{p}: {PROFILE_FORMAT} version {doc.get('version')!r} is not supported "
+                f"(this build reads version {PROFILE_VERSION})"
+            )
+        c = doc.get("coefficients", {})
+        keys = (
+            "b0_s",
+            "b1_s_per_prefill_token",
+            "b2_s_per_decode_seq",
+            "b3_s_per_kv_read_token",
+            "b4_s_per_attn_pair",
+        )
+        if "b0_s" not in c:
+            raise ValueError(f"{p}: coefficients.b0_s is required")
+        b = [float(c.get(k, 0.0)) for k in keys]
+        if any(v < 0 or not math.isfinite(v) for v in b):
+            raise ValueError(f"{p}: coefficients must be finite and non-negative, got {b}")
+        b5 = float(c.get("b5_s_per_small_chunk_attn_pair", 0.0))
+        knee = float(c.get("small_chunk_tokens", 0.0))
+        if b5 < 0 or knee < 0 or not (math.isfinite(b5) and math.isfinite(knee)):
+            raise ValueError(f"{p}: the small-chunk term must be finite and non-negative")
+        return cls(
+            *b,
+            b5=b5 if knee > 0 else 0.0,
+            small_chunk_tokens=knee,
+            kv_bytes_per_token=float(doc.get("kv_bytes_per_token", 0.0)),
+            engine=str(doc.get("engine", "")),
+            model=str(doc.get("model", "")),
+            measured_at=str(doc.get("measured_at", "")),
+            meta=dict(doc.get("meta", {})),
+        )
+
+
+Sample = tuple[Sequence[float], float]
+
+
+def nnls(a: np.ndarray, b: np.ndarray, tol: float | None = None) -> np.ndarray:
+    """Non-negative least squares ``min ||a x − b||, x ≥ 0`` (Lawson–Hanson active set)."""
+    a = np.asarray(a, dtype=float)
+    b = np.asarray(b, dtype=float)
+    m, n = a.shape
+    if tol is None:
+        tol = 10.0 * np.finfo(float).eps * np.linalg.norm(a, 1) * max(m, n)
+    passive = np.zeros(n, dtype=bool)
+    x = np.zeros(n)
+    w = a.T @ (b - a @ x)
+    for _ in range(3 * n + 10):
+        if passive.all() or w[~passive].max() <= tol:
+            break
+        j = int(np.argmax(np.where(passive, -np.inf, w)))
+        passive[j] = True
+        while True:
+            s = np.zeros(n)
+            s[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if s[passive].min() > 0:
+                break
+            neg = passive & (s <= 0)
+            alpha = np.min(x[neg] / (x[neg] - s[neg]))
+            x = x + alpha * (s - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+        x = s
+        w = a.T @ (b - a @ x)
+    return x
+
+
+def _nnls_scaled(x: np.ndarray, y: np.ndarray, wgt: np.ndarray) -> np.ndarray:
+    """Weighted NNLS with columns scaled to unit norm (features span ten orders of magnitude)."""
+    a = x * wgt[:, None]
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0
+    return nnls(a / scale, y * wgt) / scale
+
+
+def fit_profile(
+    samples: Iterable[Sample],
+    *,
+    relative: bool = False,
+    kv_bytes_per_token: float = 0.0,
+    engine: str = "",
+    model: str = "",
+    measured_at: str = "",
+    meta: dict[str, Any] | None = None,
+    small_chunk_knees: Sequence[float] = (),
+) -> FittedPerf:
+    """Fit :class:`FittedPerf` to measured ``(features, step_time_s)`` samples.
+
+    ``small_chunk_knees``: candidate knees ``k`` of the small-chunk attention term; each is
+    fitted (its column ``attn2·k/(k + prefill)`` beside the five linear ones) and the knee with
+    the smallest weighted error is kept, or none when no knee beats the linear model by 2%
+    (empty: the linear model only).
+
+    ``features`` is ``(prefill_tokens, decode_seqs, kv_read_tokens[, prefill_attn_tokens2])``.
+    Coefficients are constrained non-negative (a negative per-token cost would make bigger
+    batches faster). Columns are scaled before solving, so features of very different
+    magnitudes (attention pairs ~1e8 vs decode seqs ~10) are fitted equally well. With
+    ``relative`` each sample is weighted by ``1 / step_time`` (minimises relative error, which
+    is what TTFT fidelity cares about when step times span orders of magnitude).
+    """
+    rows: list[list[float]] = []
+    ys: list[float] = []
+    for feats, y in samples:
+        f = [float(v) for v in feats]
+        if len(f) == 3:
+            f.append(0.0)
+        if len(f) != 4:
+            raise ValueError(f"a sample needs 3 or 4 features {FEATURES}, got {len(f)}")
+        rows.append([1.0, *f])
+        ys.append(float(y))
+    if len(rows) < 2:
+        raise ValueError(f"need at least 2 samples to fit, got {len(rows)}")
+    x = np.asarray(rows)
+    y = np.asarray(ys)
+    if relative:
+        if (y <= 0).any():
+            raise ValueError("relative=True needs positive step times")
+        wgt = 1.0 / y
+    else:
+        wgt = np.ones_like(y)
+    coef = _nnls_scaled(x, y, wgt)
+    sse = float((((x @ coef) - y) * wgt) ** 2 @ np.ones_like(y))
+    knee = 0.0
+    for k in small_chunk_knees:
+        if k <= 0:
+            raise ValueError(f"small-chunk knees must be > 0, got {k}")
+        xk = np.column_stack([x, x[:, 4] * k / (k + x[:, 1])])
+        ck = _nnls_scaled(xk, y, wgt)
+        sse_k = float((((xk @ ck) - y) * wgt) ** 2 @ np.ones_like(y))
+        if ck[5] > 0 and sse_k < 0.98**2 * sse:
+            coef, sse, knee = ck, sse_k, float(k)
+    if knee:
+        x = np.column_stack([x, x[:, 4] * knee / (knee + x[:, 1])])
+    pred = x @ coef
+    resid = y - pred
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    stats = {
+        "samples": len(ys),
+        "rmse_s": float(np.sqrt((resid**2).mean())),
+        "median_abs_rel_err": float(np.median(np.abs(resid) / np.maximum(np.abs(y), 1e-12))),
+        "r2": 1.0 - float((resid**2).sum()) / ss_tot if ss_tot > 0 else 1.0,
+        "relative": relative,
+        "small_chunk_tokens": knee,
+    }
+    return FittedPerf(
+        *(float(c) for c in coef[:5]),
+        b5=float(coef[5]) if knee else 0.0,
+        small_chunk_tokens=knee,
+        kv_bytes_per_token=kv_bytes_per_token,
+        engine=engine,
+        model=model,
+        measured_at=measured_at,
+        meta={**(meta or {}), "fit": stats},
+    )
