@@ -90,13 +90,8 @@ class Relay:
             return await self._forward_stream(p, adapter, hints)
         try:
             resp = await adapter.complete(p.path, p.body, hints)
-        except UpstreamHTTPError as e:
-            self._end(adapter, hints)
-            return self._http_error(p, e)
-        except UpstreamError as e:
-            self._end(adapter, hints)
-            self.events.turn_failed(p, e.engine_down, str(e))
-            raise RetryableFailure(str(e), 502 if e.engine_down else 504) from None
+        except (UpstreamHTTPError, UpstreamError) as e:
+            return self._failed_before_reply(p, adapter, hints, e)
         except BaseException:
             self._end(adapter, hints)
             self.events.turn_finished(p, 0, None, cancelled=True)
@@ -114,6 +109,16 @@ class Relay:
         self.events.turn_finished(p, completion_tokens(usage), usage)
         return Outcome(resp.status, [(b"content-type", resp.content_type.encode()),
                                      *self.headers(p)], body=resp.body)
+
+    def _failed_before_reply(self, p: PendingTurn, adapter: EngineAdapter, hints: ForwardHints,
+                             e: UpstreamHTTPError | UpstreamError) -> Outcome:
+        """The engine failed the turn before any reply reached the client: an error status is
+        passed on (4xx) or retried (5xx); no answer at all is retried elsewhere."""
+        self._end(adapter, hints)
+        if isinstance(e, UpstreamHTTPError):
+            return self._http_error(p, e)
+        self.events.turn_failed(p, e.engine_down, str(e))
+        raise RetryableFailure(str(e), 502 if e.engine_down else 504) from None
 
     def _http_error(self, p: PendingTurn, e: UpstreamHTTPError) -> Outcome:
         if e.status >= 500:
@@ -133,13 +138,8 @@ class Relay:
             self._end(adapter, hints)
             self.events.turn_failed(p, False, "empty stream")
             raise RetryableFailure(f"engine {p.engine} closed the stream without data") from None
-        except UpstreamHTTPError as e:
-            self._end(adapter, hints)
-            return self._http_error(p, e)
-        except UpstreamError as e:
-            self._end(adapter, hints)
-            self.events.turn_failed(p, e.engine_down, str(e))
-            raise RetryableFailure(str(e), 502 if e.engine_down else 504) from None
+        except (UpstreamHTTPError, UpstreamError) as e:
+            return self._failed_before_reply(p, adapter, hints, e)
         except BaseException:
             await gen.aclose()
             self._end(adapter, hints)
