@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 from turnstile.core.actions import Action, Release, Retain
+from turnstile.core.errors import SchedulerError
 from turnstile.core.interfaces import PolicyBundle
 from turnstile.core.state import (
     ClusterView,
@@ -38,11 +39,6 @@ from turnstile.core.state import (
     set_accepting,
 )
 from turnstile.workload.model import ToolCall, Turn, Workflow
-
-
-class SchedulerError(RuntimeError):
-    """An event that contradicts the state machine (a driver bug), with the turn it concerns."""
-
 
 _NO_ACTIONS: list[Action] = []
 

@@ -7,10 +7,21 @@ classes keep the hot path allocation-light.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, ItemsView, Iterator, KeysView, Mapping, ValuesView
 from enum import IntEnum
+from typing import TypeVar
 
 from turnstile.workload.model import Turn, Workflow
+
+_T = TypeVar("_T")
+
+try:  # installed with mypy, where ``make compiled`` builds (see docs/benchmarks-sim-speed.md)
+    from mypy_extensions import mypyc_attr
+except ImportError:  # the plain-Python install: the decorator only informs mypyc
+    def mypyc_attr(  # type: ignore[misc]
+        *attrs: str, **kwattrs: object
+    ) -> Callable[[_T], _T]:
+        return lambda cls: cls
 
 
 class TurnState(IntEnum):
@@ -141,6 +152,9 @@ def _read_only(obj: object, name: str, value: object) -> None:
     )
 
 
+# compiled, still a plain Python class: the core writes past the read-only __setattr__ with
+# object.__setattr__, which a mypyc native class does not allow
+@mypyc_attr(native_class=False)
 class EngineLoad:
     """What the scheduler knows about one engine: its own accounting plus reported stats.
 
@@ -169,7 +183,27 @@ class EngineLoad:
         "weight",
     )
 
-    __setattr__ = _read_only
+    # the slots' types (set through ``_set`` in __init__ and the write path below)
+    id: str
+    capacity_tokens: int
+    weight: float
+    tp: int
+    bucket: str
+    tpot_s: float
+    prefill_s_per_token: float
+    accepting: bool
+    outstanding_turns: int
+    outstanding_tokens: int
+    paused_context_tokens: int
+    _sessions: dict[str, None]
+    cached_sessions: KeysView[str]
+    queue_len: int
+    running: int
+    kv_used_frac: float
+    healthy: bool
+
+    def __setattr__(self, name: str, value: object) -> None:
+        _read_only(self, name, value)
 
     def __init__(
         self,
@@ -229,9 +263,14 @@ class EngineLoad:
         return f"<Engine {self.id} turns={self.outstanding_turns} tokens={self.outstanding_tokens}>"
 
 
-class ClusterView(Mapping[str, EngineLoad]):
+@mypyc_attr(native_class=False)  # as EngineLoad
+class ClusterView:
     """Read-only view of the engines and the global released-work counters (assignment
-    raises; the core writes through the functions below)."""
+    raises; the core writes through the functions below).
+
+    A read-only ``Mapping`` of engine id → :class:`EngineLoad` (registered as one; written out
+    rather than inherited: ``make compiled`` builds this module with mypyc, whose classes
+    cannot derive from ``Mapping``'s metaclass)."""
 
     __slots__ = (
         "_engines",
@@ -242,7 +281,15 @@ class ClusterView(Mapping[str, EngineLoad]):
         "released_turns",
     )
 
-    __setattr__ = _read_only
+    _engines: dict[str, EngineLoad]
+    _order: tuple[str, ...]
+    peer_released_tokens: int
+    ready_turns: int
+    released_tokens: int
+    released_turns: int
+
+    def __setattr__(self, name: str, value: object) -> None:
+        _read_only(self, name, value)
 
     def __init__(self, engines: list[EngineLoad]) -> None:
         _set(self, "_engines", {e.id: e for e in engines})
@@ -263,6 +310,21 @@ class ClusterView(Mapping[str, EngineLoad]):
     def __len__(self) -> int:
         return len(self._order)
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._engines
+
+    def get(self, key: str, default: EngineLoad | None = None) -> EngineLoad | None:
+        return self._engines.get(key, default)
+
+    def keys(self) -> KeysView[str]:
+        return self._engines.keys()
+
+    def values(self) -> ValuesView[EngineLoad]:
+        return self._engines.values()
+
+    def items(self) -> ItemsView[str, EngineLoad]:
+        return self._engines.items()
+
     @property
     def ids(self) -> tuple[str, ...]:
         return self._order
@@ -279,6 +341,9 @@ class ClusterView(Mapping[str, EngineLoad]):
         """Some engine that takes new work has nothing released to it."""
         return any(e.outstanding_turns == 0 and e.healthy and e.accepting
                    for e in self._engines.values())
+
+
+Mapping.register(ClusterView)
 
 
 # ------------------------------------------------------------------ the core's write path

@@ -129,7 +129,7 @@ class BatchScheduler:
         if waiting and budget > 0 and len(self.running) < self.max_seqs:
             prio = self.prio
             while waiting and budget > 0 and len(self.running) < self.max_seqs:
-                req = waiting[0][2] if prio else waiting[0]
+                req = self.heap[0][2] if prio else self.fifo[0]
                 avail = pool.free + pool.n_evict
                 if (
                     req is self.blk_req

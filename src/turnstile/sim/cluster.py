@@ -250,6 +250,7 @@ class ClusterSim:
         #: a step end due strictly before every queued event and arrival: handled next, without
         #: going through the heap (it would be popped next anyway)
         due: tuple[int, Any] | None = None
+        payload: Any = None
         events = 0
         while True:
             if due is not None:
@@ -260,8 +261,8 @@ class ClusterSim:
                 now = payload[1].end_s
                 clock.t = now
                 kind = _STEP_END
-            elif q and q.peek_time() < arr_t:
-                if q.peek_time() > t_s:
+            elif q.peek_time_or(_NEVER) < arr_t:
+                if q.peek_time_or(_NEVER) > t_s:
                     break
                 now, kind, payload = q.pop()
             elif a < n_arr:
@@ -337,6 +338,7 @@ class ClusterSim:
                     nxt = arr_t
                 if outcome is None:  # a decode iteration, stepped with its leap
                     outcome = engines[i].step_and_leap(now, nxt, True)
+                    assert outcome is not None  # decoders run: the step is never idle
                     self.iterations += outcome.iterations
                     pending = (i, outcome)
                 elif ff:

@@ -43,9 +43,12 @@ class RetentionTier:
     sessions: dict[str, tuple[int, tuple[int, ...] | None, int]]
     _pin_seq: int
 
-    if TYPE_CHECKING:
-        def sync(self, seg: Seg, where: int) -> None: ...
-        def cpu_room(self) -> None: ...
+    # BlockPool's (declared here, not under TYPE_CHECKING, so that mypyc can compile the mixin)
+    def sync(self, seg: Seg, where: int) -> None:
+        raise NotImplementedError
+
+    def cpu_room(self) -> None:
+        raise NotImplementedError
 
     def retain(self, session: str, decision: RetentionDecision, now: float) -> None:
         """Apply ``decision`` to ``session``'s cached blocks (see the module docstring; ``lru``

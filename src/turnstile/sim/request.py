@@ -7,8 +7,9 @@ scheduler, the block pool and the step executor share them); drivers read only t
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 # request states (engine-private)
 NEW = 0
@@ -55,7 +56,7 @@ class SimRequest:
 
     def __init__(
         self,
-        rid: Hashable,
+        rid: Any,
         session: str,
         prompt_tokens: int,
         output_tokens: int,
@@ -112,9 +113,9 @@ class StepOutcome:
 
     duration_s: float
     #: requests scheduled for the first time this step (their ``started_s`` is ``now``)
-    started: list[SimRequest] = field(default_factory=list)
+    started: Sequence[SimRequest] = field(default_factory=list)
     #: requests that emitted their first output token at the end of this step
-    first_token: list[SimRequest] = field(default_factory=list)
+    first_token: Sequence[SimRequest] = field(default_factory=list)
     #: requests that finished at the end of this step; their KV went to the prefix cache
     finished: list[SimRequest] = field(default_factory=list)
     #: False for an idle wait (requests queued, KV held by pins, nothing runnable)

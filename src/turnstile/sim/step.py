@@ -23,6 +23,11 @@ EPS = 1e-9
 #: the started and first-token lists of a decode run, which starts nothing and emits no first
 #: token (an empty tuple: read only, like every outcome's lists outside the engine)
 _NONE: tuple = ()
+#: a RooflinePerf's decode-only step_time terms for ``n_dec`` decoders (see :meth:`_plan`)
+_Roof = tuple[float, float, float, float, float, float]
+#: what a leap relies on: (n_dec, blocked, blk_avail, next pin expiry, stop iteration, roof)
+_Plan = tuple[int, bool, int, float | None, int, _Roof | None]
+_NO_PLAN: _Plan = (0, False, 0, None, 0, None)
 
 
 class StepExecutor:
@@ -40,7 +45,7 @@ class StepExecutor:
         #: the outcome whose leap stopped only at ``until``, while nothing has reached the
         #: engine since (see :meth:`resume`)
         self._cut_out: StepOutcome | None = None
-        self._cut_plan: tuple = ()
+        self._cut_plan: _Plan = _NO_PLAN
         self.decode_tokens = 0
         self.iterations = 0
         self.busy_s = 0.0
@@ -130,10 +135,10 @@ class StepExecutor:
             if out.iterations:
                 return out
             # the first iteration needs a preemption: left to step()
-        out = self.step(now)
-        if out is not None:
-            self.leap(out, until)
-        return out
+        stepped = self.step(now)
+        if stepped is not None:
+            self.leap(stepped, until)
+        return stepped
 
     def leap(self, out: StepOutcome, until: float) -> None:
         """Extend ``out`` (what :meth:`step` just returned) with the following iterations that
@@ -171,14 +176,14 @@ class StepExecutor:
                 return
         self._run(out, self._plan(n_dec, blocked), until)
 
-    def _plan(self, n_dec: int, blocked: bool) -> tuple:
+    def _plan(self, n_dec: int, blocked: bool) -> _Plan:
         """What a leap of ``n_dec`` decoders relies on; all of it holds until something reaches
         the engine (see :meth:`resume`)."""
         s = self.sched
         pin_heap = self.pool.pin_heap
         perf = self.perf
         if type(perf) is RooflinePerf:  # its step_time(0, n_dec, kv, 0.0) inlined in _run
-            roof: tuple[float, ...] | None = (
+            roof: _Roof | None = (
                 perf._flop_s * n_dec, perf._attn_s, perf._weights_s, perf._kv_s,
                 perf._overhead_s, perf._ar_tok_s * n_dec)
         else:
@@ -188,7 +193,7 @@ class StepExecutor:
                 s.next_finish() + 1,  # no further than the next finish
                 roof)
 
-    def _run(self, out: StepOutcome, plan: tuple, until: float) -> None:
+    def _run(self, out: StepOutcome, plan: _Plan, until: float) -> None:
         """The leap's decode iterations from ``out.end_s`` on (see :meth:`leap`)."""
         if plan[5] is not None and plan[3] is None and not self.pool.cpu_cap:
             self._run_roofline(out, plan, until)
@@ -276,13 +281,14 @@ class StepExecutor:
             bucket = s.fin.pop(stop - 1)
             s.finish_decoders(bucket, it, end, out.finished)
 
-    def _run_roofline(self, out: StepOutcome, plan: tuple, until: float) -> None:
+    def _run_roofline(self, out: StepOutcome, plan: _Plan, until: float) -> None:
         """:meth:`_run` for the common case (a :class:`RooflinePerf`, no pin, no offload tier),
         with the same iterations and float sums. Which iterations memory allows is worked out
         before the loop from the block-need histogram (``phase``), so the loop only sums
         durations; and when one roofline term is the larger over the whole KV range by a wide
         margin, the other is not computed."""
         n_dec, blocked, blk_avail, _, stop, roof = plan
+        assert roof is not None  # _run's condition
         c_tok, attn_s, weights_s, kv_s, overhead_s, ar_tok = roof
         s = self.sched
         pool = self.pool
@@ -320,13 +326,15 @@ class StepExecutor:
         # is the larger in between too (both terms are linear in the KV tokens)
         lo_c, lo_m = c_tok + attn_s * kv, weights_s + kv_s * kv
         hi_c, hi_m = c_tok + attn_s * kv_last, weights_s + kv_s * kv_last
+        linear = True
         if lo_m > lo_c * (1 + 1e-9) and hi_m > hi_c * (1 + 1e-9):
             base, per_kv = weights_s, kv_s  # memory-bound throughout
         elif lo_c > lo_m * (1 + 1e-9) and hi_c > hi_m * (1 + 1e-9):
             base, per_kv = c_tok, attn_s  # compute-bound throughout
         else:
-            base = per_kv = None
-        if base is not None:
+            linear = False
+            base = per_kv = 0.0
+        if linear:
             for j in range(cap):
                 if end >= until:
                     k = j
