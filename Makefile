@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 TRACES ?= ../shared/traces
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint engine redis clean
+.PHONY: demo test lint engine redis clean compiled test-compiled
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,8 +33,30 @@ test: $(STAMP) engine redis
 	TURNSTILE_REDIS_SERVER="$$(bash scripts/install_redis.sh | tail -n 1)" \
 		$(BIN)/pytest -q --timeout=600
 
+# Opt-in: the simulator's hot modules compiled with mypyc into their own venv, .venv-compiled
+# (nothing is built into src/; `make test` and `make demo` never use it). Needs a C compiler.
+# Rebuilds on every call. Run the benchmark with .venv-compiled/bin/python benchmarks/sim_speed.py.
+COMPILED := .venv-compiled
+
+$(COMPILED)/bin/python:
+	$(PYTHON) -m venv $(COMPILED)
+	$(COMPILED)/bin/pip install -q --upgrade pip
+
+$(COMPILED)/.deps: $(COMPILED)/bin/python pyproject.toml
+	$(COMPILED)/bin/pip install -q '.[test]' 'mypy==2.4.1' setuptools wheel
+	touch $@
+
+compiled: $(COMPILED)/.deps
+	$(COMPILED)/bin/python scripts/build_compiled.py
+	$(COMPILED)/bin/turnstile version
+
+# The simulator's exactness tests against the compiled build (bit-identical results).
+test-compiled: compiled
+	TURNSTILE_EXPECT_COMPILED=1 $(COMPILED)/bin/python -m pytest -q -p no:cacheprovider \
+		tests/test_build_info.py tests/sim/test_golden_run.py tests/sim/test_leap_exact.py
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(COMPILED) build/compiled .pytest_cache .ruff_cache

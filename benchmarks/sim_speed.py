@@ -54,6 +54,7 @@ from rich.console import Console
 from rich.table import Table
 
 from turnstile.bench.runner import WorkloadSpec, build_workload
+from turnstile.build_info import describe as describe_build
 from turnstile.policies import PolicySet
 from turnstile.sim.cluster import ClusterSim, EngineGroup
 from turnstile.sim.engine import EngineConfig, EngineModel, SimRequest
@@ -291,6 +292,9 @@ def results_header(script: str, argv: list[str] | None) -> dict[str, Any]:
     """The command, machine and start time every results JSON of these benchmarks begins with."""
     command = f"benchmarks/{script} " + shlex.join(sys.argv[1:] if argv is None else argv)
     return {"command": command, "machine": machine(),
+            # plain Python or the mypyc build (`make compiled`), and whether that is stale
+            "build": describe_build(REPO / "src"),
+            "python_executable": sys.executable,
             "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
@@ -343,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     con = Console(width=None if sys.stdout.isatty() else 180)
     results = results_header("sim_speed.py", argv)
+    con.print(f"turnstile build: {results['build']}")
     rows: list[dict[str, Any]] = []
 
     # 1. engine alone

@@ -260,10 +260,12 @@ def list_policies() -> None:
 
 @app.command("version")
 def version() -> None:
-    """Print the version."""
+    """Print the version, and whether the simulator runs compiled (``make compiled``)."""
     from turnstile import __version__
+    from turnstile.build_info import describe
 
-    console.print(__version__)
+    # a checkout's src/ (when run from one) tells whether a compiled install is stale
+    console.print(f"{__version__} ({describe(Path.cwd() / 'src')})")
 
 
 def main() -> None:  # pragma: no cover
