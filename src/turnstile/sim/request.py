@@ -8,7 +8,6 @@ scheduler, the block pool and the step executor share them); drivers read only t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 # request states (engine-private)
@@ -107,25 +106,46 @@ class SimRequest:
         )
 
 
-@dataclass(slots=True)
 class StepOutcome:
-    """What one iteration did. Everything happens at ``now + duration_s``."""
+    """What one iteration did. Everything happens at ``now + duration_s``.
 
-    duration_s: float
-    #: requests scheduled for the first time this step (their ``started_s`` is ``now``)
-    started: Sequence[SimRequest] = field(default_factory=list)
-    #: requests that emitted their first output token at the end of this step
-    first_token: Sequence[SimRequest] = field(default_factory=list)
-    #: requests that finished at the end of this step; their KV went to the prefix cache
-    finished: list[SimRequest] = field(default_factory=list)
-    #: False for an idle wait (requests queued, KV held by pins, nothing runnable)
-    busy: bool = True
-    #: when it ends: ``now + duration_s`` after one iteration; after
-    #: :meth:`~turnstile.sim.engine.EngineModel.leap` the end of the last iteration, summed one
-    #: iteration at a time as stepping would
-    end_s: float = 0.0
-    #: iterations it covers (more than 1 after a leap)
-    iterations: int = 1
+    A plain ``__slots__`` class rather than a dataclass: one is made per step, and a compiled
+    build (``make compiled``) would run a dataclass's generated ``__init__`` as Python."""
+
+    __slots__ = ("busy", "duration_s", "end_s", "finished", "first_token", "iterations",
+                 "started")
+
+    def __init__(
+        self,
+        duration_s: float,
+        started: Sequence[SimRequest] | None = None,
+        first_token: Sequence[SimRequest] | None = None,
+        finished: list[SimRequest] | None = None,
+        busy: bool = True,
+        end_s: float = 0.0,
+        iterations: int = 1,
+    ) -> None:
+        self.duration_s = duration_s
+        #: requests scheduled for the first time this step (their ``started_s`` is ``now``)
+        self.started: Sequence[SimRequest] = [] if started is None else started
+        #: requests that emitted their first output token at the end of this step
+        self.first_token: Sequence[SimRequest] = [] if first_token is None else first_token
+        #: requests that finished at the end of this step; their KV went to the prefix cache
+        self.finished: list[SimRequest] = [] if finished is None else finished
+        #: False for an idle wait (requests queued, KV held by pins, nothing runnable)
+        self.busy = busy
+        #: when it ends: ``now + duration_s`` after one iteration; after
+        #: :meth:`~turnstile.sim.engine.EngineModel.leap` the end of the last iteration, summed
+        #: one iteration at a time as stepping would
+        self.end_s = end_s
+        #: iterations it covers (more than 1 after a leap)
+        self.iterations = iterations
+
+    def __repr__(self) -> str:
+        return (f"StepOutcome(duration_s={self.duration_s!r}, started={self.started!r}, "
+                f"first_token={self.first_token!r}, finished={self.finished!r}, "
+                f"busy={self.busy!r}, end_s={self.end_s!r}, iterations={self.iterations!r})")
+
 
 class Seg:
     """The session-named blocks of one session (from block ``lo`` on) on one engine.
