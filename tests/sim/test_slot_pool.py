@@ -136,10 +136,32 @@ def test_a_pin_expires() -> None:
     _, t = turn(eng, "a", 200, 0.0)
     _, t = turn(eng, "b", 200, t)
     eng.retain("a", RetentionDecision("pin", ttl_s=1.0), t)
-    _, t = turn(eng, "b", 230, t + 2.0)  # a step after the expiry unpins a
-    assert eng.next_pin_expiry is None
-    _, t = turn(eng, "c", 200, t)
-    assert slot_of(eng, "a") is None
+    _, t = turn(eng, "c", 200, t + 0.5)  # pinned: c takes b's slot
+    assert slot_of(eng, "a") == 0 and slot_of(eng, "b") is None
+    _, t = turn(eng, "d", 200, t + 1.0)  # expired: a's is the least recently used
+    assert slot_of(eng, "a") is None and eng.next_pin_expiry is None
+
+
+def test_a_turn_forwarded_when_every_slot_is_taken_goes_to_the_server_and_the_gateway_loses_track(
+) -> None:
+    """Every slot bound: the turn goes unbound, the server puts it in the first slot to free
+    up, and the gateway, which still believes that slot holds b, sends b's next turn there."""
+    eng = slot_engine(slots=2)
+    _, t = turn(eng, "a", 200, 0.0)
+    _, t = turn(eng, "b", 200, t)
+    b2 = SimRequest("b2", "b", 230, 4)  # own slot: 27 tokens to compute, finishes first
+    c = SimRequest("c", "c", 200, 4)  # a's slot
+    e = SimRequest("e", "e", 200, 4)  # no slot left in the gateway's view
+    for r in (b2, c, e):
+        eng.submit(r, t)
+    pool = eng.pool
+    assert isinstance(pool, SlotPool)
+    assert pool.unbound == 1 and e not in pool.bound
+    t = run(eng, t)
+    assert b2.cached_tokens == 203 and e.started_s == pytest.approx(b2.finished_s)
+    assert slot_of(eng, "e") == 1 and pool.slots[1].owner == "b"  # stale
+    b3, _ = turn(eng, "b", 260, t)
+    assert b3.cached_tokens == 0 and slot_of(eng, "e") is None
 
 
 def test_discard_erases_the_slot() -> None:

@@ -129,6 +129,8 @@ class EngineModel(StepExecutor):
                 f"{self.config.slot_tokens}: it can never run"
             )
         self._cut_out = None
+        if self.config.kv_slots:
+            self.pool.forward(req, now)  # type: ignore[attr-defined]
         self.sched.add(req)
 
     def has_work(self) -> bool:

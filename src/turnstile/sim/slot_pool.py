@@ -10,24 +10,31 @@ that behind the same check-then-commit interface as the paged
 :class:`~turnstile.sim.block_pool.BlockPool`, in tokens (the engine runs it with
 ``block_size == 1``), so the batch scheduler and the step executor run unchanged.
 
-Which idle slot a request gets is what turnstile's gateway does in front of llama.cpp
-(:class:`turnstile.gateway.adapters.LlamaCppAdapter.choose_slot`), with the server's own
-choice where the gateway leaves it open:
+Which slot a request gets is decided twice, as in front of a real server:
 
-1. the slot holding the request's session;
-2. else an idle slot nobody pinned: empty first, then the least recently used;
-3. else (every idle slot pinned) the server's choice: the least recently used idle slot.
+* when it is forwarded (:meth:`SlotPool.forward`, at ``submit``), turnstile's gateway
+  (:class:`turnstile.gateway.adapters.LlamaCppAdapter`) picks from what *it* believes: the slot
+  it last gave the session, if it counts no turn there; else a slot with no turn of its own
+  and no pin: one it believes empty first, then the least recently used. The request is bound to
+  that slot (``id_slot``) and runs there once the slot is idle. When there is no such slot
+  (every one busy or pinned), the request goes unbound and the gateway forgets where the
+  session's KV is;
+* an unbound request gets, when it is admitted, the server's choice: the idle slot holding its
+  session (llama.cpp's longest-common-prefix pick), else the least recently used idle one.
 
-A retention ``pin`` therefore only steers that choice for its TTL: it reserves no memory and
-never makes a request wait. ``discard`` erases the session's slot; ``offload`` and ``lru``
-leave it (this model has no slot save/restore tier). Memory accounting (``free``/``private``)
-counts the tokens running requests compute, so that the scheduler's block arithmetic holds;
-it never binds, since every slot owns ``C / N`` tokens and at most ``N`` requests run.
+So the gateway's belief can go stale: an unbound request may overwrite a slot the gateway still
+thinks another session owns, and a session whose KV the gateway forgot looks like an empty
+slot to the next session. A retention ``pin`` is the gateway's: it keeps other sessions' bound
+requests off the slot the gateway believes the session owns, until the TTL; it reserves no
+memory, and the server ignores it. ``discard`` erases that slot (if the gateway counts no turn
+there); ``offload`` and ``lru`` leave it (this model has no slot save/restore tier). Memory
+accounting (``free``/``private``) counts the tokens running requests compute, so that the
+scheduler's block arithmetic holds; it never binds, since every slot owns ``C / N`` tokens and
+at most ``N`` requests run.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -39,10 +46,14 @@ if TYPE_CHECKING:
 
 
 class Slot:
-    """One llama.cpp slot: the sequence it holds (``session``, ``tokens``), whether a request
-    runs in it, when it was last used (a counter) and until when a pin steers others off it."""
+    """One llama.cpp slot. The server's view: the sequence it holds (``session``, ``tokens``),
+    whether a request runs in it (``busy``), when it was last used (``last_used``, a counter).
+    The gateway's view: the session it believes the slot holds (``owner``), the turns it bound
+    there and that are not over (``bound``), when it last used it (``gw_last``, a counter) and
+    until when it pinned it (``pin_until``, seconds)."""
 
-    __slots__ = ("busy", "hashes", "id", "last_used", "pin_until", "session", "tokens")
+    __slots__ = ("bound", "busy", "gw_last", "hashes", "id", "last_used", "owner", "pin_until",
+                 "session", "tokens")
 
     def __init__(self, slot_id: int) -> None:
         self.id = slot_id
@@ -51,15 +62,20 @@ class Slot:
         self.hashes: tuple[int, ...] | None = None
         self.busy = False
         self.last_used = 0
-        self.pin_until = 0.0  # > 0 while pinned
+        self.owner: str | None = None
+        self.bound = 0
+        self.gw_last = 0
+        self.pin_until = 0.0
 
     def __repr__(self) -> str:
-        return f"<Slot {self.id} {self.session} {self.tokens} tok busy={self.busy}>"
+        return (f"<Slot {self.id} {self.session} {self.tokens} tok busy={self.busy} "
+                f"owner={self.owner} bound={self.bound}>")
 
 
 class SlotMatch:
-    """What :meth:`SlotPool.match_prefix` found: the ``slot`` the request would run in and the
-    ``n_hit`` leading tokens it would reuse there (``reload`` and ``taken`` are always 0)."""
+    """What :meth:`SlotPool.match_prefix` found: the ``slot`` the request would run in (``None``:
+    none is idle for it) and the ``n_hit`` leading tokens it would reuse there (``reload`` and
+    ``taken`` are always 0)."""
 
     __slots__ = ("n_hit", "slot")
     reload = 0
@@ -89,14 +105,18 @@ class SlotPool:
         self.cpu_cap = 0
         self.cpu_used = 0
         self.ver = 0
-        #: (until, seq, slot): pins in expiry order (stale entries are skipped)
+        #: pins are the gateway's and are read against the clock when a request is forwarded:
+        #: no pin ever expires inside the engine (the step executor reads an empty heap)
         self.pin_heap: list[tuple[float, int, Slot]] = []
-        self._pin_seq = 0
         self._tick = 0
+        #: request -> the slot the gateway bound it to (until it finishes)
+        self.bound: dict[SimRequest, Slot] = {}
         #: running request -> its slot
         self.held: dict[SimRequest, Slot] = {}
         #: tokens of other sessions' sequences a request overwrote (a slot eviction)
         self.evicted_blocks = 0
+        #: requests forwarded unbound (every slot busy or pinned in the gateway's view)
+        self.unbound = 0
         self.offloaded_blocks = 0
         self.reloaded_blocks = 0
 
@@ -104,31 +124,59 @@ class SlotPool:
     def available(self) -> int:
         return self.free
 
+    # -- the gateway's choice, when a request is forwarded ---------------------------------------
+
+    def forward(self, req: SimRequest, now: float) -> None:
+        """The gateway forwards ``req`` at ``now``: bind it to a slot, as
+        ``LlamaCppAdapter.begin`` does, or leave it to the server."""
+        session = req.session
+        own = best = None
+        for s in self.slots:
+            if s.owner == session:
+                own = s
+            elif not s.bound and s.pin_until <= now and (
+                best is None
+                or (s.owner is None, -s.gw_last) > (best.owner is None, -best.gw_last)
+            ):
+                best = s
+        slot = own if own is not None and not own.bound else best
+        if slot is None:
+            self.unbound += 1
+            if own is not None:
+                own.owner = None  # the server picks: where the session's KV is, is unknown
+            return
+        if own is not None and own is not slot:
+            own.owner = None
+        slot.owner = session
+        slot.bound += 1
+        slot.pin_until = 0.0
+        self._tick += 1
+        slot.gw_last = self._tick
+        self.bound[req] = slot
+
     # -- check-then-commit ----------------------------------------------------------------------
 
-    def choose(self, session: str) -> Slot | None:
-        """The idle slot a request of ``session`` gets (see the module docstring); ``None``
-        when every slot is busy."""
-        own = free = lru = None
+    def choose(self, req: SimRequest) -> Slot | None:
+        """The slot ``req`` runs in if admitted now: its bound slot if idle, else (unbound) the
+        server's pick; ``None`` when there is none."""
+        slot = self.bound.get(req)
+        if slot is not None:
+            return None if slot.busy else slot
+        session = req.session
+        lru = None
         for s in self.slots:
             if s.busy:
                 continue
             if s.session == session:
-                own = s
-                break
-            if not s.pin_until and (
-                free is None
-                or (s.session is None, -s.last_used) > (free.session is None, -free.last_used)
-            ):
-                free = s
+                return s
             if lru is None or s.last_used < lru.last_used:
                 lru = s
-        return own or free or lru
+        return lru
 
     def match_prefix(self, req: SimRequest, target: int) -> SlotMatch:
         """The slot ``req`` would run in and the prefix it reuses there, leaving at least one of
         its ``target`` tokens to compute. Changes nothing."""
-        slot = self.choose(req.session)
+        slot = self.choose(req)
         hit = 0
         if slot is not None and self.caching and slot.tokens:
             if slot.session == req.session:
@@ -145,7 +193,7 @@ class SlotPool:
         return SlotMatch(slot, hit)
 
     def can_allocate(self, match: SlotMatch, new: int) -> bool:
-        """Whether there is an idle slot (a slot's memory always holds what may run in it)."""
+        """Whether the request's slot is idle (a slot's memory holds what may run in it)."""
         return match.slot is not None and new <= self.free
 
     def allocate(self, req: SimRequest, match: SlotMatch, new: int) -> None:
@@ -159,7 +207,6 @@ class SlotPool:
         slot.tokens = match.n_hit
         slot.hashes = req.block_hashes
         slot.busy = True
-        slot.pin_until = 0.0
         self._tick += 1
         slot.last_used = self._tick
         self.held[req] = slot
@@ -172,8 +219,9 @@ class SlotPool:
         self.free -= n
 
     def release(self, req: SimRequest, kv_len: int) -> None:
-        """``req`` finished (or was preempted) with ``kv_len`` tokens in its slot: they stay
-        there as the slot's sequence until another request takes the slot."""
+        """``req`` finished with ``kv_len`` tokens in its slot: they stay there as the slot's
+        sequence until another request takes the slot. (No preemption here: memory never runs
+        out.)"""
         slot = self.held.pop(req)
         private = kv_len - req._n_hit
         self.private -= private
@@ -182,6 +230,10 @@ class SlotPool:
         slot.tokens = kv_len if self.caching else 0
         self._tick += 1
         slot.last_used = self._tick
+        gw = self.bound.pop(req, None)
+        if gw is not None:  # the gateway's end(): the turn is over
+            gw.bound -= 1
+            gw.gw_last = self._tick
         self.ver += 1
 
     def remember_session(self, req: SimRequest, kv_len: int) -> None:
@@ -189,55 +241,47 @@ class SlotPool:
 
     # -- retention ------------------------------------------------------------------------------
 
-    def _slot_of(self, session: str) -> Slot | None:
+    def _owned(self, session: str) -> Slot | None:
         for s in self.slots:
-            if s.session == session:
+            if s.owner == session:
                 return s
         return None
 
     def retain(self, session: str, decision: RetentionDecision, now: float) -> None:
-        """``pin``: keep other sessions off ``session``'s slot until ``now + ttl_s`` while
-        another slot is free to take; ``discard``: erase it (if idle); ``offload``/``lru``:
-        leave it."""
+        """As the gateway's llama.cpp adapter: ``pin`` keeps other sessions' requests off the
+        slot it believes ``session`` owns until ``now + ttl_s``; ``discard`` erases that slot
+        (when the gateway counts no turn there); ``offload``/``lru`` leave it."""
         action = decision.action
         if action in ("lru", "offload"):
             return
-        slot = self._slot_of(session)
+        slot = self._owned(session)
         if slot is None:
             return
-        self.ver += 1
         if action == "pin":
-            until = now + decision.ttl_s
-            if until > now:
-                slot.pin_until = until
-                heapq.heappush(self.pin_heap, (until, self._pin_seq, slot))
-                self._pin_seq += 1
+            slot.pin_until = now + decision.ttl_s
         elif action == "discard":
-            if not slot.busy:
+            if not slot.bound and not slot.busy:
                 slot.session = None
                 slot.tokens = 0
                 slot.hashes = None
-                slot.pin_until = 0.0
+                slot.owner = None
+                self.ver += 1
         else:
             raise ValueError(f"unknown retention action {action!r}")
 
     @property
     def next_pin_expiry(self) -> float | None:
-        return self.pin_heap[0][0] if self.pin_heap else None
+        return None
 
     def expire_pins(self, now: float) -> None:
-        """Unpin every slot pinned until ``now`` or earlier."""
-        heap = self.pin_heap
-        self.ver += 1
-        while heap and heap[0][0] <= now:
-            _, _, slot = heapq.heappop(heap)
-            if 0 < slot.pin_until <= now:
-                slot.pin_until = 0.0
+        """Nothing expires inside the engine (see ``pin_heap``)."""
 
     def session_blocks(self, session: str) -> tuple[int, int]:
         """(tokens in a slot, 0) of ``session``'s last sequence."""
-        slot = self._slot_of(session)
-        return (slot.tokens if slot is not None else 0, 0)
+        for s in self.slots:
+            if s.session == session:
+                return (s.tokens, 0)
+        return (0, 0)
 
     # -- checks ----------------------------------------------------------------------------------
 
@@ -251,8 +295,12 @@ class SlotPool:
             slot = self.held[req]
             assert slot.busy and slot.session == req.session, slot
             assert kv_len <= self.slot_tokens, (req, kv_len)
+            assert self.bound.get(req, slot) is slot, (req, slot)
             private += kv_len - req._n_hit
         assert private == self.private and self.free + private == self.num_gpu_blocks, (
             private, self.private, self.free)
         for s in self.slots:
             assert 0 <= s.tokens <= self.slot_tokens, s
+            assert s.bound == sum(1 for b in self.bound.values() if b is s), s
+        owners = [s.owner for s in self.slots if s.owner is not None]
+        assert len(owners) == len(set(owners)), owners
