@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from turnstile.core.state import TurnState
 from turnstile.gateway.durability import Durability, OffsetClock
 from turnstile.gateway.protocol import (
     JSON_CT,
@@ -25,6 +26,9 @@ from turnstile.gateway.sessions import PendingTurn, SessionTable
 from turnstile.gateway.store import HeldTurnRow, SessionRow
 from turnstile.workload.model import Turn
 
+if TYPE_CHECKING:
+    from turnstile.gateway.replicas import ReplicaSync
+
 __all__ = ["Recovery", "RecoveryHost"]
 
 log = logging.getLogger("turnstile.gateway")
@@ -35,10 +39,13 @@ class RecoveryHost(Protocol):
     by_request: dict[str, PendingTurn]
     clock: OffsetClock
     durable: Durability | None
+    replicas: ReplicaSync | None
 
     def _ready(self, p: PendingTurn, turn: Turn, ready_s: float | None = None) -> None: ...
 
     async def _serve(self, p: PendingTurn) -> Outcome: ...
+
+    async def _run(self, p: PendingTurn) -> Outcome: ...
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]: ...
 
@@ -112,6 +119,46 @@ class Recovery:
                 host.durable.forget(p)
         finally:
             p.detached_done.set()
+
+    async def retried(self, rid: str, req: TurnRequest) -> Outcome | None:
+        """A request id seen before gets its kept result, takes over its held turn, or (with
+        replicas) gets another replica's answer; ``None``: a request id not seen before."""
+        out = await self.cached_outcome(rid, req)
+        if out is not None:
+            return out
+        host = self.host
+        p = host.by_request.get(rid)
+        if p is not None:
+            if p.attached:
+                raise GatewayError(409, f"request {rid!r} is already in progress",
+                                   code="duplicate_request")
+            return await self._reattach(p, req)
+        if host.replicas is not None:
+            return await host.replicas.answered_elsewhere(rid, req)
+        return None
+
+    async def _reattach(self, p: PendingTurn, req: TurnRequest) -> Outcome:
+        """A retried request id whose turn is held (restored after a restart, or its first
+        client went away): this client takes it over, or waits for the result if the turn is
+        already being served with no client."""
+        if p.detached_done is not None:
+            await p.detached_done.wait()
+            out = await self.cached_outcome(p.request_id, req)
+            if out is None:
+                raise GatewayError(502, f"request {p.request_id!r} failed", type_="upstream_error")
+            return out
+        p.attached = True
+        if req.stream != p.stream:
+            p.stream = req.stream
+            if req.stream:
+                p.body = {**p.body, "stream": True, "stream_options": {"include_usage": True}}
+                p.client_usage = False
+            else:
+                p.body = {k: v for k, v in p.body.items() if k != "stream_options"}
+                p.body["stream"] = False
+        if p.state == TurnState.READY and (p.waker is None or p.waker.done()):
+            p.waker = asyncio.get_running_loop().create_future()
+        return await self.host._run(p)
 
     async def cached_outcome(self, rid: str, req: TurnRequest) -> Outcome | None:
         cached = self.results.get(rid)

@@ -216,10 +216,6 @@ class Gateway:
     def _apply(self, actions: list[Action]) -> None:
         self.driver.apply(actions)
 
-    @property
-    def results(self) -> dict[str, tuple[int, bytes, float, str]]:
-        return self.recovery.results
-
     def adopt(self, h: HeldTurnRow, session: SessionRow | None = None) -> None:
         self.recovery.adopt(h, session)
 
@@ -242,19 +238,9 @@ class Gateway:
         """Serve one chat/completions request (raises GatewayError for 4xx/5xx answers)."""
         rid = req.request_id
         if rid is not None:
-            out = await self.cached_outcome(rid, req)
+            out = await self.recovery.retried(rid, req)
             if out is not None:
                 return out
-            p = self.by_request.get(rid)
-            if p is not None:
-                if p.attached:
-                    raise GatewayError(409, f"request {rid!r} is already in progress",
-                                       code="duplicate_request")
-                return await self._reattach(p, req)
-            if self.replicas is not None:
-                out = await self.replicas.answered_elsewhere(rid, req)
-                if out is not None:
-                    return out
         else:
             rid = uuid.uuid4().hex
         if self.queued >= self.config.max_held:
@@ -296,29 +282,6 @@ class Gateway:
             if p.state == PENDING and p.rec is None:  # never became READY
                 self._forget(p)
             raise
-
-    async def _reattach(self, p: PendingTurn, req: TurnRequest) -> Outcome:
-        """A retried request id whose turn is held (restored after a restart, or its first
-        client went away): this client takes it over, or waits for the result if the turn is
-        already being served with no client."""
-        if p.detached_done is not None:
-            await p.detached_done.wait()
-            out = await self.cached_outcome(p.request_id, req)
-            if out is None:
-                raise GatewayError(502, f"request {p.request_id!r} failed", type_="upstream_error")
-            return out
-        p.attached = True
-        if req.stream != p.stream:
-            p.stream = req.stream
-            if req.stream:
-                p.body = {**p.body, "stream": True, "stream_options": {"include_usage": True}}
-                p.client_usage = False
-            else:
-                p.body = {k: v for k, v in p.body.items() if k != "stream_options"}
-                p.body["stream"] = False
-        if p.state == READY and (p.waker is None or p.waker.done()):
-            p.waker = asyncio.get_running_loop().create_future()
-        return await self._run(p)
 
     async def _tokenize(self, text: str) -> int | None:
         for eid, a in self.adapters.items():
