@@ -40,6 +40,7 @@ from turnstile.calibrate.ab import (
     render_table,
     repredict,
     slot_kv_tokens,
+    with_profile_slots,
 )
 from turnstile.calibrate.ab_real import AbRun, run_ab
 from turnstile.calibrate.fidelity import TraceScale
@@ -122,8 +123,8 @@ def repredict_main(args: argparse.Namespace) -> int:
     scale = TraceScale(**setup["scale"])
     sessions = _sessions(Path(setup["trace"]), setup["subset"], setup["trace_sessions"],
                          setup["synth_sessions"], scale, setup.get("seed", 0))
-    engines = AbEngines(**{**run["engines"], "kv_model": args.kv_model})
     perf = FittedPerf.from_profile(src / "profile.json")
+    engines = with_profile_slots(AbEngines(**{**run["engines"], "kv_model": args.kv_model}), perf)
     rates = {float(k): v for k, v in doc["rates"].items()}
     t0 = time.time()
     doc["cells"] = repredict(doc["cells"], sessions, rates, engines, perf)

@@ -22,6 +22,7 @@ from turnstile.calibrate.ab import (
     repredict,
     sim_workflows,
     slot_kv_tokens,
+    with_profile_slots,
 )
 from turnstile.calibrate.ab_real import gateway_toml
 from turnstile.calibrate.fidelity import TraceScale
@@ -84,6 +85,10 @@ def test_engines_are_simulated_as_llama_cpp_slots_and_repredict_keeps_the_measur
     assert paged.kv_slots == 0 and paged.kv_tokens == 1536
     with pytest.raises(ValueError, match="kv_model"):
         AbEngines(count=1, n_parallel=1, ctx=100, kv_model="vllm")
+    # the slot size the server reports (a profile's ``ctx_per_seq``) wins over -c / -np
+    measured = FittedPerf(0.002, 1e-4, engine="test", meta={"ctx_per_seq": 1024})
+    assert with_profile_slots(ENGINES, measured).group(PERF).slot_tokens == 1024
+    assert with_profile_slots(ENGINES, PERF) is ENGINES
     sessions = build_sessions([], 0, 10, SCALE, seed=0)
     wfs = cell_workload(sessions, 20.0, 0)
     pred = predict(wfs, ["eager"], AbEngines(count=2, n_parallel=2, ctx=1536,

@@ -47,6 +47,7 @@ __all__ = [
     "repredict",
     "sim_workflows",
     "slot_kv_tokens",
+    "with_profile_slots",
 ]
 
 #: tokens the ChatML template adds around one message (``<|im_start|>role\n … <|im_end|>\n``)
@@ -73,6 +74,9 @@ class AbEngines:
     #: slots of ``ctx / n_parallel`` tokens, one sequence each, :mod:`turnstile.sim.slot_pool`),
     #: or ``"paged"``: a paged prefix cache of ``session_kv_tokens`` (the model before slots)
     kv_model: str = "slots"
+    #: KV tokens of one slot as the server reports it (llama.cpp may round ``-c``, e.g. 3184
+    #: with ``-np 4`` to 1,024 per slot); ``None``: ``ctx // n_parallel``
+    slot_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_model not in ("slots", "paged"):
@@ -88,9 +92,16 @@ class AbEngines:
         slots = self.kv_model == "slots"
         return EngineGroup(count=self.count, kv_tokens=self.session_kv_tokens,
                            kv_slots=self.n_parallel if slots else 0,
-                           slot_tokens=self.ctx // self.n_parallel if slots else 0,
+                           slot_tokens=(self.slot_tokens or self.ctx // self.n_parallel)
+                           if slots else 0,
                            max_num_seqs=self.n_parallel,
                            max_batched_tokens=max(self.chunk, self.n_parallel), perf=perf)
+
+
+def with_profile_slots(engines: AbEngines, perf: PerfModel) -> AbEngines:
+    """``engines`` with the slot size a fitted profile measured (``ctx_per_seq``), if any."""
+    per_slot = int(getattr(perf, "meta", {}).get("ctx_per_seq") or 0)
+    return replace(engines, slot_tokens=per_slot) if per_slot else engines
 
 
 def slot_kv_tokens(sessions: Sequence[Workflow], n_parallel: int) -> int:
