@@ -12,6 +12,11 @@ cell. See :mod:`turnstile.calibrate.ab_real` for the protocol.
 
 Writes ``real_ab.json`` (every cell, the aggregated rows, the goals, the host load),
 ``real_ab.md`` (the table) and ``real_ab.png`` (the plot) to ``--out``.
+
+``--from DIR`` runs no engine: it predicts every cell of the A/B in ``DIR`` again (its
+``real_ab.json`` and ``profile.json``: the same sessions, rates, seeds and fitted profile) with
+the simulator as it is now and ``--kv-model``, keeps the measured figures, and writes the same
+files to ``--out`` with the previous prediction beside the new one (``pred_before``).
 """
 
 from __future__ import annotations
@@ -33,11 +38,14 @@ from turnstile.calibrate.ab import (
     check_goals,
     plot_ab,
     render_table,
+    repredict,
     slot_kv_tokens,
+    with_profile_slots,
 )
 from turnstile.calibrate.ab_real import AbRun, run_ab
 from turnstile.calibrate.fidelity import TraceScale
 from turnstile.engines.llama_server import require_llama_server
+from turnstile.sim.fitted_perf import FittedPerf
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "agentcgroup_swerebench_claude_code"
@@ -73,25 +81,80 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-tool-s", type=float, default=0.5)
     ap.add_argument("--quick-profile", action="store_true")
     ap.add_argument("--seed", type=int, default=0, help="session choice")
+    ap.add_argument("--kv-model", choices=("slots", "paged"), default="slots",
+                    help="the simulator's KV model of the engines (slots: as llama.cpp)")
+    ap.add_argument("--from", dest="from_dir", type=Path, default=None,
+                    help="re-predict the A/B in this folder; run no engine")
     return ap.parse_args(argv)
+
+
+def _sessions(trace: Path, subset: str, n_trace: int, n_synth: int, scale: TraceScale,
+              seed: int) -> list:
+    from turnstile.traces import load_trace
+
+    trace_wfs = load_trace(trace, subset=subset).workflows if n_trace else []
+    return build_sessions(trace_wfs, n_trace, n_synth, scale, seed=seed)
+
+
+def _write(doc: dict, out: Path, title: str) -> None:
+    """Aggregate ``doc["cells"]``, check the goals, write the JSON, table and plot."""
+    rows = aggregate(doc["cells"])
+    goals = check_goals(rows)
+    doc.update(rows=rows, goals=goals)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "real_ab.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    table = render_table(rows)
+    loads = [c["loadavg"][0] for c in doc["cells"]]
+    note = (f"\nHost load average (1 min) during the cells: {min(loads):.1f}–{max(loads):.1f} "
+            f"on {doc['setup']['cpus']} CPUs; wall time {doc['setup']['wall_s']:.0f} s; "
+            f"predictions: {doc['setup'].get('kv_model', 'paged')} KV model.\n")
+    (out / "real_ab.md").write_text(table + note + "\n```json\n"
+                                    + json.dumps(goals, indent=1) + "\n```\n")
+    plot_ab(rows, out / "real_ab.png", title)
+    print(table + note)
+    print(json.dumps({k: v for k, v in goals.items() if k != "ratio_errors"}, indent=1))
+
+
+def repredict_main(args: argparse.Namespace) -> int:
+    """``--from``: the finished A/B's cells, predicted again (no engine runs)."""
+    src: Path = args.from_dir
+    doc = json.loads((src / "real_ab.json").read_text())
+    setup, run = doc["setup"], doc["run"]
+    scale = TraceScale(**setup["scale"])
+    sessions = _sessions(Path(setup["trace"]), setup["subset"], setup["trace_sessions"],
+                         setup["synth_sessions"], scale, setup.get("seed", 0))
+    perf = FittedPerf.from_profile(src / "profile.json")
+    engines = with_profile_slots(AbEngines(**{**run["engines"], "kv_model": args.kv_model}), perf)
+    rates = {float(k): v for k, v in doc["rates"].items()}
+    t0 = time.time()
+    doc["cells"] = repredict(doc["cells"], sessions, rates, engines, perf)
+    setup["kv_model"] = args.kv_model
+    setup["repredicted"] = {"from": str(src), "wall_s": round(time.time() - t0, 1),
+                            "command": " ".join([Path(sys.executable).name, *sys.argv])}
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.out.resolve() != src.resolve():
+        shutil.copy(src / "profile.json", args.out / "profile.json")
+    e = run["engines"]
+    _write(doc, args.out, f"{setup['sessions']} agent sessions through turnstile serve on "
+                          f"{e['count']}x llama.cpp (-np {e['n_parallel']} -c {e['ctx']}): "
+                          f"measured vs simulated ({args.kv_model} KV)")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_dir is not None:
+        return repredict_main(args)
     require_llama_server()
-    from turnstile.traces import load_trace
-
     scale = TraceScale(token_div=32.0, output_div=8.0, max_output=args.max_output,
                        tool_div=args.tool_div, max_tool_s=args.max_tool_s,
                        max_context=args.max_context, max_turns=args.max_turns)
-    trace_wfs = []
-    if args.trace_sessions:
-        trace_wfs = load_trace(args.trace, subset=args.subset).workflows
-    sessions = build_sessions(trace_wfs, args.trace_sessions, args.synth_sessions, scale,
-                              seed=args.seed)
-    # llama.cpp keeps one session per slot: the simulator and the KV gate get that much KV
+    sessions = _sessions(args.trace, args.subset, args.trace_sessions, args.synth_sessions,
+                         scale, args.seed)
+    # llama.cpp keeps one session per slot: the KV gate is told that much KV
     engines = AbEngines(count=args.engines, n_parallel=args.n_parallel, ctx=args.ctx,
-                        kv_tokens=slot_kv_tokens(sessions, args.n_parallel))
+                        kv_tokens=slot_kv_tokens(sessions, args.n_parallel),
+                        kv_model=args.kv_model)
     # a slot must hold a whole session as the replay sends it: template tokens per message, the
     # replay's margins, and 10% for its characters-per-token estimate; else the replay shrinks
     # the prompts and the simulator would not be predicting the same work
@@ -119,28 +182,18 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="turnstile-ab-") as work:
         doc = run_ab(run, sessions, Path(work), on_cell=on_cell)
         shutil.copy(Path(work) / "profile.json", out / "profile.json")
-    rows = aggregate(doc["cells"])
-    goals = check_goals(rows)
-    doc.update(rows=rows, goals=goals, setup={
+    doc["setup"] = {
         "trace": str(args.trace), "subset": args.subset, "sessions": len(sessions),
         "trace_sessions": args.trace_sessions, "synth_sessions": args.synth_sessions,
+        "seed": args.seed, "kv_model": args.kv_model,
         "scale": vars(scale) if hasattr(scale, "__dict__") else str(scale),
         "loadavg_before": load0, "loadavg_after": os.getloadavg(), "cpus": os.cpu_count(),
         "machine": platform.machine(), "wall_s": round(time.time() - t0, 1),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-    })
-    (out / "real_ab.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    table = render_table(rows)
-    loads = [c["loadavg"][0] for c in doc["cells"]]
-    note = (f"\nHost load average (1 min) during the cells: {min(loads):.1f}–{max(loads):.1f} "
-            f"on {os.cpu_count()} CPUs; wall time {doc['setup']['wall_s']:.0f} s.\n")
-    (out / "real_ab.md").write_text(table + note + "\n```json\n"
-                                    + json.dumps(goals, indent=1) + "\n```\n")
-    plot_ab(rows, out / "real_ab.png",
-            f"{len(sessions)} agent sessions through turnstile serve on {args.engines}x llama.cpp "
-            f"(-np {args.n_parallel} -c {args.ctx}): measured vs simulated")
-    print(table + note)
-    print(json.dumps({k: v for k, v in goals.items() if k != "ratio_errors"}, indent=1))
+    }
+    _write(doc, out, f"{len(sessions)} agent sessions through turnstile serve on "
+                     f"{args.engines}x llama.cpp (-np {args.n_parallel} -c {args.ctx}): "
+                     "measured vs simulated")
     return 0
 
 

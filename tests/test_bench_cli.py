@@ -33,6 +33,22 @@ def test_bench_on_the_synthetic_workload_writes_an_evidence_record(tmp_path):
     assert (tmp_path / "flow_cdf.png").stat().st_size > 1000
 
 
+def test_bench_with_a_llama_cpp_profile_simulates_its_slots(tmp_path):
+    from turnstile.sim.fitted_perf import FittedPerf
+
+    prof = tmp_path / "profile.json"
+    meta = {"engine_kind": "llama.cpp", "n_parallel": 2, "ctx_per_seq": 131072}
+    FittedPerf(0.002, 1e-4, 6e-4, 1e-6, 5e-8, engine="llama.cpp", meta=meta).to_profile(prof)
+    res = runner.invoke(app, ["bench", "--policies", "eager", "--workflows", "6", "--engines",
+                              "2", "--load", "0.5", "--profile", str(prof), "--kv-tokens", "200000",
+                              "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    d = json.loads((tmp_path / "results.json").read_text())
+    eng = d["config"]["engines"][0]
+    assert (eng["kv_slots"], eng["slot_tokens"], eng["max_num_seqs"]) == (2, 131072, 2)
+    assert d["policies"][0]["metrics"]["workflows"] == 6
+
+
 @pytest.mark.traces
 def test_bench_on_the_real_agentcgroup_trace(tmp_path, traces_dir):
     trace = traces_dir / "agentcgroup_swerebench_claude_code"

@@ -186,7 +186,8 @@ def bench(
         int | None, typer.Option(help="KV capacity per engine in tokens (default: from GPU)")
     ] = None,
     profile: Annotated[
-        Path | None, typer.Option(help="Fitted performance profile (default: roofline)")
+        Path | None, typer.Option(help="Fitted performance profile (default: roofline); a "
+                                  "llama.cpp profile also simulates the engine's slots")
     ] = None,
     subset: Annotated[str | None, typer.Option(help="agentcgroup subset")] = None,
     seed: Annotated[int, typer.Option()] = 0,
@@ -207,12 +208,18 @@ def bench(
     except (ValueError, KeyError) as e:
         raise _fail(str(e)) from None
     perf = None
+    slots: dict[str, int] = {}
     if profile is not None:
         from turnstile.sim.fitted_perf import FittedPerf
 
         perf = FittedPerf.from_profile(profile)
+        meta = perf.meta
+        n, per_slot = int(meta.get("n_parallel") or 0), int(meta.get("ctx_per_seq") or 0)
+        if meta.get("engine_kind") == "llama.cpp" and n and per_slot:
+            # llama.cpp keeps one sequence per slot: simulate its slots, not paged KV
+            slots = {"kv_slots": n, "slot_tokens": per_slot, "max_num_seqs": n}
     groups = [EngineGroup(gpu=gpu, model=model, tp=tp, count=engines, kv_tokens=kv_tokens,
-                          perf=perf)]
+                          perf=perf, **slots)]
     wspec = runner.WorkloadSpec(trace=trace, workflows=workflows, rate=rate, load=load_frac,
                                 arrivals=arrivals, seed=seed, subset=subset)
     try:

@@ -19,8 +19,10 @@ from turnstile.calibrate.ab import (
     plot_ab,
     predict,
     render_table,
+    repredict,
     sim_workflows,
     slot_kv_tokens,
+    with_profile_slots,
 )
 from turnstile.calibrate.ab_real import gateway_toml
 from turnstile.calibrate.fidelity import TraceScale
@@ -74,6 +76,33 @@ def test_predict_contention_eager_recomputes_cvar_gates() -> None:
     # 10 sessions arriving at once on 4 slots: eager loses contexts, cvar's gate keeps them
     assert eager["recomputed_prompt_tokens"] > cvar["recomputed_prompt_tokens"]
     assert eager["prefix_hit_rate"] < cvar["prefix_hit_rate"]
+
+
+def test_engines_are_simulated_as_llama_cpp_slots_and_repredict_keeps_the_measurements() -> None:
+    slots = ENGINES.group(PERF)
+    assert (slots.kv_slots, slots.slot_tokens, slots.max_num_seqs) == (2, 768, 2)
+    paged = AbEngines(count=2, n_parallel=2, ctx=1536, kv_model="paged").group(PERF)
+    assert paged.kv_slots == 0 and paged.kv_tokens == 1536
+    with pytest.raises(ValueError, match="kv_model"):
+        AbEngines(count=1, n_parallel=1, ctx=100, kv_model="vllm")
+    # the slot size the server reports (a profile's ``ctx_per_seq``) wins over -c / -np
+    measured = FittedPerf(0.002, 1e-4, engine="test", meta={"ctx_per_seq": 1024})
+    assert with_profile_slots(ENGINES, measured).group(PERF).slot_tokens == 1024
+    assert with_profile_slots(ENGINES, PERF) is ENGINES
+    sessions = build_sessions([], 0, 10, SCALE, seed=0)
+    wfs = cell_workload(sessions, 20.0, 0)
+    pred = predict(wfs, ["eager"], AbEngines(count=2, n_parallel=2, ctx=1536,
+                                             kv_model="paged"), PERF)
+    cell = {"policy": "eager", "load": 2.0, "rate": 20.0, "seed": 0,
+            "real": {"flow_p95_s": 9.0}, "pred": cell_row(pred["eager"])}
+    again = repredict([cell], sessions, {2.0: 20.0}, ENGINES, PERF)[0]
+    assert again["real"] == {"flow_p95_s": 9.0} and again["pred_before"] == cell["pred"]
+    # two slots per engine hold two sessions however short: more is recomputed than when
+    # paged KV holds 1536 tokens of them
+    assert (again["pred"]["recomputed_prompt_tokens"]
+            > cell["pred"]["recomputed_prompt_tokens"])
+    rows = aggregate([again])
+    assert rows[0]["pred_before"]["flow_p95_s"] == cell["pred"]["flow_p95_s"]
 
 
 def _cell(policy: str, load: float, seed: int, p95: float, pred95: float) -> dict:

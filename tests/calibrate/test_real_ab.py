@@ -55,3 +55,12 @@ def test_real_ab_smoke(tmp_path: Path, llama_server_binary: Path,
     assert "Host load average" in table
     assert (out / "real_ab.png").stat().st_size > 1000
     assert (out / "profile.json").is_file()
+    # --from: the same cells predicted again without engines (here with paged KV)
+    again = tmp_path / "again"
+    assert _load_benchmark().main(["--from", str(out), "--kv-model", "paged",
+                                   "--out", str(again)]) == 0
+    redo = json.loads((again / "real_ab.json").read_text())
+    assert redo["setup"]["kv_model"] == "paged" and (again / "profile.json").is_file()
+    for old, new in zip(cells, redo["cells"], strict=True):
+        assert new["real"] == old["real"] and new["pred_before"] == old["pred"]
+        assert new["pred"]["workflows"] == 4

@@ -79,7 +79,7 @@ def capacity_rate(workflows: Sequence[Workflow], groups: Sequence[EngineGroup]) 
         service = np.array([workflow_service_s(w, perf) for w in sample])  # type: ignore[arg-type]
         tools = np.array([sum(t.tool_duration_s for t in w.turns) for w in sample])
         compute_rate = g.count / float(service.mean())
-        kv_tokens = g.build_config().capacity_tokens
+        kv_tokens = g.scheduler_kv_tokens(g.build_config())
         kv_rate = g.count * kv_tokens / (mean_ctx * float((service + tools).mean()))
         rate += min(compute_rate, kv_rate)
     return rate

@@ -44,8 +44,10 @@ __all__ = [
     "plot_ab",
     "predict",
     "render_table",
+    "repredict",
     "sim_workflows",
     "slot_kv_tokens",
+    "with_profile_slots",
 ]
 
 #: tokens the ChatML template adds around one message (``<|im_start|>role\n … <|im_end|>\n``)
@@ -68,15 +70,38 @@ class AbEngines:
     #: tool calls it keeps ``n_parallel`` sessions whatever their length, not ``ctx`` tokens of
     #: them: :func:`slot_kv_tokens` gives the tokens that many sessions hold
     kv_tokens: int | None = None
+    #: how the simulator models the engines' KV: ``"slots"`` as llama.cpp keeps it (``n_parallel``
+    #: slots of ``ctx / n_parallel`` tokens, one sequence each, :mod:`turnstile.sim.slot_pool`),
+    #: or ``"paged"``: a paged prefix cache of ``session_kv_tokens`` (the model before slots)
+    kv_model: str = "slots"
+    #: KV tokens of one slot as the server reports it (llama.cpp may round ``-c``, e.g. 3184
+    #: with ``-np 4`` to 1,024 per slot); ``None``: ``ctx // n_parallel``
+    slot_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_model not in ("slots", "paged"):
+            raise ValueError(f"kv_model must be 'slots' or 'paged', not {self.kv_model!r}")
 
     @property
     def session_kv_tokens(self) -> int:
         return self.kv_tokens if self.kv_tokens is not None else self.ctx
 
     def group(self, perf: PerfModel) -> EngineGroup:
+        """The engines as a simulator engine group. Either way the scheduler's KV gate is told
+        ``session_kv_tokens``, as the gateway's is."""
+        slots = self.kv_model == "slots"
         return EngineGroup(count=self.count, kv_tokens=self.session_kv_tokens,
+                           kv_slots=self.n_parallel if slots else 0,
+                           slot_tokens=(self.slot_tokens or self.ctx // self.n_parallel)
+                           if slots else 0,
                            max_num_seqs=self.n_parallel,
                            max_batched_tokens=max(self.chunk, self.n_parallel), perf=perf)
+
+
+def with_profile_slots(engines: AbEngines, perf: PerfModel) -> AbEngines:
+    """``engines`` with the slot size a fitted profile measured (``ctx_per_seq``), if any."""
+    per_slot = int(getattr(perf, "meta", {}).get("ctx_per_seq") or 0)
+    return replace(engines, slot_tokens=per_slot) if per_slot else engines
 
 
 def slot_kv_tokens(sessions: Sequence[Workflow], n_parallel: int) -> int:
@@ -160,6 +185,25 @@ def predict(workflows: Sequence[Workflow], policies: Sequence[str], engines: AbE
     return {r["policy"]: r["metrics"] for r in results}
 
 
+def repredict(cells: Sequence[Mapping[str, Any]], sessions: Sequence[Workflow],
+              rates: Mapping[float, float], engines: AbEngines, perf: PerfModel,
+              ) -> list[dict[str, Any]]:
+    """The cells of a finished A/B with their predictions made again (``engines``' KV model,
+    ``perf``), each on its own workload (``sessions`` at ``rates[load]``, the cell's seed); the
+    measured figures are kept, the previous prediction goes to ``pred_before``."""
+    policies = list(dict.fromkeys(c["policy"] for c in cells))
+    preds: dict[tuple[float, int], dict[str, dict[str, Any]]] = {}
+    out = []
+    for c in cells:
+        key = (c["load"], c["seed"])
+        if key not in preds:
+            wfs = cell_workload(sessions, rates[c["load"]], c["seed"])
+            preds[key] = predict(wfs, policies, engines, perf)
+        out.append({**c, "pred": cell_row(preds[key][c["policy"]]),
+                    "pred_before": c.get("pred_before", c["pred"])})
+    return out
+
+
 def cell_row(metrics: Mapping[str, Any]) -> dict[str, float | None]:
     """The figures the A/B reports of one run (real or simulated)."""
     flow = metrics.get("flow_time_s") or {}
@@ -187,7 +231,8 @@ def aggregate(cells: Sequence[Mapping[str, Any]], baseline: str = "eager") -> li
     P95 ratio ``baseline / policy`` per seed (mean, min, max), real and predicted.
 
     ``cells`` items: ``{"policy", "load", "rate", "seed", "real": cell_row, "pred": cell_row,
-    ...}`` (extra keys such as the engine counters are averaged when numeric)."""
+    ...}`` (``pred_before``, a previous prediction, is aggregated as ``pred``; extra keys
+    such as the engine counters are averaged when numeric)."""
     by: dict[tuple[float, str], list[Mapping[str, Any]]] = {}
     for c in cells:
         by.setdefault((c["load"], c["policy"]), []).append(c)
@@ -198,10 +243,11 @@ def aggregate(cells: Sequence[Mapping[str, Any]], baseline: str = "eager") -> li
     for (load, policy), group in sorted(by.items(), key=lambda kv: kv[0][0]):
         row: dict[str, Any] = {"load": load, "policy": policy, "seeds": len(group),
                                "rate": _mean([c["rate"] for c in group])}
-        for side in ("real", "pred"):
+        sides = [s for s in ("real", "pred", "pred_before") if s in group[0]]
+        for side in sides:
             keys = group[0][side].keys()
             row[side] = {k: _mean([c[side][k] for c in group]) for k in keys}
-        for side in ("real", "pred"):
+        for side in sides:
             ratios = []
             for c in group:
                 b = base.get((load, c["seed"]))

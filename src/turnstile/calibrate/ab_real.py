@@ -32,7 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from turnstile.bench.replay import ReplaySpec, run_replay
-from turnstile.calibrate.ab import AbEngines, cell_row, cell_workload, offered_load, predict
+from turnstile.calibrate.ab import (
+    AbEngines,
+    cell_row,
+    cell_workload,
+    offered_load,
+    predict,
+    with_profile_slots,
+)
 from turnstile.calibrate.profile import profile_engine
 from turnstile.engines.llama_server import LlamaServerProcess, free_port
 from turnstile.engines.tiny_model import write_tiny_gguf
@@ -211,6 +218,7 @@ def run_ab(
         fit = perf.meta["fit"]
         log(f"profile: {fit['samples']} samples in {prof.wall_s:.0f} s, median |rel err| "
             f"{100 * fit['median_abs_rel_err']:.1f}%, loadavg {os.getloadavg()[0]:.2f}")
+        eng = with_profile_slots(eng, perf)  # the slot size the server reports
         rates = {ld: ld / offered_load(1.0, sessions, eng, perf) for ld in run.loads}
         for load in run.loads:
             for seed in run.seeds:

@@ -38,12 +38,17 @@ class EngineGroup:
     tp: int = 1
     count: int = 1
     gpu_mem_util: float = 0.9
-    #: KV capacity override in tokens (None = from GPU memory and the model)
+    #: KV capacity override in tokens (None = from GPU memory and the model); for a
+    #: slot-limited engine, the KV capacity its scheduler is told (the gateway's ``kv_tokens``)
     kv_tokens: int | None = None
     cpu_offload_tokens: int = 0
     max_num_seqs: int = 256
     max_batched_tokens: int = 8192
     perf: PerfModel | None = None  # a fitted model overrides the roofline
+    #: slot-limited KV (llama.cpp ``-np``): this many slots, one sequence each; 0 = paged
+    kv_slots: int = 0
+    #: KV tokens of one slot (llama.cpp ``-c / -np``); 0 = ``kv_tokens // kv_slots``
+    slot_tokens: int = 0
 
     def build_perf(self) -> PerfModel:
         if self.perf is not None:
@@ -55,6 +60,17 @@ class EngineGroup:
         if kv is None:
             kv = kv_capacity_tokens(load_gpu(self.gpu), load_model(self.model), self.tp,
                                     self.gpu_mem_util)
+        if self.kv_slots:  # counted in tokens, as llama.cpp's KV cells
+            per_slot = self.slot_tokens or kv // self.kv_slots
+            return EngineConfig(
+                block_size=1,
+                num_gpu_blocks=per_slot * self.kv_slots,
+                max_num_seqs=min(self.max_num_seqs, self.kv_slots),
+                max_batched_tokens=self.max_batched_tokens,
+                hash_block_tokens=hash_block_tokens,
+                kv_slots=self.kv_slots,
+                slot_tokens=per_slot,
+            )
         return EngineConfig(
             block_size=block_size,
             num_gpu_blocks=max(1, kv // block_size),
@@ -63,6 +79,14 @@ class EngineGroup:
             max_batched_tokens=self.max_batched_tokens,
             hash_block_tokens=hash_block_tokens,
         )
+
+    def scheduler_kv_tokens(self, config: EngineConfig) -> int:
+        """The KV capacity the scheduler is told for an engine built as ``config``: its KV
+        tokens, or for a slot-limited engine ``kv_tokens`` when given (what the gateway's KV gate
+        is told: the tokens its slots' sessions hold, not ``-c``)."""
+        if config.kv_slots and self.kv_tokens is not None:
+            return self.kv_tokens
+        return config.capacity_tokens
 
 
 @dataclass
@@ -147,7 +171,7 @@ class ClusterSim:
         # times at batch 1 for bucket routers
         tpot = perf.step_time(0, 1, 8192)
         prefill = perf.step_time(8192, 0, 0, 8192 * 8193 / 2) / 8192
-        return EngineLoad(eid, cfg.num_gpu_blocks * self._block_size, weight=float(g.tp),
+        return EngineLoad(eid, g.scheduler_kv_tokens(cfg), weight=float(g.tp),
                           tp=g.tp, tpot_s=tpot, prefill_s_per_token=prefill)
 
     # ------------------------------------------------------------- elastic pool

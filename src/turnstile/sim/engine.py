@@ -39,6 +39,8 @@ The model is split as nano-vllm / vLLM v1 split their engines; this module is th
 * :mod:`turnstile.sim.block_pool`: the block pool and prefix cache (check-then-commit
   ``match_prefix`` / ``can_allocate`` / ``allocate``, ``release`` inserts, ``evict``), with
   retention (pin / offload / discard) in :mod:`turnstile.sim.kv_retention`;
+* :mod:`turnstile.sim.slot_pool`: slot-limited KV instead (``EngineConfig.kv_slots``, llama.cpp:
+  one sequence per slot), behind the same interface;
 * :mod:`turnstile.sim.batch_scheduler`: waiting queue, running batch, admission, chunked
   prefill, preemption;
 * :mod:`turnstile.sim.step`: the step executor (``step`` and ``leap``).
@@ -70,6 +72,7 @@ from turnstile.sim.block_pool import BlockPool
 from turnstile.sim.engine_config import EngineConfig
 from turnstile.sim.perf import PerfModel
 from turnstile.sim.request import NEW, SimRequest, StepOutcome
+from turnstile.sim.slot_pool import SlotPool
 from turnstile.sim.step import StepExecutor
 
 if TYPE_CHECKING:
@@ -95,7 +98,8 @@ class EngineModel(StepExecutor):
         self.engine_id = engine_id
         self.config = config
         self.perf = perf
-        self.pool = BlockPool(config)
+        # slot-limited KV (llama.cpp) has the block pool's interface
+        self.pool = SlotPool(config) if config.kv_slots else BlockPool(config)  # type: ignore
         self.sched = BatchScheduler(config, self.pool, session_marks)
         self.reload_s_per_block = (
             config.block_size * perf.kv_bytes_per_token / (config.cpu_bandwidth_gbps * 1e9)
@@ -119,7 +123,14 @@ class EngineModel(StepExecutor):
                 f"{req!r} needs {need} KV blocks ({kv_max} tokens) but engine "
                 f"{self.engine_id} has {self.config.num_gpu_blocks}: it can never run"
             )
+        if self.config.kv_slots and kv_max > self.config.slot_tokens:
+            raise ValueError(
+                f"{req!r} needs {kv_max} KV tokens but a slot of engine {self.engine_id} holds "
+                f"{self.config.slot_tokens}: it can never run"
+            )
         self._cut_out = None
+        if self.config.kv_slots:
+            self.pool.forward(req, now)  # type: ignore[attr-defined]
         self.sched.add(req)
 
     def has_work(self) -> bool:

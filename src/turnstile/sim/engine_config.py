@@ -27,6 +27,11 @@ class EngineConfig:
     #: tokens named by one entry of ``SimRequest.block_hashes`` (0 = ``block_size``); a
     #: multiple of ``block_size``, e.g. 512 for Mooncake's hash ids on 16-token KV blocks
     hash_block_tokens: int = 0
+    #: slot-limited KV, as llama.cpp's ``-np``: this many slots of ``slot_tokens`` each hold
+    #: one sequence apiece (:mod:`turnstile.sim.slot_pool`); 0 = paged KV with a prefix cache
+    kv_slots: int = 0
+    #: KV tokens of one slot (llama.cpp ``-c / -np``); 0 = ``capacity_tokens // kv_slots``
+    slot_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.num_gpu_blocks < 1 or self.block_size < 1:
@@ -48,6 +53,24 @@ class EngineConfig:
             )
         if self.num_cpu_blocks and self.cpu_bandwidth_gbps <= 0:
             raise ValueError("cpu_bandwidth_gbps must be > 0 with an offload tier")
+        if self.kv_slots:
+            self._check_slots()
+
+    def _check_slots(self) -> None:
+        if self.kv_slots < 0 or self.slot_tokens < 0:
+            raise ValueError("kv_slots and slot_tokens must be >= 0")
+        if self.block_size != 1 or self.num_cpu_blocks:
+            raise ValueError("slot-limited KV counts tokens (block_size 1) and has no tier")
+        if not self.slot_tokens:
+            self.slot_tokens = self.capacity_tokens // self.kv_slots
+        if self.slot_tokens < 1 or self.slot_tokens * self.kv_slots > self.capacity_tokens:
+            raise ValueError(
+                f"{self.kv_slots} slots of {self.slot_tokens} tokens do not fit in "
+                f"{self.capacity_tokens} KV tokens")
+        if self.max_num_seqs > self.kv_slots:
+            raise ValueError(
+                f"max_num_seqs ({self.max_num_seqs}) must be <= kv_slots ({self.kv_slots}): "
+                "a request runs in a slot")
 
     @property
     def capacity_tokens(self) -> int:
