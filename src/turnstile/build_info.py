@@ -31,6 +31,7 @@ COMPILED_MODULES = (
     "turnstile.sim.kv_retention",
     "turnstile.sim.request",
     "turnstile.sim.roofline_perf",
+    "turnstile.sim.slot_pool",
     "turnstile.sim.step",
     "turnstile.sim.tp_perf",  # its model derives from RooflinePerf (compiled classes only
     #                           take compiled subclasses)

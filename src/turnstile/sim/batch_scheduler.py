@@ -17,12 +17,13 @@ from typing import Any
 from turnstile.sim.block_pool import BlockPool
 from turnstile.sim.engine_config import EngineConfig
 from turnstile.sim.request import DECODE, DONE, PREFILL, WAITING, SimRequest
+from turnstile.sim.slot_pool import SlotPool
 
 
 class BatchScheduler:
     """Which requests run in the next iteration, and how far each prefill gets."""
 
-    def __init__(self, config: EngineConfig, pool: BlockPool,
+    def __init__(self, config: EngineConfig, pool: BlockPool | SlotPool,
                  session_marks: dict[str, int] | None = None) -> None:
         c = config
         self.pool = pool
@@ -183,9 +184,10 @@ class BatchScheduler:
         if chunk > budget:
             chunk = budget
         new = -(-(hit + chunk) // bs) - match.n_hit
-        if not pool.can_allocate(match, new):
+        # each pool takes its own match type (the one its match_prefix returned)
+        if not pool.can_allocate(match, new):  # type: ignore[arg-type]
             return -1
-        pool.allocate(req, match, new)
+        pool.allocate(req, match, new)  # type: ignore[arg-type]
         req._target = target
         req.num_computed = hit
         self.prompt_tokens += target

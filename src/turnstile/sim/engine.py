@@ -99,7 +99,7 @@ class EngineModel(StepExecutor):
         self.config = config
         self.perf = perf
         # slot-limited KV (llama.cpp) has the block pool's interface
-        self.pool = SlotPool(config) if config.kv_slots else BlockPool(config)  # type: ignore
+        self.pool = SlotPool(config) if config.kv_slots else BlockPool(config)
         self.sched = BatchScheduler(config, self.pool, session_marks)
         self.reload_s_per_block = (
             config.block_size * perf.kv_bytes_per_token / (config.cpu_bandwidth_gbps * 1e9)
@@ -130,7 +130,7 @@ class EngineModel(StepExecutor):
             )
         self._cut_out = None
         if self.config.kv_slots:
-            self.pool.forward(req, now)  # type: ignore[attr-defined]
+            self.pool.forward(req, now)  # type: ignore[union-attr]
         self.sched.add(req)
 
     def has_work(self) -> bool:

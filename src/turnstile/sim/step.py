@@ -17,6 +17,7 @@ from turnstile.sim.block_pool import BlockPool
 from turnstile.sim.perf import PerfModel
 from turnstile.sim.request import SimRequest, StepOutcome
 from turnstile.sim.roofline_perf import RooflinePerf
+from turnstile.sim.slot_pool import SlotPool
 
 #: pins expiring within this of ``now`` expire now (so ``now + (t - now)`` rounding is harmless)
 EPS = 1e-9
@@ -35,7 +36,7 @@ class StepExecutor:
 
     engine_id: str
     perf: PerfModel
-    pool: BlockPool
+    pool: BlockPool | SlotPool
     sched: BatchScheduler
     #: seconds to copy one block back from the CPU tier
     reload_s_per_block: float
