@@ -130,6 +130,10 @@ class ClusterSim:
         # shared across engines: a session re-prefilled on another engine counts as recomputed
         self._session_marks: dict = {}
         self._by_id: dict[str, int] = {}
+        #: per engine, the payload of its one valid step end: a lazily planned leap that was
+        #: recorded early ends sooner, and its planned event left in the heap is stale
+        self._live: list[Any] = []
+        self._ff = fast_forward
         for g in groups:
             perf = g.build_perf()
             for _ in range(g.count):
@@ -143,7 +147,6 @@ class ClusterSim:
         self._kicked = [False] * len(self.engines)
         self._wake_at = -1.0
         self._on_progress = on_progress
-        self._ff = fast_forward
         #: (engine, outcome) stepped by the current event, pushed once the event is done
         self._pending: tuple[int, Any] | None = None
         #: whether the current event called the scheduler (its next wakeup may have moved)
@@ -164,7 +167,10 @@ class ClusterSim:
     def _new_engine(self, g: EngineGroup, perf: PerfModel) -> EngineLoad:
         eid = f"e{len(self.engines)}"
         cfg = g.build_config(self._block_size, self._hash_block_tokens)
-        self.engines.append(EngineModel(eid, cfg, perf, session_marks=self._session_marks))
+        engine = EngineModel(eid, cfg, perf, session_marks=self._session_marks)
+        engine.lazy = self._ff
+        self.engines.append(engine)
+        self._live.append(None)
         self._by_id[eid] = len(self.engines) - 1
         self.num_gpus += g.tp
         # relative speed: decode throughput scales with TP (heterogeneous routing); per-token
@@ -274,21 +280,26 @@ class ClusterSim:
         #: a step end due strictly before every queued event and arrival: handled next, without
         #: going through the heap (it would be popped next anyway)
         due: tuple[int, Any] | None = None
+        due_t = 0.0
+        live = self._live
         payload: Any = None
         events = 0
         while True:
             if due is not None:
-                if due[1].end_s > t_s:
+                if due_t > t_s:
                     break
                 payload = due
                 due = None
-                now = payload[1].end_s
+                now = due_t
                 clock.t = now
                 kind = _STEP_END
             elif q.peek_time_or(_NEVER) < arr_t:
                 if q.peek_time_or(_NEVER) > t_s:
                     break
-                now, kind, payload = q.pop()
+                t_pop, kind, payload = q.pop()
+                if kind == _STEP_END and payload is not live[payload[0]]:
+                    continue  # a planned leap's end, the leap recorded earlier (_settle)
+                now = t_pop
             elif a < n_arr:
                 if arr_t > t_s:
                     break
@@ -304,6 +315,9 @@ class ClusterSim:
             self.now = now  # callbacks (finished workflows, retiring engines) read the clock
             if kind == _STEP_END:
                 i, outcome = payload
+                engine = engines[i]
+                if engine._lazy_out is outcome:  # its planned end: nothing reached it before
+                    self.iterations += engine.fire(outcome)
                 if outcome.first_token or outcome.finished:
                     self._apply_outcome(now, i, outcome)
                     self._touched = True
@@ -312,15 +326,17 @@ class ClusterSim:
                     nxt = q.peek_time_or(_NEVER)
                     if nxt > arr_t:
                         nxt = arr_t
-                    if ff and engines[i].resume(outcome, now, nxt):
+                    if ff and engine.resume(outcome, now, nxt):
                         # a leap cut short by an event that did not reach this engine goes on:
                         # the iterations a step and a leap would run (this event scheduled
                         # nothing else)
                         self.iterations += outcome.iterations
-                        if outcome.end_s < nxt:
+                        end = engine.lazy_end if engine._lazy_out is outcome else outcome.end_s
+                        if end < nxt:
                             due = payload
+                            due_t = end
                         else:
-                            q.push(outcome.end_s, _STEP_END, payload)
+                            q.push(end, _STEP_END, payload)
                     else:
                         self._step(now, i)
             elif kind == _ARRIVE:
@@ -360,25 +376,36 @@ class ClusterSim:
                 nxt = q.peek_time_or(_NEVER)
                 if nxt > arr_t:
                     nxt = arr_t
+                engine = engines[i]
                 if outcome is None:  # a decode iteration, stepped with its leap
-                    outcome = engines[i].step_and_leap(now, nxt, True)
+                    outcome = engine.step_and_leap(now, nxt, True)
                     assert outcome is not None  # decoders run: the step is never idle
                     self.iterations += outcome.iterations
                     pending = (i, outcome)
                 elif ff:
-                    engines[i].leap(outcome, nxt)
+                    engine.leap(outcome, nxt)
                     self.iterations += outcome.iterations - 1
-                if outcome.end_s < nxt:
+                # a lazily planned leap's iterations are counted when recorded
+                end = engine.lazy_end if engine._lazy_out is outcome else outcome.end_s
+                self._live[i] = pending
+                if end < nxt:
                     due = pending
+                    due_t = end
                 else:
-                    q.push(outcome.end_s, _STEP_END, pending)
+                    q.push(end, _STEP_END, pending)
             if progress is not None and len(self.finished) != done_reported:
                 done_reported = len(self.finished)
                 progress(done_reported)
             if stop is not None and stop():
                 break
         if due is not None:  # stopped before it: back into the heap for the next call
-            q.push(due[1].end_s, _STEP_END, due)
+            q.push(due_t, _STEP_END, due)
+        if t_s != math.inf or stop is not None:
+            # stopped early: the caller may read the engines, so planned leaps are recorded up
+            # to the clock (the engines continue exactly from there on the next call)
+            for i, engine in enumerate(engines):
+                if engine._lazy_out is not None:
+                    self._settle(i, now)
         self.events += events
         self._next_arrival = a
         self._done_reported = done_reported
@@ -392,6 +419,8 @@ class ClusterSim:
     def _act(self, now: float, actions: list) -> None:
         for a in actions:
             i = self._by_id[a.engine]
+            if self.engines[i]._lazy_out is not None:
+                self._settle(i, now)
             if type(a) is Release:
                 rec = a.turn
                 turn = rec.turn
@@ -406,6 +435,19 @@ class ClusterSim:
                     self.queue.push(now, _KICK, i, priority=1)
             else:  # Retain
                 self.engines[i].retain(a.turn.workflow.id, a.decision, now)
+
+    def _settle(self, i: int, now: float) -> None:
+        """Engine ``i`` is reached at ``now`` inside its planned leap: record the iterations
+        starting before ``now`` (what cutting the leap at ``now`` records); the leap ends at
+        the end of the last of them, and the engine steps there."""
+        engine = self.engines[i]
+        out = engine._lazy_out
+        planned = engine.lazy_end
+        self.iterations += engine.materialise(now)
+        if out is not None and out.end_s != planned:
+            payload = (i, out)
+            self._live[i] = payload
+            self.queue.push(out.end_s, _STEP_END, payload)
 
     def _step(self, now: float, i: int) -> None:
         engine = self.engines[i]

@@ -21,6 +21,7 @@ from turnstile.sim.slot_pool import SlotPool
 
 #: pins expiring within this of ``now`` expire now (so ``now + (t - now)`` rounding is harmless)
 EPS = 1e-9
+_NEVER = float("inf")
 #: the started and first-token lists of a decode run, which starts nothing and emits no first
 #: token (an empty tuple: read only, like every outcome's lists outside the engine)
 _NONE: tuple = ()
@@ -29,6 +30,9 @@ _Roof = tuple[float, float, float, float, float, float]
 #: what a leap relies on: (n_dec, blocked, blk_avail, next pin expiry, stop iteration, roof)
 _Plan = tuple[int, bool, int, float | None, int, _Roof | None]
 _NO_PLAN: _Plan = (0, False, 0, None, 0, None)
+#: a leap's result, not yet recorded: (iterations, new decode blocks, n_dec, next KV read,
+#: end, busy_s, duration, stop iteration); see :meth:`StepExecutor._commit`
+_Commit = tuple[int, int, int, int, float, float, float, int]
 
 
 class StepExecutor:
@@ -47,6 +51,17 @@ class StepExecutor:
         #: engine since (see :meth:`resume`)
         self._cut_out: StepOutcome | None = None
         self._cut_plan: _Plan = _NO_PLAN
+        #: lazily committed leaps (set by the cluster driver): a leap is planned to its own
+        #: natural end, and recorded only when that end is reached (:meth:`fire`) or when
+        #: something reaches the engine earlier (:meth:`materialise`). Other engines' events
+        #: then do not cut it (each cut costs the driver an event). Not with an offload tier:
+        #: there the leap's loop evicts as it goes, so it cannot run ahead without recording.
+        self.lazy = False
+        #: the outcome whose planned leap is not recorded yet, its plan, result and end
+        self._lazy_out: StepOutcome | None = None
+        self._lazy_plan: _Plan = _NO_PLAN
+        self._lazy_c: _Commit = (0, 0, 0, 0, 0.0, 0.0, 0.0, 0)
+        self.lazy_end = 0.0
         self.decode_tokens = 0
         self.iterations = 0
         self.busy_s = 0.0
@@ -132,8 +147,8 @@ class StepExecutor:
         if decodes_only and now < until:
             out = StepOutcome(0.0, _NONE, _NONE, [], end_s=now, iterations=0)
             self._cut_out = None
-            self._run(out, self._plan(self.sched.n_dec, False), until)
-            if out.iterations:
+            plan = self._plan(self.sched.n_dec, False)
+            if self._run_or_defer(out, plan, until):
                 return out
             # the first iteration needs a preemption: left to step()
         stepped = self.step(now)
@@ -175,7 +190,48 @@ class StepExecutor:
                 blocked = True
             else:
                 return
-        self._run(out, self._plan(n_dec, blocked), until)
+        self._run_or_defer(out, self._plan(n_dec, blocked), until)
+
+    def _run_or_defer(self, out: StepOutcome, plan: _Plan, until: float) -> bool:
+        """Run the leap (recorded now) or, lazily, plan it to its natural end (recorded later);
+        whether it has any iteration."""
+        if self.lazy and not self.pool.cpu_cap:
+            c = self._run(out, plan, _NEVER)
+            if c is None:
+                return False
+            self._lazy_out = out
+            self._lazy_plan = plan
+            self._lazy_c = c
+            self.lazy_end = c[4]
+            return True
+        c = self._run(out, plan, until)
+        if c is None:
+            return False
+        self._commit(out, c)
+        return True
+
+    def fire(self, out: StepOutcome) -> int:
+        """Record ``out``'s planned leap in full (its end is due and nothing reached the
+        engine before); returns its iterations."""
+        self._lazy_out = None
+        self._commit(out, self._lazy_c)
+        return self._lazy_c[0]
+
+    def materialise(self, t: float) -> int:
+        """Something reaches the engine at ``t``, inside its planned leap: record only the
+        iterations starting before ``t`` (the same loop from the same start, so the same float
+        sums), as a leap cut at ``t`` would have. The leap then ends at ``out.end_s`` and the
+        engine steps from there (nothing resumes it). Returns the iterations recorded."""
+        out = self._lazy_out
+        if out is None:
+            return 0
+        self._lazy_out = None
+        c = self._run(out, self._lazy_plan, t)
+        self._cut_out = None
+        if c is None:
+            return 0
+        self._commit(out, c)
+        return c[0]
 
     def _plan(self, n_dec: int, blocked: bool) -> _Plan:
         """What a leap of ``n_dec`` decoders relies on; all of it holds until something reaches
@@ -194,11 +250,12 @@ class StepExecutor:
                 s.next_finish() + 1,  # no further than the next finish
                 roof)
 
-    def _run(self, out: StepOutcome, plan: _Plan, until: float) -> None:
-        """The leap's decode iterations from ``out.end_s`` on (see :meth:`leap`)."""
+    def _run(self, out: StepOutcome, plan: _Plan, until: float) -> _Commit | None:
+        """The leap's decode iterations from ``out.end_s`` on (see :meth:`leap`): what
+        :meth:`_commit` records (None: no iteration). Without an offload tier it changes
+        nothing in the engine, so it can run ahead (see ``lazy``)."""
         if plan[5] is not None and plan[3] is None and not self.pool.cpu_cap:
-            self._run_roofline(out, plan, until)
-            return
+            return self._run_roofline(out, plan, until)
         n_dec, blocked, blk_avail, pin_t, stop, roof = plan
         s = self.sched
         pool = self.pool
@@ -257,13 +314,14 @@ class StepExecutor:
         else:
             it = stop
         if it > it0:
-            self._commit(out, it - it0, taken, n_dec, kv, end, busy_s, total, stop)
+            return (it - it0, taken, n_dec, kv, end, busy_s, total, stop)
+        return None
 
-    def _commit(self, out: StepOutcome, k: int, taken: int, n_dec: int, kv: int, end: float,
-                busy_s: float, total: float, stop: int) -> None:
+    def _commit(self, out: StepOutcome, c: _Commit) -> None:
         """Record ``k`` leaped iterations: ``taken`` new decode blocks, ``kv`` the KV tokens the
         next iteration's decodes read, ``end`` and ``busy_s`` the sums after the last one, and
         the finish of the decoders whose last iteration was ``stop - 1`` if it was reached."""
+        k, taken, n_dec, kv, end, busy_s, total, stop = c
         s = self.sched
         if taken:
             pool = self.pool
@@ -282,7 +340,7 @@ class StepExecutor:
             bucket = s.fin.pop(stop - 1)
             s.finish_decoders(bucket, it, end, out.finished)
 
-    def _run_roofline(self, out: StepOutcome, plan: _Plan, until: float) -> None:
+    def _run_roofline(self, out: StepOutcome, plan: _Plan, until: float) -> _Commit | None:
         """:meth:`_run` for the common case (a :class:`RooflinePerf`, no pin, no offload tier),
         with the same iterations and float sums. Which iterations memory allows is worked out
         before the loop from the block-need histogram (``phase``), so the loop only sums
@@ -362,12 +420,12 @@ class StepExecutor:
             self._cut_out = out
             self._cut_plan = plan
         if not k:
-            return
+            return None
         full, rest = divmod(k, bs)
         taken = full * sum(phase) if full else 0
         for t in range(it0, it0 + rest):
             taken += phase[t % bs]
-        self._commit(out, k, taken, n_dec, kv, end, busy_s, total, stop)
+        return (k, taken, n_dec, kv, end, busy_s, total, stop)
 
     def resume(self, out: StepOutcome, now: float, until: float) -> bool:
         """The driver's next step, due at ``now = out.end_s``, when ``out``'s leap stopped only
@@ -384,8 +442,7 @@ class StepExecutor:
         out.iterations = 0
         if out.started:
             out.started = []
-        self._run(out, self._cut_plan, until)
-        return out.iterations > 0
+        return self._run_or_defer(out, self._cut_plan, until)
 
     def _idle(self, now: float) -> StepOutcome:
         """Requests wait, nothing can run: KV is held by pinned sessions. Wait for a pin."""
