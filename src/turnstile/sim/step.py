@@ -18,6 +18,7 @@ from turnstile.sim.perf import PerfModel
 from turnstile.sim.request import SimRequest, StepOutcome
 from turnstile.sim.roofline_perf import RooflinePerf
 from turnstile.sim.slot_pool import SlotPool
+from turnstile.sim.tp_perf import TpRooflinePerf
 
 #: pins expiring within this of ``now`` expire now (so ``now + (t - now)`` rounding is harmless)
 EPS = 1e-9
@@ -26,7 +27,8 @@ _NEVER = float("inf")
 #: token (an empty tuple: read only, like every outcome's lists outside the engine)
 _NONE: tuple = ()
 #: a RooflinePerf's decode-only step_time terms for ``n_dec`` decoders (see :meth:`_plan`)
-_Roof = tuple[float, float, float, float, float, float]
+#: and, for a TpRooflinePerf, its all-reduce term (constant: the decoders do not change)
+_Roof = tuple[float, float, float, float, float, float, float]
 #: what a leap relies on: (n_dec, blocked, blk_avail, next pin expiry, stop iteration, roof)
 _Plan = tuple[int, bool, int, float | None, int, _Roof | None]
 _NO_PLAN: _Plan = (0, False, 0, None, 0, None)
@@ -239,10 +241,17 @@ class StepExecutor:
         s = self.sched
         pin_heap = self.pool.pin_heap
         perf = self.perf
-        if type(perf) is RooflinePerf:  # its step_time(0, n_dec, kv, 0.0) inlined in _run
+        tp = type(perf) is TpRooflinePerf
+        if type(perf) is RooflinePerf or tp:  # its step_time(0, n_dec, kv, 0.0) inlined in _run
+            # TpRooflinePerf.step_time is RooflinePerf's (its ``_ar_tok_s`` is 0.0) plus the
+            # all-reduce of n_dec tokens; adding 0.0 changes no positive float, so one formula
+            # (roofline + overhead + ar_tok + comm) gives both models' sums bit for bit
+            comm = 0.0
+            if tp and perf._n_ar:  # type: ignore[attr-defined]
+                comm = perf.comm_s(n_dec)  # type: ignore[attr-defined]
             roof: _Roof | None = (
                 perf._flop_s * n_dec, perf._attn_s, perf._weights_s, perf._kv_s,
-                perf._overhead_s, perf._ar_tok_s * n_dec)
+                perf._overhead_s, perf._ar_tok_s * n_dec, comm)
         else:
             roof = None
         return (n_dec, blocked, s.blk_avail,
@@ -260,7 +269,7 @@ class StepExecutor:
         s = self.sched
         pool = self.pool
         if roof is not None:
-            c_tok, attn_s, weights_s, kv_s, overhead_s, ar_tok = roof
+            c_tok, attn_s, weights_s, kv_s, overhead_s, ar_tok, comm = roof
         step_time = self.perf.step_time
         end = out.end_s
         phase = s.phase
@@ -301,10 +310,10 @@ class StepExecutor:
                     free = pool.free
             elif blocked and avail > blk_avail:
                 break
-            if roof is not None:  # the same float operations as RooflinePerf.step_time
+            if roof is not None:  # the same float operations as the perf model's step_time
                 compute = c_tok + attn_s * kv
                 memory = weights_s + kv_s * kv
-                dur = (compute if compute > memory else memory) + overhead_s + ar_tok
+                dur = (compute if compute > memory else memory) + overhead_s + ar_tok + comm
             else:
                 dur = step_time(0, n_dec, kv, 0.0)
             end += dur
@@ -341,14 +350,14 @@ class StepExecutor:
             s.finish_decoders(bucket, it, end, out.finished)
 
     def _run_roofline(self, out: StepOutcome, plan: _Plan, until: float) -> _Commit | None:
-        """:meth:`_run` for the common case (a :class:`RooflinePerf`, no pin, no offload tier),
+        """:meth:`_run` for the common case (a roofline model, no pin, no offload tier),
         with the same iterations and float sums. Which iterations memory allows is worked out
         before the loop from the block-need histogram (``phase``), so the loop only sums
         durations; and when one roofline term is the larger over the whole KV range by a wide
         margin, the other is not computed."""
         n_dec, blocked, blk_avail, _, stop, roof = plan
         assert roof is not None  # _run's condition
-        c_tok, attn_s, weights_s, kv_s, overhead_s, ar_tok = roof
+        c_tok, attn_s, weights_s, kv_s, overhead_s, ar_tok, comm = roof
         s = self.sched
         pool = self.pool
         phase = s.phase
@@ -398,7 +407,7 @@ class StepExecutor:
                 if end >= until:
                     k = j
                     break
-                dur = base + per_kv * kv + overhead_s + ar_tok
+                dur = base + per_kv * kv + overhead_s + ar_tok + comm
                 end += dur
                 busy_s += dur
                 total += dur
@@ -410,7 +419,7 @@ class StepExecutor:
                     break
                 compute = c_tok + attn_s * kv
                 memory = weights_s + kv_s * kv
-                dur = (compute if compute > memory else memory) + overhead_s + ar_tok
+                dur = (compute if compute > memory else memory) + overhead_s + ar_tok + comm
                 end += dur
                 busy_s += dur
                 total += dur
