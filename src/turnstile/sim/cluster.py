@@ -326,7 +326,7 @@ class ClusterSim:
                     nxt = q.peek_time_or(_NEVER)
                     if nxt > arr_t:
                         nxt = arr_t
-                    if ff and engine.resume(outcome, now, nxt):
+                    if ff and engine.resume(outcome, now, nxt, arr_t):
                         # a leap cut short by an event that did not reach this engine goes on:
                         # the iterations a step and a leap would run (this event scheduled
                         # nothing else)
@@ -378,12 +378,12 @@ class ClusterSim:
                     nxt = arr_t
                 engine = engines[i]
                 if outcome is None:  # a decode iteration, stepped with its leap
-                    outcome = engine.step_and_leap(now, nxt, True)
+                    outcome = engine.step_and_leap(now, nxt, True, arr_t)
                     assert outcome is not None  # decoders run: the step is never idle
                     self.iterations += outcome.iterations
                     pending = (i, outcome)
                 elif ff:
-                    engine.leap(outcome, nxt)
+                    engine.leap(outcome, nxt, arr_t)
                     self.iterations += outcome.iterations - 1
                 # a lazily planned leap's iterations are counted when recorded
                 end = engine.lazy_end if engine._lazy_out is outcome else outcome.end_s

@@ -64,6 +64,7 @@ class StepExecutor:
         self._lazy_plan: _Plan = _NO_PLAN
         self._lazy_c: _Commit = (0, 0, 0, 0, 0.0, 0.0, 0.0, 0)
         self.lazy_end = 0.0
+        self._lazy_until = _NEVER
         self.decode_tokens = 0
         self.iterations = 0
         self.busy_s = 0.0
@@ -140,7 +141,8 @@ class StepExecutor:
         return bool(s.n_dec and not s.waiting and not s.prefilling
                     and not (pin_heap and pin_heap[0][0] <= now + EPS))
 
-    def step_and_leap(self, now: float, until: float, decodes_only: bool) -> StepOutcome | None:
+    def step_and_leap(self, now: float, until: float, decodes_only: bool,
+                      horizon: float = _NEVER) -> StepOutcome | None:
         """:meth:`step` at ``now`` followed by :meth:`leap` to ``until``, with the same results
         (engine state, iterations, ``end_s``). ``decodes_only`` is :meth:`decodes_only` at
         ``now`` (the caller asked already); then the first iteration is the leap's first,
@@ -150,15 +152,15 @@ class StepExecutor:
             out = StepOutcome(0.0, _NONE, _NONE, [], end_s=now, iterations=0)
             self._cut_out = None
             plan = self._plan(self.sched.n_dec, False)
-            if self._run_or_defer(out, plan, until):
+            if self._run_or_defer(out, plan, until, horizon):
                 return out
             # the first iteration needs a preemption: left to step()
         stepped = self.step(now)
         if stepped is not None:
-            self.leap(stepped, until)
+            self.leap(stepped, until, horizon)
         return stepped
 
-    def leap(self, out: StepOutcome, until: float) -> None:
+    def leap(self, out: StepOutcome, until: float, horizon: float = _NEVER) -> None:
         """Extend ``out`` (what :meth:`step` just returned) with the following iterations that
         would start strictly before ``until`` and that nothing observable happens in: pure
         decode, no admission possible, no pin expiring, no preemption. It stops after the
@@ -192,18 +194,22 @@ class StepExecutor:
                 blocked = True
             else:
                 return
-        self._run_or_defer(out, self._plan(n_dec, blocked), until)
+        self._run_or_defer(out, self._plan(n_dec, blocked), until, horizon)
 
-    def _run_or_defer(self, out: StepOutcome, plan: _Plan, until: float) -> bool:
-        """Run the leap (recorded now) or, lazily, plan it to its natural end (recorded later);
-        whether it has any iteration."""
+    def _run_or_defer(self, out: StepOutcome, plan: _Plan, until: float,
+                      horizon: float) -> bool:
+        """Run the leap to ``until`` (recorded now) or, lazily, plan it to its natural end or
+        ``horizon`` (recorded later; a leap cut by ``horizon`` resumes as one cut by
+        ``until``); whether it has any iteration. The driver's horizon is its next arrival,
+        which reaches some engine anyway: planning past it is mostly work thrown away."""
         if self.lazy and not self.pool.cpu_cap:
-            c = self._run(out, plan, _NEVER)
+            c = self._run(out, plan, horizon)
             if c is None:
                 return False
             self._lazy_out = out
             self._lazy_plan = plan
             self._lazy_c = c
+            self._lazy_until = horizon
             self.lazy_end = c[4]
             return True
         c = self._run(out, plan, until)
@@ -228,7 +234,9 @@ class StepExecutor:
         if out is None:
             return 0
         self._lazy_out = None
-        c = self._run(out, self._lazy_plan, t)
+        # every planned iteration starts before the horizon: if t is past it, all of them
+        # start before t (and none after them does: the planned end is not before t)
+        c = self._lazy_c if t >= self._lazy_until else self._run(out, self._lazy_plan, t)
         self._cut_out = None
         if c is None:
             return 0
@@ -436,7 +444,8 @@ class StepExecutor:
             taken += phase[t % bs]
         return (k, taken, n_dec, kv, end, busy_s, total, stop)
 
-    def resume(self, out: StepOutcome, now: float, until: float) -> bool:
+    def resume(self, out: StepOutcome, now: float, until: float,
+               horizon: float = _NEVER) -> bool:
         """The driver's next step, due at ``now = out.end_s``, when ``out``'s leap stopped only
         because of ``until`` and nothing reached the engine since (no submit, no retention, no
         step): continue the same decode run in ``out`` (reset to start at ``now``) as
@@ -451,7 +460,7 @@ class StepExecutor:
         out.iterations = 0
         if out.started:
             out.started = []
-        return self._run_or_defer(out, self._cut_plan, until)
+        return self._run_or_defer(out, self._cut_plan, until, horizon)
 
     def _idle(self, now: float) -> StepOutcome:
         """Requests wait, nothing can run: KV is held by pinned sessions. Wait for a pin."""
