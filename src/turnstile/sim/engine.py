@@ -28,6 +28,11 @@ Contract with the driver (the cluster event loop):
   ``step``".
 * ``step_and_leap(now, until, decodes_only(now))`` (optional) is ``step`` then ``leap`` in one
   call; a pure decode iteration (``decodes_only``) runs as the leap's first, without a step.
+* ``lazy = True`` (set by :class:`~turnstile.sim.cluster.ClusterSim`; not with an offload
+  tier): ``leap``, ``step_and_leap`` and ``resume`` only *plan* the leap, to its natural end or
+  the optional ``horizon``, ending at ``lazy_end``; nothing is recorded until the driver calls
+  ``fire(outcome)`` at that end or ``materialise(t)`` when something reaches the engine
+  earlier (before ``submit``/``retain``), which records the iterations starting before ``t``.
 * Requests are :class:`SimRequest` objects the driver creates; the engine fills in progress
   fields. ``num_output`` of a *decoding* request is only brought up to date at events
   (preemption, finish); everything else is exact at all times.

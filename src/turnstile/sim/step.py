@@ -249,19 +249,18 @@ class StepExecutor:
         s = self.sched
         pin_heap = self.pool.pin_heap
         perf = self.perf
-        tp = type(perf) is TpRooflinePerf
-        if type(perf) is RooflinePerf or tp:  # its step_time(0, n_dec, kv, 0.0) inlined in _run
+        roof: _Roof | None = None
+        if isinstance(perf, RooflinePerf) and (
+            type(perf) is RooflinePerf or type(perf) is TpRooflinePerf
+        ):  # its step_time(0, n_dec, kv, 0.0) inlined in _run
             # TpRooflinePerf.step_time is RooflinePerf's (its ``_ar_tok_s`` is 0.0) plus the
             # all-reduce of n_dec tokens; adding 0.0 changes no positive float, so one formula
             # (roofline + overhead + ar_tok + comm) gives both models' sums bit for bit
             comm = 0.0
-            if tp and perf._n_ar:  # type: ignore[attr-defined]
-                comm = perf.comm_s(n_dec)  # type: ignore[attr-defined]
-            roof: _Roof | None = (
-                perf._flop_s * n_dec, perf._attn_s, perf._weights_s, perf._kv_s,
-                perf._overhead_s, perf._ar_tok_s * n_dec, comm)
-        else:
-            roof = None
+            if isinstance(perf, TpRooflinePerf) and perf._n_ar:
+                comm = perf.comm_s(n_dec)
+            roof = (perf._flop_s * n_dec, perf._attn_s, perf._weights_s, perf._kv_s,
+                    perf._overhead_s, perf._ar_tok_s * n_dec, comm)
         return (n_dec, blocked, s.blk_avail,
                 pin_heap[0][0] if pin_heap else None,  # no pin changes in a leap
                 s.next_finish() + 1,  # no further than the next finish
