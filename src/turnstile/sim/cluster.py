@@ -130,9 +130,12 @@ class ClusterSim:
         # shared across engines: a session re-prefilled on another engine counts as recomputed
         self._session_marks: dict = {}
         self._by_id: dict[str, int] = {}
-        #: per engine, the payload of its one valid step end: a lazily planned leap that was
-        #: recorded early ends sooner, and its planned event left in the heap is stale
+        #: per engine, the outcome and time of its one valid step end: a lazily planned leap
+        #: that was recorded early ends sooner, and its planned event left in the heap is stale
+        #: (compared by outcome and time, not by the event's tuple: compiled, tuples are
+        #: values without identity)
         self._live: list[Any] = []
+        self._live_t: list[float] = []
         self._ff = fast_forward
         for g in groups:
             perf = g.build_perf()
@@ -171,6 +174,7 @@ class ClusterSim:
         engine.lazy = self._ff
         self.engines.append(engine)
         self._live.append(None)
+        self._live_t.append(-1.0)
         self._by_id[eid] = len(self.engines) - 1
         self.num_gpus += g.tp
         # relative speed: decode throughput scales with TP (heterogeneous routing); per-token
@@ -282,6 +286,7 @@ class ClusterSim:
         due: tuple[int, Any] | None = None
         due_t = 0.0
         live = self._live
+        live_t = self._live_t
         payload: Any = None
         events = 0
         while True:
@@ -297,7 +302,9 @@ class ClusterSim:
                 if q.peek_time_or(_NEVER) > t_s:
                     break
                 t_pop, kind, payload = q.pop()
-                if kind == _STEP_END and payload is not live[payload[0]]:
+                if kind == _STEP_END and (
+                    payload[1] is not live[payload[0]] or t_pop != live_t[payload[0]]
+                ):
                     continue  # a planned leap's end, the leap recorded earlier (_settle)
                 now = t_pop
             elif a < n_arr:
@@ -332,6 +339,7 @@ class ClusterSim:
                         # nothing else)
                         self.iterations += outcome.iterations
                         end = engine.lazy_end if engine._lazy_out is outcome else outcome.end_s
+                        live_t[i] = end
                         if end < nxt:
                             due = payload
                             due_t = end
@@ -387,7 +395,8 @@ class ClusterSim:
                     self.iterations += outcome.iterations - 1
                 # a lazily planned leap's iterations are counted when recorded
                 end = engine.lazy_end if engine._lazy_out is outcome else outcome.end_s
-                self._live[i] = pending
+                live[i] = outcome
+                live_t[i] = end
                 if end < nxt:
                     due = pending
                     due_t = end
@@ -446,7 +455,8 @@ class ClusterSim:
         self.iterations += engine.materialise(now)
         if out is not None and out.end_s != planned:
             payload = (i, out)
-            self._live[i] = payload
+            self._live[i] = out
+            self._live_t[i] = out.end_s
             self.queue.push(out.end_s, _STEP_END, payload)
 
     def _step(self, now: float, i: int) -> None:
