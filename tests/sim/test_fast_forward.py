@@ -166,3 +166,39 @@ def test_resume_continues_a_cut_leap_exactly_and_only_when_nothing_reached_the_e
     twins[1].submit(SimRequest("late", "late", 64, 4), outs[1].end_s)
     assert twins[0].resume(outs[0], outs[0].end_s, math.inf)
     assert not twins[1].resume(outs[1], outs[1].end_s, math.inf)
+
+
+def test_other_engines_do_not_cut_a_leap():
+    # lazily committed leaps: eight decoding engines, each leap one event however the others'
+    # step ends interleave (cut at every cluster event, this took about one event per iteration)
+    wfs = [Workflow(f"r{i}", 0.0, (Turn(200, 400 + 37 * i),)) for i in range(64)]
+    groups = [EngineGroup(**H100, count=8, max_num_seqs=16)]
+    _, on = assert_same(wfs, "eager", groups)
+    assert on.iterations > 3000
+    assert on.events < on.iterations / 10, (on.events, on.iterations)
+
+
+def test_stopping_early_records_planned_leaps_and_changes_nothing():
+    # run_until stopping inside planned leaps records them up to the clock (callers may read the
+    # engines) and the run goes on exactly: the same result as one run
+    wfs = synth.generate(synth.DEFAULT_SPEC, 15, seed=7, arrivals=0.1)
+    groups = [EngineGroup(**H100, count=3, kv_tokens=200_000)]
+    whole, t_whole = run(wfs, "cvar+composite+ttl", groups, True)
+    sim = ClusterSim(wfs, PolicySet.from_spec("cvar+composite+ttl"), groups)
+    sim._arrivals = sim.workflows  # what run() sets up before run_until
+    sim._next_arrival = 0
+    t = 0.0
+    mid_iterations = []
+    while sim.scheduler.active_workflows or t == 0.0:
+        t += whole.makespan_s / 7
+        sim.run_until(t)
+        assert all(e._lazy_out is None for e in sim.engines)
+        mid_iterations.append(sum(e.iterations for e in sim.engines))
+    sim.run_until()
+    assert mid_iterations == sorted(mid_iterations) and mid_iterations[0] > 0
+    stats = {e.engine_id: e.stats() for e in sim.engines}
+    assert stats == whole.engine_stats
+    assert sim.iterations == whole.iterations
+    turns = {(tr.workflow.id, tr.index): (tr.started_s, tr.first_token_s, tr.finished_s)
+             for w in sim.finished for tr in w.turns}
+    assert turns == t_whole
