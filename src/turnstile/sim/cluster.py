@@ -171,8 +171,14 @@ class ClusterSim:
         eid = f"e{len(self.engines)}"
         cfg = g.build_config(self._block_size, self._hash_block_tokens)
         engine = EngineModel(eid, cfg, perf, session_marks=self._session_marks)
-        engine.lazy = self._ff
         self.engines.append(engine)
+        if len(self.engines) == 2:
+            # lazy leaps pay off only where other engines' events would cut a leap: with one
+            # engine every arrival reaches it, and planning ahead only adds a recording call
+            for e in self.engines:
+                e.lazy = self._ff
+        elif len(self.engines) > 2:
+            engine.lazy = self._ff
         self._live.append(None)
         self._live_t.append(-1.0)
         self._by_id[eid] = len(self.engines) - 1
