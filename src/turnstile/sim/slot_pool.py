@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from turnstile.core.slots import choose_slot
 from turnstile.sim.engine_config import EngineConfig
 from turnstile.sim.request import SimRequest
 
@@ -49,10 +50,11 @@ class Slot:
     """One llama.cpp slot. The server's view: the sequence it holds (``session``, ``tokens``),
     whether a request runs in it (``busy``), when it was last used (``last_used``, a counter).
     The gateway's view: the session it believes the slot holds (``owner``), the turns it bound
-    there and that are not over (``bound``), when it last used it (``gw_last``, a counter) and
-    until when it pinned it (``pin_until``, seconds)."""
+    there and that are not over (``bound``), when it last used it (``gw_last_used``, a counter)
+    and until when it pinned it (``pinned_until_s``)."""
 
-    __slots__ = ("bound", "busy", "gw_last", "hashes", "id", "last_used", "owner", "pin_until",
+    __slots__ = ("bound", "busy", "gw_last_used", "hashes", "id", "last_used", "owner",
+                 "pinned_until_s",
                  "session", "tokens")
 
     def __init__(self, slot_id: int) -> None:
@@ -64,8 +66,8 @@ class Slot:
         self.last_used = 0
         self.owner: str | None = None
         self.bound = 0
-        self.gw_last = 0
-        self.pin_until = 0.0
+        self.gw_last_used = 0
+        self.pinned_until_s = 0.0
 
     def __repr__(self) -> str:
         return (f"<Slot {self.id} {self.session} {self.tokens} tok busy={self.busy} "
@@ -129,17 +131,7 @@ class SlotPool:
     def forward(self, req: SimRequest, now: float) -> None:
         """The gateway forwards ``req`` at ``now``: bind it to a slot, as
         ``LlamaCppAdapter.begin`` does, or leave it to the server."""
-        session = req.session
-        own = best = None
-        for s in self.slots:
-            if s.owner == session:
-                own = s
-            elif not s.bound and s.pin_until <= now and (
-                best is None
-                or (s.owner is None, -s.gw_last) > (best.owner is None, -best.gw_last)
-            ):
-                best = s
-        slot = own if own is not None and not own.bound else best
+        own, slot = choose_slot(self.slots, req.session, now)
         if slot is None:
             self.unbound += 1
             if own is not None:
@@ -147,11 +139,11 @@ class SlotPool:
             return
         if own is not None and own is not slot:
             own.owner = None
-        slot.owner = session
+        slot.owner = req.session
         slot.bound += 1
-        slot.pin_until = 0.0
+        slot.pinned_until_s = 0.0
         self._tick += 1
-        slot.gw_last = self._tick
+        slot.gw_last_used = self._tick
         self.bound[req] = slot
 
     # -- check-then-commit ----------------------------------------------------------------------
@@ -233,7 +225,7 @@ class SlotPool:
         gw = self.bound.pop(req, None)
         if gw is not None:  # the gateway's end(): the turn is over
             gw.bound -= 1
-            gw.gw_last = self._tick
+            gw.gw_last_used = self._tick
         self.ver += 1
 
     def remember_session(self, req: SimRequest, kv_len: int) -> None:
@@ -258,7 +250,7 @@ class SlotPool:
         if slot is None:
             return
         if action == "pin":
-            slot.pin_until = now + decision.ttl_s
+            slot.pinned_until_s = now + decision.ttl_s
         elif action == "discard":
             if not slot.bound and not slot.busy:
                 slot.session = None

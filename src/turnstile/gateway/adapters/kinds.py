@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import httpx
 
 from turnstile.core.actions import RetentionDecision
+from turnstile.core.slots import choose_slot
 from turnstile.gateway.adapters.base import (
     EngineAdapter,
     ForwardHints,
@@ -26,9 +27,9 @@ __all__ = ["ADAPTERS", "LlamaCppAdapter", "OpenAIAdapter", "SglangAdapter", "Vll
 class _Slot:
     id: int
     owner: str | None = None  # session whose KV the slot holds
-    busy: int = 0  # turns forwarded with this id_slot and not over
+    bound: int = 0  # turns forwarded with this id_slot and not over
     pinned_until_s: float = 0.0
-    last_used_s: float = 0.0
+    gw_last_used: float = 0.0
 
 
 class LlamaCppAdapter(EngineAdapter):
@@ -88,35 +89,20 @@ class LlamaCppAdapter(EngineAdapter):
         return out
 
     def choose_slot(self, session_id: str, now_s: float) -> int | None:
-        own: _Slot | None = None
-        best: _Slot | None = None
-        for s in self.slots:
-            if s.owner == session_id:
-                own = s
-            elif s.busy == 0 and s.pinned_until_s <= now_s and (
-                best is None
-                or (s.owner is None, -s.last_used_s) > (best.owner is None, -best.last_used_s)
-            ):
-                best = s
-        if own is not None and own.busy == 0:
-            return own.id
-        return None if best is None else best.id
+        chosen = choose_slot(self.slots, session_id, now_s)[1]
+        return None if chosen is None else chosen.id
 
     async def begin(self, hints: ForwardHints) -> None:
         if not self.slots:
             return
         now_s = hints.now_s
-        k = self.choose_slot(hints.session_id, now_s)
-        if k is None:
-            # every slot busy or pinned: let the server pick; ownership is unknown now
-            for s in self.slots:
-                if s.owner == hints.session_id:
-                    s.owner = None
+        # a session owns at most one slot (an owner is set only here, on the chosen slot)
+        own, slot = choose_slot(self.slots, hints.session_id, now_s)
+        if own is not None and own is not slot:
+            own.owner = None  # the turn moves, or the server picks: ownership is unknown now
+        if slot is None:
             return
-        slot = self.slots[k]
-        for s in self.slots:
-            if s.owner == hints.session_id and s is not slot:
-                s.owner = None
+        k = slot.id
         restore = self.offloaded.pop(hints.session_id, None)
         if slot.owner != hints.session_id and restore is not None and restore[1] >= now_s:
             try:
@@ -124,16 +110,16 @@ class LlamaCppAdapter(EngineAdapter):
             except httpx.HTTPError:
                 self.slot_errors += 1
         slot.owner = hints.session_id
-        slot.busy += 1
+        slot.bound += 1
         slot.pinned_until_s = 0.0
-        slot.last_used_s = now_s
+        slot.gw_last_used = now_s
         hints.slot = k
 
     def end(self, hints: ForwardHints) -> None:
         if hints.slot is not None and hints.slot < len(self.slots):
             slot = self.slots[hints.slot]
-            slot.busy = max(0, slot.busy - 1)
-            slot.last_used_s = hints.now_s
+            slot.bound = max(0, slot.bound - 1)
+            slot.gw_last_used = hints.now_s
 
     def _owned(self, session_id: str) -> _Slot | None:
         for s in self.slots:
@@ -147,7 +133,7 @@ class LlamaCppAdapter(EngineAdapter):
             return
         if decision.action == "pin":
             slot.pinned_until_s = now_s + decision.ttl_s
-        elif decision.action == "offload" and self.offload_enabled and slot.busy == 0:
+        elif decision.action == "offload" and self.offload_enabled and slot.bound == 0:
             name = "ts-" + re.sub(r"[^A-Za-z0-9_.-]", "_", session_id)[:80] + ".bin"
             try:
                 resp = await self._post_json(f"/slots/{slot.id}?action=save", {"filename": name})
@@ -158,7 +144,7 @@ class LlamaCppAdapter(EngineAdapter):
                 self.offloaded[session_id] = (name, now_s + max(decision.ttl_s, 1.0))
             else:  # no --slot-save-path: offload is unavailable on this server
                 self.offload_enabled = False
-        elif decision.action == "discard" and slot.busy == 0:
+        elif decision.action == "discard" and slot.bound == 0:
             try:
                 await self._post_json(f"/slots/{slot.id}?action=erase", {})
             except httpx.HTTPError:

@@ -1,0 +1,53 @@
+"""The gateway's choice of a llama.cpp slot for a session's turn.
+
+The gateway's llama.cpp adapter binds each turn to a slot (``id_slot``) from what it believes
+the slots hold; the simulator's slot-limited KV model makes the same choice, so that it predicts
+what the gateway will do. Both keep their own bookkeeping and call :func:`choose_slot`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol, TypeVar
+
+__all__ = ["GatewaySlot", "choose_slot"]
+
+
+class GatewaySlot(Protocol):
+    """What the gateway believes of one slot."""
+
+    @property
+    def owner(self) -> str | None:
+        """The session whose KV the slot holds (None: empty, or unknown)."""
+
+    @property
+    def bound(self) -> int:
+        """Turns bound to the slot and not over."""
+
+    @property
+    def pinned_until_s(self) -> float:
+        """Until when a retention pin keeps other sessions off the slot."""
+
+    @property
+    def gw_last_used(self) -> float:
+        """When the gateway last bound or released a turn there (any increasing clock)."""
+
+
+S = TypeVar("S", bound=GatewaySlot)
+
+
+def choose_slot(slots: Iterable[S], session: str, now_s: float) -> tuple[S | None, S | None]:
+    """``(own, chosen)``: the slot the gateway believes holds ``session`` (None: none), and the
+    slot to bind the turn to: ``own`` if no turn is bound there; else a slot with no bound turn
+    and no pin, one believed empty first, then the least recently used; None when there is
+    none (every slot busy or pinned: the server picks)."""
+    own = best = None
+    for s in slots:
+        if s.owner == session:
+            own = s
+        elif not s.bound and s.pinned_until_s <= now_s and (
+            best is None
+            or (s.owner is None, -s.gw_last_used) > (best.owner is None, -best.gw_last_used)
+        ):
+            best = s
+    return own, (own if own is not None and not own.bound else best)
