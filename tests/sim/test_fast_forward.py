@@ -192,7 +192,7 @@ def test_stopping_early_records_planned_leaps_and_changes_nothing():
     while sim.scheduler.active_workflows or t == 0.0:
         t += whole.makespan_s / 7
         sim.run_until(t)
-        assert all(e._lazy_out is None for e in sim.engines)
+        assert all(e.lazy_out is None for e in sim.engines)
         mid_iterations.append(sum(e.iterations for e in sim.engines))
     sim.run_until()
     assert mid_iterations == sorted(mid_iterations) and mid_iterations[0] > 0

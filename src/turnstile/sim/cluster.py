@@ -329,7 +329,7 @@ class ClusterSim:
             if kind == _STEP_END:
                 i, outcome = payload
                 engine = engines[i]
-                if engine._lazy_out is outcome:  # its planned end: nothing reached it before
+                if engine.lazy_out is outcome:  # its planned end: nothing reached it before
                     self.iterations += engine.fire(outcome)
                 if outcome.first_token or outcome.finished:
                     self._apply_outcome(now, i, outcome)
@@ -344,7 +344,7 @@ class ClusterSim:
                         # the iterations a step and a leap would run (this event scheduled
                         # nothing else)
                         self.iterations += outcome.iterations
-                        end = engine.lazy_end if engine._lazy_out is outcome else outcome.end_s
+                        end = engine.lazy_end if engine.lazy_out is outcome else outcome.end_s
                         live_t[i] = end
                         if end < nxt:
                             due = payload
@@ -400,7 +400,7 @@ class ClusterSim:
                     engine.leap(outcome, nxt, arr_t)
                     self.iterations += outcome.iterations - 1
                 # a lazily planned leap's iterations are counted when recorded
-                end = engine.lazy_end if engine._lazy_out is outcome else outcome.end_s
+                end = engine.lazy_end if engine.lazy_out is outcome else outcome.end_s
                 live[i] = outcome
                 live_t[i] = end
                 if end < nxt:
@@ -419,7 +419,7 @@ class ClusterSim:
             # stopped early: the caller may read the engines, so planned leaps are recorded up
             # to the clock (the engines continue exactly from there on the next call)
             for i, engine in enumerate(engines):
-                if engine._lazy_out is not None:
+                if engine.lazy_out is not None:
                     self._settle(i, now)
         self.events += events
         self._next_arrival = a
@@ -434,7 +434,7 @@ class ClusterSim:
     def _act(self, now: float, actions: list) -> None:
         for a in actions:
             i = self._by_id[a.engine]
-            if self.engines[i]._lazy_out is not None:
+            if self.engines[i].lazy_out is not None:
                 self._settle(i, now)
             if type(a) is Release:
                 rec = a.turn
@@ -456,7 +456,7 @@ class ClusterSim:
         starting before ``now`` (what cutting the leap at ``now`` records); the leap ends at
         the end of the last of them, and the engine steps there."""
         engine = self.engines[i]
-        out = engine._lazy_out
+        out = engine.lazy_out
         planned = engine.lazy_end
         self.iterations += engine.materialise(now)
         if out is not None and out.end_s != planned:

@@ -60,7 +60,7 @@ class StepExecutor:
         #: there the leap's loop evicts as it goes, so it cannot run ahead without recording.
         self.lazy = False
         #: the outcome whose planned leap is not recorded yet, its plan, result and end
-        self._lazy_out: StepOutcome | None = None
+        self.lazy_out: StepOutcome | None = None
         self._lazy_plan: _Plan = _NO_PLAN
         self._lazy_c: _Commit = (0, 0, 0, 0, 0.0, 0.0, 0.0, 0)
         self.lazy_end = 0.0
@@ -206,7 +206,7 @@ class StepExecutor:
             c = self._run(out, plan, horizon)
             if c is None:
                 return False
-            self._lazy_out = out
+            self.lazy_out = out
             self._lazy_plan = plan
             self._lazy_c = c
             self._lazy_until = horizon
@@ -221,7 +221,7 @@ class StepExecutor:
     def fire(self, out: StepOutcome) -> int:
         """Record ``out``'s planned leap in full (its end is due and nothing reached the
         engine before); returns its iterations."""
-        self._lazy_out = None
+        self.lazy_out = None
         self._commit(out, self._lazy_c)
         return self._lazy_c[0]
 
@@ -230,10 +230,10 @@ class StepExecutor:
         iterations starting before ``t`` (the same loop from the same start, so the same float
         sums), as a leap cut at ``t`` would have. The leap then ends at ``out.end_s`` and the
         engine steps from there (nothing resumes it). Returns the iterations recorded."""
-        out = self._lazy_out
+        out = self.lazy_out
         if out is None:
             return 0
-        self._lazy_out = None
+        self.lazy_out = None
         # every planned iteration starts before the horizon: if t is past it, all of them
         # start before t (and none after them does: the planned end is not before t)
         c = self._lazy_c if t >= self._lazy_until else self._run(out, self._lazy_plan, t)
