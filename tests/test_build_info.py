@@ -8,6 +8,7 @@ none may, so a stray ``.so`` next to the sources cannot silently replace them.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 from turnstile.build_info import (
@@ -36,11 +37,21 @@ def test_the_build_that_runs_is_the_one_expected():
 
 def test_source_digest_follows_the_sources(tmp_path):
     copy = tmp_path / "src"
-    for mod in COMPILED_MODULES:
-        path = copy.joinpath(*mod.split(".")).with_suffix(".py")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(SRC.joinpath(*mod.split(".")).with_suffix(".py").read_bytes())
+    shutil.copytree(SRC / "turnstile", copy / "turnstile",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
     assert source_digest(copy) == source_digest(SRC)
     edited = copy / "turnstile" / "sim" / "step.py"
+    edited.write_text(edited.read_text() + "\n# edited\n")
+    assert source_digest(copy) != source_digest(SRC)
+
+
+def test_source_digest_covers_interpreted_modules(tmp_path):
+    # the compiled venv holds a copy of the whole package: a policy edited since the build
+    # runs stale there too
+    copy = tmp_path / "src"
+    shutil.copytree(SRC / "turnstile", copy / "turnstile",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
+    edited = copy / "turnstile" / "policies" / "cvar.py"
+    assert "turnstile.policies.cvar" not in COMPILED_MODULES
     edited.write_text(edited.read_text() + "\n# edited\n")
     assert source_digest(copy) != source_digest(SRC)

@@ -7,7 +7,7 @@ the sources in ``src/``, so an edited ``.py`` is never shadowed by a stale ``.so
 build writes ``turnstile/_compiled_build.py`` into the wheel only; its absence means plain Python.
 
 A compiled install can still be older than the checkout it is run from: :func:`describe` with
-``src`` compares the digest of the compiled sources at build time with the checkout's.
+``src`` compares the digest of the package's sources at build time with the checkout's.
 """
 
 from __future__ import annotations
@@ -38,13 +38,19 @@ COMPILED_MODULES = (
 )
 
 
+#: not part of the sources: what the build itself writes or leaves behind
+_NOT_SOURCES = ("_compiled_build.py", ".pyc", ".so")
+
+
 def source_digest(src: Path) -> str:
-    """SHA-256 over the sources of :data:`COMPILED_MODULES` under ``src`` (the directory that
-    holds the ``turnstile`` package)."""
+    """SHA-256 over every file of the ``turnstile`` package under ``src`` (the directory that
+    holds it): the compiled build installs a copy of the whole package, interpreted modules
+    included, so an edit to any of them makes it stale."""
     h = hashlib.sha256()
-    for mod in COMPILED_MODULES:
-        path = src.joinpath(*mod.split(".")).with_suffix(".py")
-        h.update(mod.encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in sorted((src / "turnstile").rglob("*")):
+        if not path.is_file() or "__pycache__" in path.parts or path.name.endswith(_NOT_SOURCES):
+            continue
+        h.update(path.relative_to(src).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 
 
