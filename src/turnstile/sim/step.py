@@ -14,30 +14,19 @@ import heapq
 
 from turnstile.sim.batch_scheduler import BatchScheduler
 from turnstile.sim.block_pool import BlockPool
+from turnstile.sim.leap_loop import EPS, NO_PLAN, LeapLoops, LeapPlan, LeapResult
+from turnstile.sim.leap_sums import LeapSums, first_at_or_after
 from turnstile.sim.perf import PerfModel
 from turnstile.sim.request import SimRequest, StepOutcome
-from turnstile.sim.roofline_perf import RooflinePerf
 from turnstile.sim.slot_pool import SlotPool
-from turnstile.sim.tp_perf import TpRooflinePerf
 
-#: pins expiring within this of ``now`` expire now (so ``now + (t - now)`` rounding is harmless)
-EPS = 1e-9
 _NEVER = float("inf")
 #: the started and first-token lists of a decode run, which starts nothing and emits no first
 #: token (an empty tuple: read only, like every outcome's lists outside the engine)
 _NONE: tuple = ()
-#: a RooflinePerf's decode-only step_time terms for ``n_dec`` decoders (see :meth:`_plan`)
-#: and, for a TpRooflinePerf, its all-reduce term (constant: the decoders do not change)
-_Roof = tuple[float, float, float, float, float, float, float]
-#: what a leap relies on: (n_dec, blocked, blk_avail, next pin expiry, stop iteration, roof)
-_Plan = tuple[int, bool, int, float | None, int, _Roof | None]
-_NO_PLAN: _Plan = (0, False, 0, None, 0, None)
-#: a leap's result, not yet recorded: (iterations, new decode blocks, n_dec, next KV read,
-#: end, busy_s, duration, stop iteration); see :meth:`StepExecutor._commit`
-_Commit = tuple[int, int, int, int, float, float, float, int]
 
 
-class StepExecutor:
+class StepExecutor(LeapLoops):
     """Runs iterations of one engine over its batch scheduler and block pool."""
 
     engine_id: str
@@ -52,7 +41,7 @@ class StepExecutor:
         #: the outcome whose leap stopped only at ``until``, while nothing has reached the
         #: engine since (see :meth:`resume`)
         self._cut_out: StepOutcome | None = None
-        self._cut_plan: _Plan = _NO_PLAN
+        self._cut_plan: LeapPlan = NO_PLAN
         #: lazily committed leaps (set by the cluster driver): a leap is planned to its own
         #: natural end, and recorded only when that end is reached (:meth:`fire`) or when
         #: something reaches the engine earlier (:meth:`materialise`). Other engines' events
@@ -61,8 +50,12 @@ class StepExecutor:
         self.lazy = False
         #: the outcome whose planned leap is not recorded yet, its plan, result and end
         self.lazy_out: StepOutcome | None = None
-        self._lazy_plan: _Plan = _NO_PLAN
-        self._lazy_c: _Commit = (0, 0, 0, 0, 0.0, 0.0, 0.0, 0)
+        self._lazy_plan: LeapPlan = NO_PLAN
+        self._lazy_c: LeapResult = (0, 0, 0, 0, 0.0, 0.0, 0.0, 0)
+        #: the planned leap's step and end times when numpy summed them (materialise then
+        #: finds the cut in them instead of running the loop again), and the last run's
+        self._lazy_sums: LeapSums | None = None
+        self._sums: LeapSums | None = None
         self.lazy_end = 0.0
         self._lazy_until = _NEVER
         self.decode_tokens = 0
@@ -196,19 +189,21 @@ class StepExecutor:
                 return
         self._run_or_defer(out, self._plan(n_dec, blocked), until, horizon)
 
-    def _run_or_defer(self, out: StepOutcome, plan: _Plan, until: float,
+    def _run_or_defer(self, out: StepOutcome, plan: LeapPlan, until: float,
                       horizon: float) -> bool:
         """Run the leap to ``until`` (recorded now) or, lazily, plan it to its natural end or
         ``horizon`` (recorded later; a leap cut by ``horizon`` resumes as one cut by
         ``until``); whether it has any iteration. The driver's horizon is its next arrival,
         which reaches some engine anyway: planning past it is mostly work thrown away."""
         if self.lazy and not self.pool.cpu_cap:
+            self._sums = None
             c = self._run(out, plan, horizon)
             if c is None:
                 return False
             self.lazy_out = out
             self._lazy_plan = plan
             self._lazy_c = c
+            self._lazy_sums = self._sums
             self._lazy_until = horizon
             self.lazy_end = c[4]
             return True
@@ -236,104 +231,25 @@ class StepExecutor:
         self.lazy_out = None
         # every planned iteration starts before the horizon: if t is past it, all of them
         # start before t (and none after them does: the planned end is not before t)
-        c = self._lazy_c if t >= self._lazy_until else self._run(out, self._lazy_plan, t)
+        if t >= self._lazy_until:
+            c: LeapResult | None = self._lazy_c
+        elif self._lazy_sums is not None:
+            # the loop run again to t would stop at the first planned iteration starting at or
+            # after t (there is one, or the plan ended naturally: the planned end is >= t)
+            sums = self._lazy_sums
+            plan = self._lazy_plan
+            s = self.sched
+            k = first_at_or_after(sums[0], self._lazy_c[0], t)
+            c = self._sums_commit(sums, k, s.it, plan[0], s.kv_sum + plan[0], plan[4])
+        else:
+            c = self._run(out, self._lazy_plan, t)
         self._cut_out = None
         if c is None:
             return 0
         self._commit(out, c)
         return c[0]
 
-    def _plan(self, n_dec: int, blocked: bool) -> _Plan:
-        """What a leap of ``n_dec`` decoders relies on; all of it holds until something reaches
-        the engine (see :meth:`resume`)."""
-        s = self.sched
-        pin_heap = self.pool.pin_heap
-        perf = self.perf
-        roof: _Roof | None = None
-        if isinstance(perf, RooflinePerf) and (
-            type(perf) is RooflinePerf or type(perf) is TpRooflinePerf
-        ):  # its step_time(0, n_dec, kv, 0.0) inlined in _run
-            # TpRooflinePerf.step_time is RooflinePerf's (its ``_ar_tok_s`` is 0.0) plus the
-            # all-reduce of n_dec tokens; adding 0.0 changes no positive float, so one formula
-            # (roofline + overhead + ar_tok + comm) gives both models' sums bit for bit
-            comm = 0.0
-            if isinstance(perf, TpRooflinePerf) and perf._n_ar:
-                comm = perf.comm_s(n_dec)
-            roof = (perf._flop_s * n_dec, perf._attn_s, perf._weights_s, perf._kv_s,
-                    perf._overhead_s, perf._ar_tok_s * n_dec, comm)
-        return (n_dec, blocked, s.blk_avail,
-                pin_heap[0][0] if pin_heap else None,  # no pin changes in a leap
-                s.next_finish() + 1,  # no further than the next finish
-                roof)
-
-    def _run(self, out: StepOutcome, plan: _Plan, until: float) -> _Commit | None:
-        """The leap's decode iterations from ``out.end_s`` on (see :meth:`leap`): what
-        :meth:`_commit` records (None: no iteration). Without an offload tier it changes
-        nothing in the engine, so it can run ahead (see ``lazy``)."""
-        if plan[5] is not None and plan[3] is None and not self.pool.cpu_cap:
-            return self._run_roofline(out, plan, until)
-        n_dec, blocked, blk_avail, pin_t, stop, roof = plan
-        s = self.sched
-        pool = self.pool
-        if roof is not None:
-            c_tok, attn_s, weights_s, kv_s, overhead_s, ar_tok, comm = roof
-        step_time = self.perf.step_time
-        end = out.end_s
-        phase = s.phase
-        bs = s.bs
-        it0 = s.it
-        kv = s.kv_sum + n_dec  # KV tokens the next iteration's decodes read
-        busy_s = self.busy_s
-        # the decodes' new blocks are allocated in one go after the loop: nothing reads the pool
-        # in between, eviction keeps ``free + n_evict``, and one eviction of the sum evicts the
-        # same units in the same order as one per iteration would. Not so with an offload tier
-        # that overflows: a unit evicted again moves to the tier's recent end, which changes what
-        # the tier drops, so with a tier each eviction happens in its own iteration.
-        free = pool.free
-        avail = free + pool.n_evict
-        taken = 0
-        tier = pool.cpu_cap > 0
-        total = 0.0
-        it = it0
-        for it in range(it0, stop):
-            if end >= until:
-                self._cut_out = out
-                self._cut_plan = plan
-                break
-            if pin_t is not None and pin_t <= end + EPS:
-                break
-            need = phase[it % bs]
-            if need:
-                if need > avail:
-                    break  # preemption: left to step()
-                if blocked and avail - need > blk_avail:
-                    break  # step() would try the admission again
-                avail -= need
-                taken += need
-                if tier and taken > free:
-                    pool.take(taken)
-                    pool.private += taken
-                    taken = 0
-                    free = pool.free
-            elif blocked and avail > blk_avail:
-                break
-            if roof is not None:  # the same float operations as the perf model's step_time
-                compute = c_tok + attn_s * kv
-                memory = weights_s + kv_s * kv
-                dur = (compute if compute > memory else memory) + overhead_s + ar_tok + comm
-            else:
-                dur = step_time(0, n_dec, kv, 0.0)
-            end += dur
-            busy_s += dur
-            total += dur
-            kv += n_dec
-        else:
-            it = stop
-        if it > it0:
-            return (it - it0, taken, n_dec, kv, end, busy_s, total, stop)
-        return None
-
-    def _commit(self, out: StepOutcome, c: _Commit) -> None:
+    def _commit(self, out: StepOutcome, c: LeapResult) -> None:
         """Record ``k`` leaped iterations: ``taken`` new decode blocks, ``kv`` the KV tokens the
         next iteration's decodes read, ``end`` and ``busy_s`` the sums after the last one, and
         the finish of the decoders whose last iteration was ``stop - 1`` if it was reached."""
@@ -355,93 +271,6 @@ class StepExecutor:
         if it == stop:
             bucket = s.fin.pop(stop - 1)
             s.finish_decoders(bucket, it, end, out.finished)
-
-    def _run_roofline(self, out: StepOutcome, plan: _Plan, until: float) -> _Commit | None:
-        """:meth:`_run` for the common case (a roofline model, no pin, no offload tier),
-        with the same iterations and float sums. Which iterations memory allows is worked out
-        before the loop from the block-need histogram (``phase``), so the loop only sums
-        durations; and when one roofline term is the larger over the whole KV range by a wide
-        margin, the other is not computed."""
-        n_dec, blocked, blk_avail, _, stop, roof = plan
-        assert roof is not None  # _run's condition
-        c_tok, attn_s, weights_s, kv_s, overhead_s, ar_tok, comm = roof
-        s = self.sched
-        pool = self.pool
-        phase = s.phase
-        bs = s.bs
-        it0 = s.it
-        left = stop - it0
-        avail = pool.free + pool.n_evict
-        # how many iterations the memory allows: the first iteration whose new blocks do not fit
-        # stops the leap (a preemption, left to step()); with a blocked admission, the first
-        # iteration leaves at most the memory the admission failed with (avail only shrinks)
-        cap = left
-        need0 = phase[it0 % bs]
-        if need0 > avail or (blocked and avail - need0 > blk_avail):
-            cap = 0
-        else:
-            per_cycle = sum(phase)
-            if per_cycle * -(-left // bs) > avail:  # may run out within ``left``
-                full = avail // per_cycle
-                acc = full * per_cycle
-                for t in range(bs):
-                    acc += phase[(it0 + t) % bs]
-                    if acc > avail:
-                        break
-                mem_cap = full * bs + t
-                if mem_cap < cap:
-                    cap = mem_cap
-        end = out.end_s
-        busy_s = self.busy_s
-        kv = s.kv_sum + n_dec  # KV tokens the next iteration's decodes read
-        kv_last = kv + n_dec * (cap - 1 if cap else 0)
-        total = 0.0
-        k = cap
-        # the larger roofline term at both ends of the KV range, by far more than rounding: it
-        # is the larger in between too (both terms are linear in the KV tokens)
-        lo_c, lo_m = c_tok + attn_s * kv, weights_s + kv_s * kv
-        hi_c, hi_m = c_tok + attn_s * kv_last, weights_s + kv_s * kv_last
-        linear = True
-        if lo_m > lo_c * (1 + 1e-9) and hi_m > hi_c * (1 + 1e-9):
-            base, per_kv = weights_s, kv_s  # memory-bound throughout
-        elif lo_c > lo_m * (1 + 1e-9) and hi_c > hi_m * (1 + 1e-9):
-            base, per_kv = c_tok, attn_s  # compute-bound throughout
-        else:
-            linear = False
-            base = per_kv = 0.0
-        if linear:
-            for j in range(cap):
-                if end >= until:
-                    k = j
-                    break
-                dur = base + per_kv * kv + overhead_s + ar_tok + comm
-                end += dur
-                busy_s += dur
-                total += dur
-                kv += n_dec
-        else:
-            for j in range(cap):
-                if end >= until:
-                    k = j
-                    break
-                compute = c_tok + attn_s * kv
-                memory = weights_s + kv_s * kv
-                dur = (compute if compute > memory else memory) + overhead_s + ar_tok + comm
-                end += dur
-                busy_s += dur
-                total += dur
-                kv += n_dec
-        if k < left and end >= until:
-            # cut by ``until`` (checked first, as in _run, also where memory would stop it)
-            self._cut_out = out
-            self._cut_plan = plan
-        if not k:
-            return None
-        full, rest = divmod(k, bs)
-        taken = full * sum(phase) if full else 0
-        for t in range(it0, it0 + rest):
-            taken += phase[t % bs]
-        return (k, taken, n_dec, kv, end, busy_s, total, stop)
 
     def resume(self, out: StepOutcome, now: float, until: float,
                horizon: float = _NEVER) -> bool:
