@@ -149,7 +149,9 @@ def sim_cmd(
         train_gpus=train_gpus, tiered=not any_mix, mode=mode, partial_frac=partial,
     )
     try:
-        n = len(req.make_workload().batch(0))
+        # a step's trajectories: N prompts × G samples (drawing a batch only to count it
+        # cost a policy's worth of workload draws)
+        n = req.make_workload().spec.batch_size
     except (ValueError, UnknownNameError) as e:
         raise _fail(str(e)) from None
     console.print(

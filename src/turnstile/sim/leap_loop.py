@@ -196,12 +196,13 @@ class LeapLoops:
             base = per_kv = 0.0
         if cap >= _NUMPY_MIN:
             sums = leap_durations(end, kv, n_dec, cap, roof, linear, base, per_kv)
-            k = first_at_or_after(sums[0], cap, until)
-            if k < left and sums[0][k] >= until:  # cut by ``until``, as below
+            ends = sums[0]
+            k = cap if ends[cap] < until else first_at_or_after(ends, cap, until)
+            if k < left and ends[k] >= until:  # cut by ``until``, as below
                 self._cut_out = out
                 self._cut_plan = plan
             self._sums = sums
-            return self._sums_commit(sums, k, it0, n_dec, kv, stop)
+            return self._sums_result(sums, k, n_dec, kv, stop)
         busy_s = self.busy_s
         if linear:
             for j in range(cap):
@@ -247,13 +248,19 @@ class LeapLoops:
             taken += sum(phase[r0:r1]) if r1 <= bs else sum(phase[r0:]) + sum(phase[:r1 - bs])
         return taken
 
-    def _sums_commit(self, sums: LeapSums, k: int, it0: int, n_dec: int, kv: int,
+    def _sums_result(self, sums: LeapSums, k: int, n_dec: int, kv: int,
                      stop: int) -> LeapResult | None:
-        """What ``StepExecutor._commit`` records for the first ``k`` iterations of a leap summed by
-        numpy (from iteration ``it0``, ``kv`` KV tokens read by the first); None when k is 0."""
+        """The first ``k`` iterations of a leap summed by numpy (``kv``: the KV tokens the first
+        one reads); None when k is 0. Its new blocks (-1) and busy and duration sums are left
+        to ``StepExecutor._commit`` (:meth:`commit_sums`): a planned leap recorded early is cut
+        first, and the sums of its planned end would be thrown away."""
         if not k:
             return None
-        ends, durs = sums
-        busy_s, total = running_sums(self.busy_s, durs, k)
-        return (k, self._taken(it0, k), n_dec, kv + n_dec * k, float(ends[k]), busy_s, total,
-                stop)
+        return (k, -1, n_dec, kv + n_dec * k, float(sums[0][k]), 0.0, 0.0, stop)
+
+    def commit_sums(self, sums: LeapSums | None, k: int) -> tuple[int, float, float]:
+        """A numpy-summed leap's new decode blocks, busy time and duration over its first
+        ``k`` iterations (from the engine's current iteration and busy time)."""
+        assert sums is not None  # a result with -1 blocks comes from _sums_result
+        busy_s, total = running_sums(self.busy_s, sums[1], k)
+        return self._taken(self.sched.it, k), busy_s, total

@@ -41,8 +41,10 @@ def leap_durations(end: float, kv: int, n_dec: int, cap: int,
         memory += weights_s
         np.maximum(durs, memory, out=durs)  # equal values are equal bits (all positive)
     durs += overhead_s
-    durs += ar_tok
-    durs += comm
+    if ar_tok:  # x + 0.0 is x for every positive x: the loop's addition changes nothing
+        durs += ar_tok
+    if comm:
+        durs += comm
     ends = np.empty(cap + 1)
     ends[0] = end
     ends[1:] = durs

@@ -207,17 +207,18 @@ class StepExecutor(LeapLoops):
             self._lazy_until = horizon
             self.lazy_end = c[4]
             return True
+        self._sums = None
         c = self._run(out, plan, until)
         if c is None:
             return False
-        self._commit(out, c)
+        self._commit(out, c, self._sums)
         return True
 
     def fire(self, out: StepOutcome) -> int:
         """Record ``out``'s planned leap in full (its end is due and nothing reached the
         engine before); returns its iterations."""
         self.lazy_out = None
-        self._commit(out, self._lazy_c)
+        self._commit(out, self._lazy_c, self._lazy_sums)
         return self._lazy_c[0]
 
     def materialise(self, t: float) -> int:
@@ -240,20 +241,23 @@ class StepExecutor(LeapLoops):
             plan = self._lazy_plan
             s = self.sched
             k = first_at_or_after(sums[0], self._lazy_c[0], t)
-            c = self._sums_commit(sums, k, s.it, plan[0], s.kv_sum + plan[0], plan[4])
+            c = self._sums_result(sums, k, plan[0], s.kv_sum + plan[0], plan[4])
         else:
-            c = self._run(out, self._lazy_plan, t)
+            c = self._run(out, self._lazy_plan, t)  # a short leap: the loop is cheaper
         self._cut_out = None
         if c is None:
             return 0
-        self._commit(out, c)
+        self._commit(out, c, self._lazy_sums)
         return c[0]
 
-    def _commit(self, out: StepOutcome, c: LeapResult) -> None:
+    def _commit(self, out: StepOutcome, c: LeapResult, sums: LeapSums | None) -> None:
         """Record ``k`` leaped iterations: ``taken`` new decode blocks, ``kv`` the KV tokens the
         next iteration's decodes read, ``end`` and ``busy_s`` the sums after the last one, and
-        the finish of the decoders whose last iteration was ``stop - 1`` if it was reached."""
+        the finish of the decoders whose last iteration was ``stop - 1`` if it was reached
+        (``taken`` -1: a leap summed by numpy, whose blocks and sums come from ``sums``)."""
         k, taken, n_dec, kv, end, busy_s, total, stop = c
+        if taken < 0:
+            taken, busy_s, total = self.commit_sums(sums, k)
         s = self.sched
         if taken:
             pool = self.pool

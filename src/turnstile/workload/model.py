@@ -9,10 +9,12 @@ validated once, at load time, by :mod:`turnstile.workload.jsonl`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Literal
 
 ToolStatus = Literal["ok", "error", "timeout", "unknown"]
 TOOL_STATUSES: tuple[str, ...] = ("ok", "error", "timeout", "unknown")
+_DURATION_S = attrgetter("duration_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +57,7 @@ class Turn:
 
     @property
     def tool_duration_s(self) -> float:
-        return sum(t.duration_s for t in self.tools)
+        return sum(map(_DURATION_S, self.tools))  # the same additions as a loop, in C
 
 
 @dataclass(frozen=True, slots=True)
