@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turnstile.policies import ROUTING, RoutingPolicy
-from turnstile.rollout.libra_workloads import make_workload
+from turnstile.rollout.libra_workloads import LibraWorkload, make_workload
 from turnstile.rollout.planner import Plan, PlannerConfig, RLLoop, StepRecord
 from turnstile.rollout.sim import SimConfig, parse_mix
-from turnstile.rollout.workload import RolloutSpec, RolloutWorkload
+from turnstile.rollout.workload import RolloutSpec, RolloutTrajectory, RolloutWorkload
 
-__all__ = ["RolloutSimRequest", "make_router", "run_rollout_sim"]
+__all__ = ["RolloutSimRequest", "SharedBatches", "make_router", "run_rollout_sim"]
 
 
 #: ``name:option`` ablations the CLI accepts, as constructor arguments
@@ -105,6 +105,30 @@ class RolloutSimRequest:
                              tiered=self.tiered, static=static, replan_every=self.replan_every)
 
 
+class SharedBatches:
+    """A workload whose batches and forecasts are drawn once and handed to every policy:
+    both are pure functions of the spec and the step (the trajectories are frozen, and the
+    simulator copies each workflow it runs), so a second draw would only repeat the first."""
+
+    def __init__(self, workload: RolloutWorkload | LibraWorkload) -> None:
+        self.workload = workload
+        self.spec = workload.spec
+        self._batches: dict[int, list[RolloutTrajectory]] = {}
+        self._forecasts: dict[int, list[RolloutTrajectory]] = {}
+
+    def batch(self, step: int) -> list[RolloutTrajectory]:
+        got = self._batches.get(step)
+        if got is None:
+            got = self._batches[step] = self.workload.batch(step)
+        return got
+
+    def forecast(self, step: int) -> list[RolloutTrajectory]:
+        got = self._forecasts.get(step)
+        if got is None:
+            got = self._forecasts[step] = self.workload.forecast(step)
+        return got
+
+
 def run_rollout_sim(
     req: RolloutSimRequest,
     on_step: Callable[[str, StepRecord], None] | None = None,
@@ -114,7 +138,9 @@ def run_rollout_sim(
         raise ValueError("steps must be >= 1")
     for p in req.policies:
         make_router(p)  # validate names before any work
-    spec = req.make_workload().spec
+    # every policy runs the same seeded batches: drawn once, by the first policy that asks
+    workload = SharedBatches(req.make_workload())
+    spec = workload.spec
     planner_cfg = req.planner_config()
     sim_cfg = req.sim_config()
     out: dict[str, Any] = {
@@ -144,7 +170,6 @@ def run_rollout_sim(
         "policies": {},
     }
     for policy in req.policies:
-        workload = req.make_workload()
         t0 = time.perf_counter()
         loop = RLLoop(
             workload,

@@ -378,7 +378,9 @@ class RLLoop:
         c = self.cfg
         if c.mode == "sync" and self.partial_frac < 1.0:
             raise ValueError("partial rollout needs the off-policy mode")
-        probe = self.workload.forecast(0)  # before any step: a batch drawn from the model
+        # before any step, the planner sees a batch drawn from the model (a static plan needs
+        # none: drawing it cost a step's worth of workload draws)
+        probe = self.workload.forecast(0) if c.static is None else []
         plan, _ = self._choose(None, probe)
         sim = RolloutCluster(plan.mix, self.router, self.sim_cfg)
         self.sim = sim
