@@ -16,7 +16,7 @@ from turnstile.sim.batch_scheduler import BatchScheduler
 from turnstile.sim.block_pool import BlockPool
 from turnstile.sim.leap_sums import LeapSums, first_at_or_after, leap_durations, running_sums
 from turnstile.sim.perf import PerfModel
-from turnstile.sim.request import StepOutcome
+from turnstile.sim.request import SimRequest, StepOutcome
 from turnstile.sim.roofline_perf import RooflinePerf
 from turnstile.sim.slot_pool import SlotPool
 from turnstile.sim.tp_perf import TpRooflinePerf
@@ -26,9 +26,12 @@ EPS = 1e-9
 #: a RooflinePerf's decode-only step_time terms for ``n_dec`` decoders (see :meth:`_plan`)
 #: and, for a TpRooflinePerf, its all-reduce term (constant: the decoders do not change)
 _Roof = tuple[float, float, float, float, float, float, float]
-#: what a leap relies on: (n_dec, blocked, blk_avail, next pin expiry, stop iteration, roof)
-LeapPlan = tuple[int, bool, int, float | None, int, _Roof | None]
-NO_PLAN: LeapPlan = (0, False, 0, None, 0, None)
+#: what a leap relies on: (n_dec, blocked, blk_avail, next pin expiry, stop iteration, roof,
+#: the request whose chunked prefill takes every iteration's whole token budget, or None)
+LeapPlan = tuple[int, bool, int, float | None, int, _Roof | None, SimRequest | None]
+NO_PLAN: LeapPlan = (0, False, 0, None, 0, None, None)
+#: the stop iteration of a leap without decoders (none finishes)
+_NO_STOP = 1 << 62
 #: a leap's result, not yet recorded: (iterations, new decode blocks, n_dec, next KV read,
 #: end, busy_s, duration, stop iteration); see ``StepExecutor._commit``
 LeapResult = tuple[int, int, int, int, float, float, float, int]
@@ -73,15 +76,86 @@ class LeapLoops:
         return (n_dec, blocked, s.blk_avail,
                 pin_heap[0][0] if pin_heap else None,  # no pin changes in a leap
                 s.next_finish() + 1,  # no further than the next finish
-                roof)
+                roof, None)
+
+    def _prefill_plan(self) -> LeapPlan | None:
+        """The plan of a leap over the chunked prefill of the first prefilling request, when
+        it takes the whole token budget of the next iteration without completing (so nothing is
+        admitted, no other prefill advances, no first token comes); None when it does not."""
+        s = self.sched
+        n_dec = s.n_dec
+        budget = s.max_tokens - n_dec
+        req = s.prefilling[0]
+        if budget <= 0 or req._target - req.num_computed <= budget:
+            return None
+        pin_heap = self.pool.pin_heap
+        return (n_dec, False, 0, pin_heap[0][0] if pin_heap else None,
+                s.next_finish() + 1 if n_dec else _NO_STOP, None, req)
+
+    def _run_prefill(self, out: StepOutcome, plan: LeapPlan, until: float) -> LeapResult | None:
+        """The leap's iterations from ``out.end_s`` on when a chunked prefill takes each one's
+        whole budget (see :meth:`_prefill_plan`): each decodes (new blocks by ``phase``) and
+        prefills ``budget`` more tokens of the same request, as ``step`` would, with the same
+        ``step_time`` arguments. It stops before the iteration that would complete the prefill,
+        that the memory cannot take in full (a partial chunk or a preemption: left to
+        ``step``), or that starts at or after ``until`` or a pin expiry; and after the one in
+        which decoders finish. Changes nothing in the engine (no offload tier: see
+        ``StepExecutor.leap``)."""
+        n_dec, _, _, pin_t, stop, _, req = plan
+        assert req is not None
+        s = self.sched
+        pool = self.pool
+        budget = s.max_tokens - n_dec
+        phase = s.phase
+        bs = s.bs
+        step_time = self.perf.step_time
+        c = req.num_computed
+        left = req._target - c
+        have = -(-c // bs)
+        avail = pool.free + pool.n_evict
+        taken = 0
+        end = out.end_s
+        busy_s = self.busy_s
+        total = 0.0
+        kv = s.kv_sum + n_dec  # KV tokens the next iteration's decodes read
+        it0 = s.it
+        it = it0
+        while it < stop:
+            if end >= until:
+                self._cut_out = out
+                self._cut_plan = plan
+                break
+            if left <= budget or (pin_t is not None and pin_t <= end + EPS):
+                break
+            after = -(-(c + budget) // bs)
+            need = phase[it % bs] + after - have
+            if need > avail:
+                break
+            avail -= need
+            taken += need
+            # as step(): attention pairs 0.0 + chunk·c + chunk(chunk+1)/2, KV read kv + c
+            dur = step_time(budget, n_dec, kv + c, budget * c + budget * (budget + 1) / 2)
+            end += dur
+            busy_s += dur
+            total += dur
+            kv += n_dec
+            c += budget
+            left -= budget
+            have = after
+            it += 1
+        if it > it0:
+            return (it - it0, taken, n_dec, kv, end, busy_s, total, stop)
+        return None
 
     def _run(self, out: StepOutcome, plan: LeapPlan, until: float) -> LeapResult | None:
         """The leap's decode iterations from ``out.end_s`` on (see ``StepExecutor.leap``): what
         ``StepExecutor._commit`` records (None: no iteration). Without an offload tier it changes
         nothing in the engine, so it can run ahead (see ``lazy``)."""
+        if plan[6] is not None:
+            return self._run_prefill(out, plan, until)
         if plan[5] is not None and plan[3] is None and not self.pool.cpu_cap:
             return self._run_roofline(out, plan, until)
-        n_dec, blocked, blk_avail, pin_t, stop, roof = plan
+        n_dec, blocked, blk_avail, pin_t, stop, roof, _ = plan
         s = self.sched
         pool = self.pool
         if roof is not None:
@@ -148,7 +222,7 @@ class LeapLoops:
         before the loop from the block-need histogram (``phase``), so the loop only sums
         durations; and when one roofline term is the larger over the whole KV range by a wide
         margin, the other is not computed."""
-        n_dec, blocked, blk_avail, _, stop, roof = plan
+        n_dec, blocked, blk_avail, _, stop, roof, _ = plan
         assert roof is not None  # _run's condition
         c_tok, attn_s, weights_s, kv_s, overhead_s, ar_tok, comm = roof
         s = self.sched

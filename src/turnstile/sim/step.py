@@ -127,11 +127,12 @@ class StepExecutor(LeapLoops):
 
     def decodes_only(self, now: float) -> bool:
         """Whether the iteration at ``now`` is a pure decode iteration with nothing to admit
-        (decoders running, no prefill, an empty queue, no pin expiring): what
-        :meth:`step_and_leap` runs inside the leap."""
+        (decoders running, no prefill or only stalled ones, an empty queue, no pin expiring):
+        what :meth:`step_and_leap` runs inside the leap."""
         s = self.sched
         pin_heap = self.pool.pin_heap
-        return bool(s.n_dec and not s.waiting and not s.prefilling
+        return bool(s.n_dec and not s.waiting
+                    and (not s.prefilling or self._prefills_stalled())
                     and not (pin_heap and pin_heap[0][0] <= now + EPS))
 
     def step_and_leap(self, now: float, until: float, decodes_only: bool,
@@ -169,9 +170,19 @@ class StepExecutor(LeapLoops):
         s = self.sched
         n_dec = s.n_dec
         self._cut_out = None
-        if not n_dec or out.finished or out.first_token or not out.busy or s.prefilling:
+        if out.finished or out.first_token or not out.busy:
             return
         pool = self.pool
+        if s.prefilling and not (n_dec and self._prefills_stalled()):
+            # a chunked prefill that takes every iteration's whole budget: only with the block
+            # pool and no offload tier (a tier evicts as it goes; a slot pool counts per slot)
+            if type(pool) is BlockPool and not pool.cpu_cap:
+                prefill = self._prefill_plan()
+                if prefill is not None:
+                    self._run_or_defer(out, prefill, until, horizon)
+            return
+        if not n_dec:
+            return
         waiting = s.waiting
         blocked = False
         if waiting:
@@ -188,6 +199,17 @@ class StepExecutor(LeapLoops):
             else:
                 return
         self._run_or_defer(out, self._plan(n_dec, blocked), until, horizon)
+
+    def _prefills_stalled(self) -> bool:
+        """Whether every prefilling request is stalled on memory, and stays so over a decode
+        leap: nothing is free or evictable and each has filled its last block (a chunk would
+        need a new block). Their iterations are then pure decode iterations (no prefill
+        tokens, no prefix read), which memory can only keep so."""
+        pool = self.pool
+        if pool.free or pool.n_evict:
+            return False
+        bs = self.sched.bs
+        return all(req.num_computed % bs == 0 for req in self.sched.prefilling)
 
     def _run_or_defer(self, out: StepOutcome, plan: LeapPlan, until: float,
                       horizon: float) -> bool:
@@ -211,14 +233,14 @@ class StepExecutor(LeapLoops):
         c = self._run(out, plan, until)
         if c is None:
             return False
-        self._commit(out, c, self._sums)
+        self._commit(out, c, self._sums, plan[6])
         return True
 
     def fire(self, out: StepOutcome) -> int:
         """Record ``out``'s planned leap in full (its end is due and nothing reached the
         engine before); returns its iterations."""
         self.lazy_out = None
-        self._commit(out, self._lazy_c, self._lazy_sums)
+        self._commit(out, self._lazy_c, self._lazy_sums, self._lazy_plan[6])
         return self._lazy_c[0]
 
     def materialise(self, t: float) -> int:
@@ -247,18 +269,23 @@ class StepExecutor(LeapLoops):
         self._cut_out = None
         if c is None:
             return 0
-        self._commit(out, c, self._lazy_sums)
+        self._commit(out, c, self._lazy_sums, self._lazy_plan[6])
         return c[0]
 
-    def _commit(self, out: StepOutcome, c: LeapResult, sums: LeapSums | None) -> None:
-        """Record ``k`` leaped iterations: ``taken`` new decode blocks, ``kv`` the KV tokens the
+    def _commit(self, out: StepOutcome, c: LeapResult, sums: LeapSums | None,
+                prefill: SimRequest | None) -> None:
+        """Record ``k`` leaped iterations: ``taken`` new blocks, ``kv`` the KV tokens the
         next iteration's decodes read, ``end`` and ``busy_s`` the sums after the last one, and
         the finish of the decoders whose last iteration was ``stop - 1`` if it was reached
-        (``taken`` -1: a leap summed by numpy, whose blocks and sums come from ``sums``)."""
+        (``taken`` -1: a leap summed by numpy, whose blocks and sums come from ``sums``), and
+        ``k`` budgets of ``prefill``'s prompt computed (accounted as one chunk: the same
+        counts and session mark as chunk by chunk)."""
         k, taken, n_dec, kv, end, busy_s, total, stop = c
         if taken < 0:
             taken, busy_s, total = self.commit_sums(sums, k)
         s = self.sched
+        if prefill is not None:
+            s.computed(prefill, prefill.num_computed, (s.max_tokens - n_dec) * k)
         if taken:
             pool = self.pool
             pool.take(taken)
