@@ -11,7 +11,8 @@ intermediates), and ``cumsum`` adds left to right, one element after the other, 
 integers below 2**53, converted to doubles exactly either way.
 
 Only worth it for long leaps (a numpy call costs about a microsecond, a loop iteration about a
-tenth of one in CPython); the compiled build keeps its C loop (see ``step._NUMPY_MIN``).
+tenth of one in CPython); the compiled build keeps its C loop (see
+``leap_loop._NUMPY_MIN``).
 """
 
 from __future__ import annotations
