@@ -127,7 +127,8 @@ def repredict_main(args: argparse.Namespace) -> int:
     engines = with_profile_slots(AbEngines(**{**run["engines"], "kv_model": args.kv_model}), perf)
     rates = {float(k): v for k, v in doc["rates"].items()}
     t0 = time.time()
-    doc["cells"] = repredict(doc["cells"], sessions, rates, engines, perf)
+    doc["cells"] = repredict(doc["cells"], sessions, rates, engines, perf,
+                             run.get("session_idle_s"))
     setup["kv_model"] = args.kv_model
     setup["repredicted"] = {"from": str(src), "wall_s": round(time.time() - t0, 1),
                             "command": " ".join([Path(sys.executable).name, *sys.argv])}

@@ -30,7 +30,7 @@ from turnstile.gateway.config import load_config
 from turnstile.gateway.protocol import cached_tokens
 from turnstile.gateway.service import Gateway
 from turnstile.sim.fitted_perf import FittedPerf, fit_profile
-from turnstile.workload.model import Turn, Workflow
+from turnstile.workload.model import ToolCall, Turn, Workflow
 
 SCALE = TraceScale(max_output=16, tool_div=20.0, max_tool_s=0.5, max_context=600, max_turns=6)
 PERF = FittedPerf(0.002, 1e-4, 6e-4, 1e-6, 5e-8, engine="test")
@@ -65,6 +65,31 @@ def test_sim_workflows_adds_template_tokens_and_stays_a_chain() -> None:
     (got,) = sim_workflows([wf], per_message=6)
     assert [t.input_tokens for t in got.turns] == [112, 26, 36]
     assert [t.context_tokens for t in got.turns] == [0, 122, 153]
+
+
+def test_sim_workflows_as_the_gateway_sees_them() -> None:
+    wf = Workflow("w", 0.0, (Turn(100, 10, tools=(ToolCall("Bash", 0.2), ToolCall("Read", 0.1))),
+                             Turn(20, 5, 110), Turn(30, 5, 135)))
+    (got,) = sim_workflows([wf], per_message=6, session_idle_s=0.8)
+    # one unnamed pause per turn (the replay sends no tool messages: one pooled latency key),
+    # the tool time kept; after the last turn the session stays open until the gateway's sweep
+    # closes it (idle 0.8 s + half the 0.2-s sweep period)
+    assert [t.tools for t in got.turns] == [(ToolCall("", pytest.approx(0.3)),),
+                                            (ToolCall("", 0.0),), (ToolCall("", 0.9),)]
+    assert [t.input_tokens for t in got.turns] == [112, 26, 36]
+    (plain,) = sim_workflows([wf], per_message=6)
+    assert plain.turns[0].tools == wf.turns[0].tools and plain.turns[2].tools == ()
+
+
+def test_gateway_view_retains_a_finished_sessions_slot_until_closed() -> None:
+    sessions = build_sessions([], 0, 10, SCALE, seed=0)
+    wfs = cell_workload(sessions, 20.0, 0)
+    known = cell_row(predict(wfs, ["eager+ttl"], ENGINES, PERF)["eager+ttl"])
+    seen = cell_row(predict(wfs, ["eager+ttl"], ENGINES, PERF, session_idle_s=0.8)["eager+ttl"])
+    assert known["workflows"] == seen["workflows"] == 10
+    # the gateway pins a slot after every turn, the last one too (it cannot know it is the
+    # last), until the TTL: other sessions find fewer slots and lose more of their contexts
+    assert seen["prefix_hit_rate"] < known["prefix_hit_rate"] - 0.03
 
 
 def test_predict_contention_eager_recomputes_cvar_gates() -> None:

@@ -28,10 +28,11 @@ import numpy as np
 
 from turnstile.bench.runner import capacity_rate, run_bench
 from turnstile.calibrate.fidelity import TraceScale, on_poisson, scale_workflow, select_sessions
+from turnstile.gateway.sessions import sweep_period_s
 from turnstile.sim.cluster import EngineGroup
 from turnstile.sim.perf import PerfModel
 from turnstile.workload import synth
-from turnstile.workload.model import Workflow
+from turnstile.workload.model import ToolCall, Workflow
 
 __all__ = [
     "AbEngines",
@@ -154,21 +155,37 @@ def cell_workload(sessions: Sequence[Workflow], rate: float, seed: int) -> list[
 
 
 def sim_workflows(workflows: Sequence[Workflow],
-                  per_message: int = CHAT_TOKENS_PER_MESSAGE) -> list[Workflow]:
+                  per_message: int = CHAT_TOKENS_PER_MESSAGE,
+                  session_idle_s: float | None = None) -> list[Workflow]:
     """The workflows as the engine sees them through the chat API: each turn also carries its
     user message's and the previous reply's template tokens (and the first line naming the
-    session that the replay adds, about ``per_message`` tokens)."""
+    session that the replay adds, about ``per_message`` tokens).
+
+    ``session_idle_s`` (the gateway's setting): the workflows also as *the gateway* sees them,
+    so that the simulated policies know what the gateway's do. The replay sends no tool
+    messages, so every pause between turns is one unnamed tool call (its latency estimates are
+    pooled, as the gateway's are); and no client says a session is over, so after its last
+    turn a session stays paused, its KV counted and retained, until the gateway closes it
+    (``session_idle_s`` plus half the gateway's sweep period)."""
+    close_s = None if session_idle_s is None else session_idle_s + sweep_period_s(
+        session_idle_s) / 2
     out = []
     for wf in workflows:
         turns = []
         ctx = 0
+        last = len(wf.turns) - 1
         for i, t in enumerate(wf.turns):
             extra = per_message if i else 2 * per_message
             inp = t.input_tokens + extra
-            turns.append(replace(t, input_tokens=inp, context_tokens=ctx))
+            turn = replace(t, input_tokens=inp, context_tokens=ctx)
+            if close_s is not None:
+                pause = close_s if i == last else t.tool_duration_s
+                turn = replace(turn, tools=(ToolCall("", pause),))
+            turns.append(turn)
             ctx += inp + t.output_tokens
         out.append(replace(wf, turns=tuple(turns)))
     return out
+
 
 
 def offered_load(rate: float, sessions: Sequence[Workflow], engines: AbEngines,
@@ -179,18 +196,21 @@ def offered_load(rate: float, sessions: Sequence[Workflow], engines: AbEngines,
 
 
 def predict(workflows: Sequence[Workflow], policies: Sequence[str], engines: AbEngines,
-            perf: PerfModel) -> dict[str, dict[str, Any]]:
-    """Simulated metrics of each policy on ``workflows`` (``turnstile bench``'s runner)."""
-    results = run_bench(sim_workflows(workflows), policies, [engines.group(perf)])
+            perf: PerfModel, session_idle_s: float | None = None) -> dict[str, dict[str, Any]]:
+    """Simulated metrics of each policy on ``workflows`` (``turnstile bench``'s runner); with
+    ``session_idle_s``, as the gateway sees the sessions (:func:`sim_workflows`)."""
+    wfs = sim_workflows(workflows, session_idle_s=session_idle_s)
+    results = run_bench(wfs, policies, [engines.group(perf)])
     return {r["policy"]: r["metrics"] for r in results}
 
 
 def repredict(cells: Sequence[Mapping[str, Any]], sessions: Sequence[Workflow],
               rates: Mapping[float, float], engines: AbEngines, perf: PerfModel,
-              ) -> list[dict[str, Any]]:
+              session_idle_s: float | None = None) -> list[dict[str, Any]]:
     """The cells of a finished A/B with their predictions made again (``engines``' KV model,
-    ``perf``), each on its own workload (``sessions`` at ``rates[load]``, the cell's seed); the
-    measured figures are kept, the previous prediction goes to ``pred_before``."""
+    ``perf``, ``session_idle_s`` as in :func:`predict`), each on its own workload (``sessions``
+    at ``rates[load]``, the cell's seed); the measured figures are kept, the previous
+    prediction goes to ``pred_before``."""
     policies = list(dict.fromkeys(c["policy"] for c in cells))
     preds: dict[tuple[float, int], dict[str, dict[str, Any]]] = {}
     out = []
@@ -198,7 +218,7 @@ def repredict(cells: Sequence[Mapping[str, Any]], sessions: Sequence[Workflow],
         key = (c["load"], c["seed"])
         if key not in preds:
             wfs = cell_workload(sessions, rates[c["load"]], c["seed"])
-            preds[key] = predict(wfs, policies, engines, perf)
+            preds[key] = predict(wfs, policies, engines, perf, session_idle_s)
         out.append({**c, "pred": cell_row(preds[key][c["policy"]]),
                     "pred_before": c.get("pred_before", c["pred"])})
     return out

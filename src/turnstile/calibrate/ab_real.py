@@ -31,7 +31,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from turnstile.bench.replay import ReplaySpec, run_replay
+import httpx
+
+from turnstile.bench.replay import ReplaySpec, calibrate, run_replay
 from turnstile.calibrate.ab import (
     AbEngines,
     cell_row,
@@ -165,12 +167,25 @@ class _Gateway:
         self._log.close()
 
 
+def chars_per_token(engine_url: str, model: str = "tiny") -> float:
+    """The engines' tokenizer's characters per token, measured on one engine directly, so that
+    the replay through the gateway sends only the sessions (no calibration session that the
+    policies would route and retain KV for)."""
+
+    async def measure() -> float:
+        async with httpx.AsyncClient(base_url=engine_url, timeout=30.0) as client:
+            return await calibrate(client, model)
+
+    return asyncio.run(measure())
+
+
 def _replay(gateway: str, workflows: list[Workflow], run: AbRun, label: str, seed: int,
-            out: Path) -> dict[str, Any]:
+            out: Path, chars: float) -> dict[str, Any]:
     spec = ReplaySpec(target=gateway, rate=1.0, workflows=len(workflows), time_scale=1.0,
                       max_context=run.engines.ctx // run.engines.n_parallel,
                       max_tokens=run.max_tokens, arrivals="trace", label=label, seed=seed,
-                      timeout_s=run.request_timeout_s, stream=run.stream)
+                      timeout_s=run.request_timeout_s, stream=run.stream,
+                      chars_per_token=chars)
     info = {"path": None, "name": "scaled AgentCgroup + synthetic sessions (A/B)",
             "arrivals": "poisson (sessions superimposed, seeded)"}
     path, _ = asyncio.run(run_replay(spec, workflows, info, out))
@@ -220,10 +235,11 @@ def run_ab(
             f"{100 * fit['median_abs_rel_err']:.1f}%, loadavg {os.getloadavg()[0]:.2f}")
         eng = with_profile_slots(eng, perf)  # the slot size the server reports
         rates = {ld: ld / offered_load(1.0, sessions, eng, perf) for ld in run.loads}
+        chars = chars_per_token(urls[0])
         for load in run.loads:
             for seed in run.seeds:
                 wfs = cell_workload(sessions, rates[load], seed)
-                pred = predict(wfs, run.policies, eng, perf)
+                pred = predict(wfs, run.policies, eng, perf, run.session_idle_s)
                 for policy in run.policies:
                     erase_slots(urls, eng.n_parallel)
                     port = free_port()
@@ -237,7 +253,7 @@ def run_ab(
                     try:
                         t_cell = time.time()
                         real = _replay(gw.url, wfs, run, policy, seed,
-                                       tmp / "cells" / f"{policy}-{load:g}-{seed}")
+                                       tmp / "cells" / f"{policy}-{load:g}-{seed}", chars)
                         wall = time.time() - t_cell
                     finally:
                         gw.stop()
