@@ -79,6 +79,10 @@ def test_sim_workflows_as_the_gateway_sees_them() -> None:
     assert [t.input_tokens for t in got.turns] == [112, 26, 36]
     (plain,) = sim_workflows([wf], per_message=6)
     assert plain.turns[0].tools == wf.turns[0].tools and plain.turns[2].tools == ()
+    # a template measured on the engine: 17 tokens around each later turn's two messages
+    (measured,) = sim_workflows([wf], per_message=6, turn_template_tokens=17)
+    assert [t.input_tokens for t in measured.turns] == [112, 37, 47]
+    assert [t.context_tokens for t in measured.turns] == [0, 122, 164]
 
 
 def test_gateway_view_retains_a_finished_sessions_slot_until_closed() -> None:

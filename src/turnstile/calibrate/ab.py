@@ -78,6 +78,10 @@ class AbEngines:
     #: KV tokens of one slot as the server reports it (llama.cpp may round ``-c``, e.g. 3184
     #: with ``-np 4`` to 1,024 per slot); ``None``: ``ctx // n_parallel``
     slot_tokens: int | None = None
+    #: prompt tokens a turn after the first adds beyond its text and the previous reply (the
+    #: chat template around both messages), as measured on the engine
+    #: (:func:`turnstile.calibrate.ab_real.turn_template_tokens`)
+    turn_template_tokens: int = CHAT_TOKENS_PER_MESSAGE
 
     def __post_init__(self) -> None:
         if self.kv_model not in ("slots", "paged"):
@@ -156,10 +160,12 @@ def cell_workload(sessions: Sequence[Workflow], rate: float, seed: int) -> list[
 
 def sim_workflows(workflows: Sequence[Workflow],
                   per_message: int = CHAT_TOKENS_PER_MESSAGE,
-                  session_idle_s: float | None = None) -> list[Workflow]:
-    """The workflows as the engine sees them through the chat API: each turn also carries its
-    user message's and the previous reply's template tokens (and the first line naming the
-    session that the replay adds, about ``per_message`` tokens).
+                  session_idle_s: float | None = None,
+                  turn_template_tokens: int | None = None) -> list[Workflow]:
+    """The workflows as the engine sees them through the chat API: the first turn also carries
+    its message's template tokens and the first line naming the session that the replay adds
+    (about ``per_message`` tokens each), every later turn the template tokens around its message
+    and the previous reply (``turn_template_tokens``, default ``per_message``).
 
     ``session_idle_s`` (the gateway's setting): the workflows also as *the gateway* sees them,
     so that the simulated policies know what the gateway's do. The replay sends no tool
@@ -169,14 +175,14 @@ def sim_workflows(workflows: Sequence[Workflow],
     (``session_idle_s`` plus half the gateway's sweep period)."""
     close_s = None if session_idle_s is None else session_idle_s + sweep_period_s(
         session_idle_s) / 2
+    later = per_message if turn_template_tokens is None else turn_template_tokens
     out = []
     for wf in workflows:
         turns = []
         ctx = 0
         last = len(wf.turns) - 1
         for i, t in enumerate(wf.turns):
-            extra = per_message if i else 2 * per_message
-            inp = t.input_tokens + extra
+            inp = t.input_tokens + (later if i else 2 * per_message)
             turn = replace(t, input_tokens=inp, context_tokens=ctx)
             if close_s is not None:
                 pause = close_s if i == last else t.tool_duration_s
@@ -199,7 +205,8 @@ def predict(workflows: Sequence[Workflow], policies: Sequence[str], engines: AbE
             perf: PerfModel, session_idle_s: float | None = None) -> dict[str, dict[str, Any]]:
     """Simulated metrics of each policy on ``workflows`` (``turnstile bench``'s runner); with
     ``session_idle_s``, as the gateway sees the sessions (:func:`sim_workflows`)."""
-    wfs = sim_workflows(workflows, session_idle_s=session_idle_s)
+    wfs = sim_workflows(workflows, session_idle_s=session_idle_s,
+                        turn_template_tokens=engines.turn_template_tokens)
     results = run_bench(wfs, policies, [engines.group(perf)])
     return {r["policy"]: r["metrics"] for r in results}
 

@@ -21,19 +21,20 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from turnstile.bench.replay import ReplaySpec, calibrate, run_replay
+from turnstile.bench.replay import ReplaySpec, calibrate, run_replay, synth_text
 from turnstile.calibrate.ab import (
     AbEngines,
     cell_row,
@@ -179,6 +180,34 @@ def chars_per_token(engine_url: str, model: str = "tiny") -> float:
     return asyncio.run(measure())
 
 
+def turn_template_tokens(engine_url: str, chars: float, model: str = "tiny") -> int:
+    """Prompt tokens a later turn adds beyond its new text and the previous reply (the chat
+    template around the two messages), measured on one engine with a two-turn conversation
+    (the engine's ``/tokenize`` counts the text alone)."""
+    rng = random.Random(0)
+    with httpx.Client(base_url=engine_url, timeout=60.0) as client:
+        def chat(messages: list[dict[str, str]]) -> dict[str, Any]:
+            r = client.post("/v1/chat/completions",
+                            json={"model": model, "messages": messages, "max_tokens": 8})
+            r.raise_for_status()
+            return dict(r.json())
+
+        def tokens(text: str) -> int:
+            r = client.post("/tokenize", json={"content": text})
+            r.raise_for_status()
+            return len(r.json()["tokens"])
+
+        messages = [{"role": "user", "content": "session probe\n" + synth_text(60, chars, rng)}]
+        first = chat(messages)
+        text = synth_text(20, chars, rng)
+        messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": text}]
+        second = chat(messages)
+        text_tokens = tokens(text)
+    grown = second["usage"]["prompt_tokens"] - first["usage"]["prompt_tokens"]
+    return max(0, grown - text_tokens - int(first["usage"]["completion_tokens"]))
+
+
 def _replay(gateway: str, workflows: list[Workflow], run: AbRun, label: str, seed: int,
             out: Path, chars: float) -> dict[str, Any]:
     spec = ReplaySpec(target=gateway, rate=1.0, workflows=len(workflows), time_scale=1.0,
@@ -236,6 +265,9 @@ def run_ab(
         eng = with_profile_slots(eng, perf)  # the slot size the server reports
         rates = {ld: ld / offered_load(1.0, sessions, eng, perf) for ld in run.loads}
         chars = chars_per_token(urls[0])
+        eng = replace(eng, turn_template_tokens=turn_template_tokens(urls[0], chars))
+        log(f"tokenizer: {chars:.2f} characters per token; a later turn's chat template adds "
+            f"{eng.turn_template_tokens} tokens")
         for load in run.loads:
             for seed in run.seeds:
                 wfs = cell_workload(sessions, rates[load], seed)
