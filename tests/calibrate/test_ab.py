@@ -17,6 +17,7 @@ from turnstile.calibrate.ab import (
     cell_workload,
     check_goals,
     plot_ab,
+    policy_spec,
     predict,
     render_table,
     repredict,
@@ -165,6 +166,26 @@ def test_aggregate_ratios_and_goals() -> None:
     assert not goals["ratio_met"]  # 24% off > 20%
     table = render_table(rows)
     assert table.count("\n| ") == 4 and "3.30× (3.00–3.60)" in table
+
+
+def test_a_rerun_of_the_baseline_is_the_noise_floor_not_a_policy() -> None:
+    cells = [_cell("eager", 2.0, 0, 60, 50), _cell("cvar", 2.0, 0, 20, 20),
+             _cell("eager@rerun", 2.0, 0, 48, 50)]
+    rows = aggregate(cells)
+    rerun = next(r for r in rows if r["policy"] == "eager@rerun")
+    assert rerun["real_ratio"]["mean"] == pytest.approx(1.25)  # eager / its own rerun
+    goals = check_goals(rows)
+    assert goals["noise_floor_max"] == pytest.approx(0.25)
+    assert goals["ranking"]["2.0"]["real"] == ["cvar", "eager"]  # the rerun is not ranked
+    assert [e["policy"] for e in goals["ratio_errors"]] == ["cvar"]
+    assert "| eager@rerun |" in render_table(rows)
+
+
+def test_predict_runs_a_rerun_label_as_its_policy() -> None:
+    sessions = build_sessions([], 0, 4, SCALE, seed=0)
+    wfs = cell_workload(sessions, 5.0, 0)
+    pred = predict(wfs, ["eager", "eager@rerun"], ENGINES, PERF)
+    assert pred["eager@rerun"] == pred["eager"] and policy_spec("eager@rerun") == "eager"
 
 
 def test_plot_ab_writes_png(tmp_path: Path) -> None:

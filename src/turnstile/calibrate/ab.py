@@ -43,6 +43,7 @@ __all__ = [
     "check_goals",
     "offered_load",
     "plot_ab",
+    "policy_spec",
     "predict",
     "render_table",
     "repredict",
@@ -201,14 +202,25 @@ def offered_load(rate: float, sessions: Sequence[Workflow], engines: AbEngines,
     return rate / capacity_rate(sessions, [engines.group(perf)])
 
 
+#: a cell label's suffix for a second run of the same policy (``eager@rerun``): the measurement's
+#: own noise, run after the group's other policies
+RERUN = "@rerun"
+
+
+def policy_spec(label: str) -> str:
+    """The policy a cell label runs (``eager@rerun`` runs ``eager``)."""
+    return label.removesuffix(RERUN)
+
+
 def predict(workflows: Sequence[Workflow], policies: Sequence[str], engines: AbEngines,
             perf: PerfModel, session_idle_s: float | None = None) -> dict[str, dict[str, Any]]:
     """Simulated metrics of each policy on ``workflows`` (``turnstile bench``'s runner); with
     ``session_idle_s``, as the gateway sees the sessions (:func:`sim_workflows`)."""
     wfs = sim_workflows(workflows, session_idle_s=session_idle_s,
                         turn_template_tokens=engines.turn_template_tokens)
-    results = run_bench(wfs, policies, [engines.group(perf)])
-    return {r["policy"]: r["metrics"] for r in results}
+    specs = list(dict.fromkeys(policy_spec(p) for p in policies))
+    got = {r["policy"]: r["metrics"] for r in run_bench(wfs, specs, [engines.group(perf)])}
+    return {p: got[policy_spec(p)] for p in policies}
 
 
 def repredict(cells: Sequence[Mapping[str, Any]], sessions: Sequence[Workflow],
@@ -308,6 +320,11 @@ def check_goals(rows: Sequence[Mapping[str, Any]], *, best: str = "cvar",
     if lo and lo["real_ratio"]:
         out["light_ratio"] = lo["real_ratio"]["mean"]
         out["light_met"] = lo["real_ratio"]["mean"] >= 1.0 - light_slack
+    noise = [abs(1.0 - r["real_ratio"]["mean"]) for r in rows
+             if r["policy"] == baseline + RERUN and r["real_ratio"]]
+    if noise:  # the baseline against its own rerun: how far apart two runs of one policy are
+        out["noise_floor_max"] = max(noise)
+    rows = [r for r in rows if not r["policy"].endswith(RERUN)]
     ranks = {}
     for load in loads:
         pols = [r for r in rows if r["load"] == load]
@@ -393,7 +410,7 @@ def plot_ab(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str) -> 
     import matplotlib.pyplot as plt
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    policies = list(dict.fromkeys(r["policy"] for r in rows if not r["policy"].endswith(RERUN)))
     for i, pol in enumerate(policies):
         pts = sorted((r for r in rows if r["policy"] == pol), key=lambda r: r["load"])
         x = [r["load"] for r in pts]

@@ -36,10 +36,12 @@ import httpx
 
 from turnstile.bench.replay import ReplaySpec, calibrate, run_replay, synth_text
 from turnstile.calibrate.ab import (
+    RERUN,
     AbEngines,
     cell_row,
     cell_workload,
     offered_load,
+    policy_spec,
     predict,
     with_profile_slots,
 )
@@ -79,6 +81,13 @@ class AbRun:
     stream: bool = False
     #: per-policy gateway settings, e.g. ``{"release": {"budget_per_engine": 4096}}``
     policy_params: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: run the first policy again after the others in every (load, seed) (``eager@rerun``):
+    #: how far two runs of one policy are apart on this host, beside the policies' ratios
+    rerun_baseline: bool = False
+
+    @property
+    def cell_policies(self) -> list[str]:
+        return self.policies + ([self.policies[0] + RERUN] if self.rerun_baseline else [])
 
 
 def _get(url: str, timeout: float = 5.0) -> bytes:
@@ -271,12 +280,12 @@ def run_ab(
         for load in run.loads:
             for seed in run.seeds:
                 wfs = cell_workload(sessions, rates[load], seed)
-                pred = predict(wfs, run.policies, eng, perf, run.session_idle_s)
-                for policy in run.policies:
+                pred = predict(wfs, run.cell_policies, eng, perf, run.session_idle_s)
+                for policy in run.cell_policies:
                     erase_slots(urls, eng.n_parallel)
                     port = free_port()
                     cfg = tmp / f"gw-{port}.toml"
-                    cfg.write_text(gateway_toml(policy, urls, eng, port=port,
+                    cfg.write_text(gateway_toml(policy_spec(policy), urls, eng, port=port,
                                                 session_idle_s=run.session_idle_s,
                                                 params=run.policy_params))
                     load_before = os.getloadavg()[0]
