@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tool-div", type=float, default=20.0)
     ap.add_argument("--max-tool-s", type=float, default=0.5)
     ap.add_argument("--quick-profile", action="store_true")
+    ap.add_argument("--rerun-baseline", action=argparse.BooleanOptionalAction, default=True,
+                    help="run the first policy again after the others in every load and seed "
+                         "(eager@rerun): the measurement's own noise")
     ap.add_argument("--seed", type=int, default=0, help="session choice")
     ap.add_argument("--kv-model", choices=("slots", "paged"), default="slots",
                     help="the simulator's KV model of the engines (slots: as llama.cpp)")
@@ -127,7 +130,8 @@ def repredict_main(args: argparse.Namespace) -> int:
     engines = with_profile_slots(AbEngines(**{**run["engines"], "kv_model": args.kv_model}), perf)
     rates = {float(k): v for k, v in doc["rates"].items()}
     t0 = time.time()
-    doc["cells"] = repredict(doc["cells"], sessions, rates, engines, perf)
+    doc["cells"] = repredict(doc["cells"], sessions, rates, engines, perf,
+                             run.get("session_idle_s"))
     setup["kv_model"] = args.kv_model
     setup["repredicted"] = {"from": str(src), "wall_s": round(time.time() - t0, 1),
                             "command": " ".join([Path(sys.executable).name, *sys.argv])}
@@ -165,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                 seeds=[int(s) for s in args.seeds.split(",") if s.strip()], engines=engines,
                 threads=args.threads, hidden=args.hidden, layers=args.layers,
                 max_tokens=args.max_output, quick_profile=args.quick_profile,
+                rerun_baseline=args.rerun_baseline,
                 # longer than any tool call: the gateway must not close a session mid-task
                 session_idle_s=args.max_tool_s + 0.3)
     out: Path = args.out

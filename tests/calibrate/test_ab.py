@@ -17,6 +17,7 @@ from turnstile.calibrate.ab import (
     cell_workload,
     check_goals,
     plot_ab,
+    policy_spec,
     predict,
     render_table,
     repredict,
@@ -30,7 +31,7 @@ from turnstile.gateway.config import load_config
 from turnstile.gateway.protocol import cached_tokens
 from turnstile.gateway.service import Gateway
 from turnstile.sim.fitted_perf import FittedPerf, fit_profile
-from turnstile.workload.model import Turn, Workflow
+from turnstile.workload.model import ToolCall, Turn, Workflow
 
 SCALE = TraceScale(max_output=16, tool_div=20.0, max_tool_s=0.5, max_context=600, max_turns=6)
 PERF = FittedPerf(0.002, 1e-4, 6e-4, 1e-6, 5e-8, engine="test")
@@ -65,6 +66,35 @@ def test_sim_workflows_adds_template_tokens_and_stays_a_chain() -> None:
     (got,) = sim_workflows([wf], per_message=6)
     assert [t.input_tokens for t in got.turns] == [112, 26, 36]
     assert [t.context_tokens for t in got.turns] == [0, 122, 153]
+
+
+def test_sim_workflows_as_the_gateway_sees_them() -> None:
+    wf = Workflow("w", 0.0, (Turn(100, 10, tools=(ToolCall("Bash", 0.2), ToolCall("Read", 0.1))),
+                             Turn(20, 5, 110), Turn(30, 5, 135)))
+    (got,) = sim_workflows([wf], per_message=6, session_idle_s=0.8)
+    # one unnamed pause per turn (the replay sends no tool messages: one pooled latency key),
+    # the tool time kept; after the last turn the session stays open until the gateway's sweep
+    # closes it (idle 0.8 s + half the 0.2-s sweep period)
+    assert [t.tools for t in got.turns] == [(ToolCall("", pytest.approx(0.3)),),
+                                            (ToolCall("", 0.0),), (ToolCall("", 0.9),)]
+    assert [t.input_tokens for t in got.turns] == [112, 26, 36]
+    (plain,) = sim_workflows([wf], per_message=6)
+    assert plain.turns[0].tools == wf.turns[0].tools and plain.turns[2].tools == ()
+    # a template measured on the engine: 17 tokens around each later turn's two messages
+    (measured,) = sim_workflows([wf], per_message=6, turn_template_tokens=17)
+    assert [t.input_tokens for t in measured.turns] == [112, 37, 47]
+    assert [t.context_tokens for t in measured.turns] == [0, 122, 164]
+
+
+def test_gateway_view_retains_a_finished_sessions_slot_until_closed() -> None:
+    sessions = build_sessions([], 0, 10, SCALE, seed=0)
+    wfs = cell_workload(sessions, 20.0, 0)
+    known = cell_row(predict(wfs, ["eager+ttl"], ENGINES, PERF)["eager+ttl"])
+    seen = cell_row(predict(wfs, ["eager+ttl"], ENGINES, PERF, session_idle_s=0.8)["eager+ttl"])
+    assert known["workflows"] == seen["workflows"] == 10
+    # the gateway pins a slot after every turn, the last one too (it cannot know it is the
+    # last), until the TTL: other sessions find fewer slots and lose more of their contexts
+    assert seen["prefix_hit_rate"] < known["prefix_hit_rate"] - 0.03
 
 
 def test_predict_contention_eager_recomputes_cvar_gates() -> None:
@@ -136,6 +166,26 @@ def test_aggregate_ratios_and_goals() -> None:
     assert not goals["ratio_met"]  # 24% off > 20%
     table = render_table(rows)
     assert table.count("\n| ") == 4 and "3.30× (3.00–3.60)" in table
+
+
+def test_a_rerun_of_the_baseline_is_the_noise_floor_not_a_policy() -> None:
+    cells = [_cell("eager", 2.0, 0, 60, 50), _cell("cvar", 2.0, 0, 20, 20),
+             _cell("eager@rerun", 2.0, 0, 48, 50)]
+    rows = aggregate(cells)
+    rerun = next(r for r in rows if r["policy"] == "eager@rerun")
+    assert rerun["real_ratio"]["mean"] == pytest.approx(1.25)  # eager / its own rerun
+    goals = check_goals(rows)
+    assert goals["noise_floor_max"] == pytest.approx(0.25)
+    assert goals["ranking"]["2.0"]["real"] == ["cvar", "eager"]  # the rerun is not ranked
+    assert [e["policy"] for e in goals["ratio_errors"]] == ["cvar"]
+    assert "| eager@rerun |" in render_table(rows)
+
+
+def test_predict_runs_a_rerun_label_as_its_policy() -> None:
+    sessions = build_sessions([], 0, 4, SCALE, seed=0)
+    wfs = cell_workload(sessions, 5.0, 0)
+    pred = predict(wfs, ["eager", "eager@rerun"], ENGINES, PERF)
+    assert pred["eager@rerun"] == pred["eager"] and policy_spec("eager@rerun") == "eager"
 
 
 def test_plot_ab_writes_png(tmp_path: Path) -> None:

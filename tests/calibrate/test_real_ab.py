@@ -47,6 +47,9 @@ def test_real_ab_smoke(tmp_path: Path, llama_server_binary: Path,
         assert c["engine_processed_tokens"] > 0 and 0 < c["engine_hit_rate"] < 1
         assert c["loadavg"][0] >= 0
     assert doc["profile"]["fit"]["samples"] >= 5
+    # the chat template around a later turn's messages, measured on the engine (the tiny
+    # model's template adds more than the 6 tokens per message assumed before measuring)
+    assert doc["run"]["engines"]["turn_template_tokens"] > 6
     rows = doc["rows"]
     cvar = next(r for r in rows if r["policy"] == "cvar")
     assert cvar["real_ratio"]["n"] == 1 and cvar["pred_ratio"]["n"] == 1

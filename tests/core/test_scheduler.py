@@ -89,6 +89,33 @@ def test_open_session_gateway_style():
     assert s.active_workflows == 0
 
 
+def test_a_session_end_is_not_a_tool_latency():
+    """The gateway learns a tool's latency when the next turn arrives; closing an idle session
+    is not a tool return, and neither is the end of a known chain's last tool call."""
+    s = Scheduler(PolicySet.from_spec("eager+ttl"), ["e0"])
+    est = s.retention.estimator
+    s.open_session(0.0, "sess")
+    s.turn_ready(0.0, "sess", Turn(input_tokens=50, output_tokens=5))
+    s.turn_finished(1.0, "sess", 0)
+    s.turn_ready(1.3, "sess", Turn(input_tokens=5, output_tokens=5, context_tokens=55))
+    assert est.quantile("", 1.0) == pytest.approx(0.3)  # learned from the next turn
+    s.turn_finished(2.0, "sess", 1)
+    s.close_session(60.0, "sess")  # 58 s idle: the gateway gave up waiting
+    assert est.quantile("", 1.0) == pytest.approx(0.3)
+    assert s.workflows["sess"].finished_s == 60.0
+
+    known = Scheduler(PolicySet.from_spec("eager+ttl"), ["e0"])
+    wf = Workflow("w", 0.0, (Turn(100, 10, tools=(ToolCall("Bash", 0.5),)),
+                             Turn(10, 10, 120, tools=(ToolCall("Bash", 9.0),))))
+    known.workflow_arrived(0.0, wf)
+    known.turn_finished(1.0, "w", 0)
+    known.tool_finished(1.5, "w", 0)
+    known.turn_finished(2.0, "w", 1)
+    known.tool_finished(11.0, "w", 1, session_end=True)  # the driver: nothing follows
+    assert known.retention.estimator.quantile("Bash", 1.0) == pytest.approx(0.5)
+    assert known.workflows["w"].done
+
+
 def test_dag_turn_waits_for_all_parents():
     turns = (
         Turn(input_tokens=10, output_tokens=1),

@@ -77,6 +77,21 @@ def test_replay_against_gateway_and_engine(fake_engines: Any, gateways: Any,
                                      "policies"}
 
 
+def test_replay_with_a_known_tokenizer_sends_only_the_sessions(fake_engines: Any,
+                                                                 tmp_path: Path) -> None:
+    eng = fake_engines(count_prompt=True, tpot_s=0.001)
+    spec = ReplaySpec(target=eng.url, rate=50.0, workflows=3, time_scale=0.0, max_turns=2,
+                      max_context=1024, max_tokens=4, stream=False, chars_per_token=4.0)
+    wfs, info = load_workflows(spec)
+    path, _ = asyncio.run(run_replay(spec, wfs, info, tmp_path))
+    res = load_results(path)["policies"][0]
+    assert res["replay"]["chars_per_token"] == 4.0
+    n_turns = sum(min(len(w.turns), 2) for w in wfs)
+    # no calibration request: every request the engine saw is a session's turn
+    assert len(eng.engine.requests) == res["replay"]["requests"] == n_turns
+    assert all(r.headers.get("x-session-id") for r in eng.engine.requests)
+
+
 def test_replay_command(fake_engines: Any, gateways: Any, tmp_path: Path) -> None:
     eng = fake_engines(count_prompt=True)
     gw = gateways([eng.url])

@@ -81,3 +81,28 @@ def test_composite_groups_compatible_lengths():
     assert pol.route(turn_of("b", input_tokens=100_000), view, 0.0) == "e1"
     assert pol.route(turn_of("c", input_tokens=120), view, 0.0) == "e0"
     assert pol.route(turn_of("d", input_tokens=90_000), view, 0.0) == "e1"
+
+
+def test_composite_balances_engines_with_little_kv():
+    """On engines holding a few thousand KV tokens, load must still count: a short first
+    request (e.g. a client's calibration) must not steer every later session to one engine."""
+    engines = [EngineLoad("e0", 2_000), EngineLoad("e1", 2_000)]
+    view = ClusterView(engines)
+    pol = ROUTING.create("composite")
+    assert pol.route(turn_of("probe", input_tokens=20), view, 0.0) == "e0"
+    routed = []
+    for i in range(6):
+        e = pol.route(turn_of(f"s{i}", input_tokens=450), view, 0.0)
+        charge(view[e], 460)  # runs on and stays running on the engine it was routed to
+        routed.append(e)
+    assert routed.count("e0") == routed.count("e1") == 3
+    # with the old fixed floor alone (32k tokens) the length term wins: all go to e1
+    legacy = ROUTING.create("composite", load_floor_frac=1e9)
+    view = ClusterView([EngineLoad("e0", 2_000), EngineLoad("e1", 2_000)])
+    legacy.route(turn_of("probe", input_tokens=20), view, 0.0)
+    routed = []
+    for i in range(6):
+        e = legacy.route(turn_of(f"s{i}", input_tokens=450), view, 0.0)
+        charge(view[e], 460)
+        routed.append(e)
+    assert routed == ["e1"] * 6

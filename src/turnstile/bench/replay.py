@@ -39,7 +39,7 @@ from turnstile.core.clock import WallClock
 from turnstile.core.state import TurnRecord, TurnState, WorkflowRecord
 from turnstile.workload.model import Turn, Workflow
 
-__all__ = ["ReplaySpec", "load_workflows", "run_replay", "synth_text"]
+__all__ = ["ReplaySpec", "calibrate", "load_workflows", "run_replay", "synth_text"]
 
 _WORDS = ("alpha", "beta", "gamma", "delta", "lambda", "sigma", "omega", "kappa", "theta",
           "zeta", "vector", "tensor", "kernel", "buffer", "cache", "token", "thread", "socket",
@@ -67,6 +67,11 @@ class ReplaySpec:
     subset: str | None = None
     seed: int = 0
     timeout_s: float = 300.0
+    #: characters per token of the target's tokenizer; ``None``: measured with a calibration
+    #: request through the target first. Give it when the target is a gateway whose policies
+    #: should see only the sessions (the calibration request is a session of its own: it is
+    #: routed, and its KV retained, like any other)
+    chars_per_token: float | None = None
 
 
 def load_workflows(spec: ReplaySpec) -> tuple[list[Workflow], dict[str, Any]]:
@@ -299,7 +304,9 @@ async def run_replay(spec: ReplaySpec, workflows: list[Workflow], trace_info: di
                 health = r.json()
         except (httpx.HTTPError, ValueError):
             pass
-        chars_per_token = await calibrate(client, spec.model)
+        chars_per_token = spec.chars_per_token
+        if chars_per_token is None:
+            chars_per_token = await calibrate(client, spec.model)
         rep = _Replayer(spec, client, chars_per_token)
         start = rep.clock.now()
         await asyncio.gather(*(rep.agent(wf) for wf in workflows))

@@ -28,10 +28,11 @@ import numpy as np
 
 from turnstile.bench.runner import capacity_rate, run_bench
 from turnstile.calibrate.fidelity import TraceScale, on_poisson, scale_workflow, select_sessions
+from turnstile.gateway.sessions import sweep_period_s
 from turnstile.sim.cluster import EngineGroup
 from turnstile.sim.perf import PerfModel
 from turnstile.workload import synth
-from turnstile.workload.model import Workflow
+from turnstile.workload.model import ToolCall, Workflow
 
 __all__ = [
     "AbEngines",
@@ -42,6 +43,7 @@ __all__ = [
     "check_goals",
     "offered_load",
     "plot_ab",
+    "policy_spec",
     "predict",
     "render_table",
     "repredict",
@@ -77,6 +79,10 @@ class AbEngines:
     #: KV tokens of one slot as the server reports it (llama.cpp may round ``-c``, e.g. 3184
     #: with ``-np 4`` to 1,024 per slot); ``None``: ``ctx // n_parallel``
     slot_tokens: int | None = None
+    #: prompt tokens a turn after the first adds beyond its text and the previous reply (the
+    #: chat template around both messages), as measured on the engine
+    #: (:func:`turnstile.calibrate.ab_real.turn_template_tokens`)
+    turn_template_tokens: int = CHAT_TOKENS_PER_MESSAGE
 
     def __post_init__(self) -> None:
         if self.kv_model not in ("slots", "paged"):
@@ -154,21 +160,39 @@ def cell_workload(sessions: Sequence[Workflow], rate: float, seed: int) -> list[
 
 
 def sim_workflows(workflows: Sequence[Workflow],
-                  per_message: int = CHAT_TOKENS_PER_MESSAGE) -> list[Workflow]:
-    """The workflows as the engine sees them through the chat API: each turn also carries its
-    user message's and the previous reply's template tokens (and the first line naming the
-    session that the replay adds, about ``per_message`` tokens)."""
+                  per_message: int = CHAT_TOKENS_PER_MESSAGE,
+                  session_idle_s: float | None = None,
+                  turn_template_tokens: int | None = None) -> list[Workflow]:
+    """The workflows as the engine sees them through the chat API: the first turn also carries
+    its message's template tokens and the first line naming the session that the replay adds
+    (about ``per_message`` tokens each), every later turn the template tokens around its message
+    and the previous reply (``turn_template_tokens``, default ``per_message``).
+
+    ``session_idle_s`` (the gateway's setting): the workflows also as *the gateway* sees them,
+    so that the simulated policies know what the gateway's do. The replay sends no tool
+    messages, so every pause between turns is one unnamed tool call (its latency estimates are
+    pooled, as the gateway's are); and no client says a session is over, so after its last
+    turn a session stays paused, its KV counted and retained, until the gateway closes it
+    (``session_idle_s`` plus half the gateway's sweep period)."""
+    close_s = None if session_idle_s is None else session_idle_s + sweep_period_s(
+        session_idle_s) / 2
+    later = per_message if turn_template_tokens is None else turn_template_tokens
     out = []
     for wf in workflows:
         turns = []
         ctx = 0
+        last = len(wf.turns) - 1
         for i, t in enumerate(wf.turns):
-            extra = per_message if i else 2 * per_message
-            inp = t.input_tokens + extra
-            turns.append(replace(t, input_tokens=inp, context_tokens=ctx))
+            inp = t.input_tokens + (later if i else 2 * per_message)
+            turn = replace(t, input_tokens=inp, context_tokens=ctx)
+            if close_s is not None:
+                pause = close_s if i == last else t.tool_duration_s
+                turn = replace(turn, tools=(ToolCall("", pause),))
+            turns.append(turn)
             ctx += inp + t.output_tokens
         out.append(replace(wf, turns=tuple(turns)))
     return out
+
 
 
 def offered_load(rate: float, sessions: Sequence[Workflow], engines: AbEngines,
@@ -178,19 +202,34 @@ def offered_load(rate: float, sessions: Sequence[Workflow], engines: AbEngines,
     return rate / capacity_rate(sessions, [engines.group(perf)])
 
 
+#: a cell label's suffix for a second run of the same policy (``eager@rerun``): the measurement's
+#: own noise, run after the group's other policies
+RERUN = "@rerun"
+
+
+def policy_spec(label: str) -> str:
+    """The policy a cell label runs (``eager@rerun`` runs ``eager``)."""
+    return label.removesuffix(RERUN)
+
+
 def predict(workflows: Sequence[Workflow], policies: Sequence[str], engines: AbEngines,
-            perf: PerfModel) -> dict[str, dict[str, Any]]:
-    """Simulated metrics of each policy on ``workflows`` (``turnstile bench``'s runner)."""
-    results = run_bench(sim_workflows(workflows), policies, [engines.group(perf)])
-    return {r["policy"]: r["metrics"] for r in results}
+            perf: PerfModel, session_idle_s: float | None = None) -> dict[str, dict[str, Any]]:
+    """Simulated metrics of each policy on ``workflows`` (``turnstile bench``'s runner); with
+    ``session_idle_s``, as the gateway sees the sessions (:func:`sim_workflows`)."""
+    wfs = sim_workflows(workflows, session_idle_s=session_idle_s,
+                        turn_template_tokens=engines.turn_template_tokens)
+    specs = list(dict.fromkeys(policy_spec(p) for p in policies))
+    got = {r["policy"]: r["metrics"] for r in run_bench(wfs, specs, [engines.group(perf)])}
+    return {p: got[policy_spec(p)] for p in policies}
 
 
 def repredict(cells: Sequence[Mapping[str, Any]], sessions: Sequence[Workflow],
               rates: Mapping[float, float], engines: AbEngines, perf: PerfModel,
-              ) -> list[dict[str, Any]]:
+              session_idle_s: float | None = None) -> list[dict[str, Any]]:
     """The cells of a finished A/B with their predictions made again (``engines``' KV model,
-    ``perf``), each on its own workload (``sessions`` at ``rates[load]``, the cell's seed); the
-    measured figures are kept, the previous prediction goes to ``pred_before``."""
+    ``perf``, ``session_idle_s`` as in :func:`predict`), each on its own workload (``sessions``
+    at ``rates[load]``, the cell's seed); the measured figures are kept, the previous
+    prediction goes to ``pred_before``."""
     policies = list(dict.fromkeys(c["policy"] for c in cells))
     preds: dict[tuple[float, int], dict[str, dict[str, Any]]] = {}
     out = []
@@ -198,7 +237,7 @@ def repredict(cells: Sequence[Mapping[str, Any]], sessions: Sequence[Workflow],
         key = (c["load"], c["seed"])
         if key not in preds:
             wfs = cell_workload(sessions, rates[c["load"]], c["seed"])
-            preds[key] = predict(wfs, policies, engines, perf)
+            preds[key] = predict(wfs, policies, engines, perf, session_idle_s)
         out.append({**c, "pred": cell_row(preds[key][c["policy"]]),
                     "pred_before": c.get("pred_before", c["pred"])})
     return out
@@ -281,6 +320,11 @@ def check_goals(rows: Sequence[Mapping[str, Any]], *, best: str = "cvar",
     if lo and lo["real_ratio"]:
         out["light_ratio"] = lo["real_ratio"]["mean"]
         out["light_met"] = lo["real_ratio"]["mean"] >= 1.0 - light_slack
+    noise = [abs(1.0 - r["real_ratio"]["mean"]) for r in rows
+             if r["policy"] == baseline + RERUN and r["real_ratio"]]
+    if noise:  # the baseline against its own rerun: how far apart two runs of one policy are
+        out["noise_floor_max"] = max(noise)
+    rows = [r for r in rows if not r["policy"].endswith(RERUN)]
     ranks = {}
     for load in loads:
         pols = [r for r in rows if r["load"] == load]
@@ -366,7 +410,7 @@ def plot_ab(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str) -> 
     import matplotlib.pyplot as plt
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    policies = list(dict.fromkeys(r["policy"] for r in rows if not r["policy"].endswith(RERUN)))
     for i, pol in enumerate(policies):
         pts = sorted((r for r in rows if r["policy"] == pol), key=lambda r: r["load"])
         x = [r["load"] for r in pts]

@@ -21,22 +21,27 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from turnstile.bench.replay import ReplaySpec, run_replay
+import httpx
+
+from turnstile.bench.replay import ReplaySpec, calibrate, run_replay, synth_text
 from turnstile.calibrate.ab import (
+    RERUN,
     AbEngines,
     cell_row,
     cell_workload,
     offered_load,
+    policy_spec,
     predict,
     with_profile_slots,
 )
@@ -76,6 +81,13 @@ class AbRun:
     stream: bool = False
     #: per-policy gateway settings, e.g. ``{"release": {"budget_per_engine": 4096}}``
     policy_params: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: run the first policy again after the others in every (load, seed) (``eager@rerun``):
+    #: how far two runs of one policy are apart on this host, beside the policies' ratios
+    rerun_baseline: bool = False
+
+    @property
+    def cell_policies(self) -> list[str]:
+        return self.policies + ([self.policies[0] + RERUN] if self.rerun_baseline else [])
 
 
 def _get(url: str, timeout: float = 5.0) -> bytes:
@@ -165,12 +177,53 @@ class _Gateway:
         self._log.close()
 
 
+def chars_per_token(engine_url: str, model: str = "tiny") -> float:
+    """The engines' tokenizer's characters per token, measured on one engine directly, so that
+    the replay through the gateway sends only the sessions (no calibration session that the
+    policies would route and retain KV for)."""
+
+    async def measure() -> float:
+        async with httpx.AsyncClient(base_url=engine_url, timeout=30.0) as client:
+            return await calibrate(client, model)
+
+    return asyncio.run(measure())
+
+
+def turn_template_tokens(engine_url: str, chars: float, model: str = "tiny") -> int:
+    """Prompt tokens a later turn adds beyond its new text and the previous reply (the chat
+    template around the two messages), measured on one engine with a two-turn conversation
+    (the engine's ``/tokenize`` counts the text alone)."""
+    rng = random.Random(0)
+    with httpx.Client(base_url=engine_url, timeout=60.0) as client:
+        def chat(messages: list[dict[str, str]]) -> dict[str, Any]:
+            r = client.post("/v1/chat/completions",
+                            json={"model": model, "messages": messages, "max_tokens": 8})
+            r.raise_for_status()
+            return dict(r.json())
+
+        def tokens(text: str) -> int:
+            r = client.post("/tokenize", json={"content": text})
+            r.raise_for_status()
+            return len(r.json()["tokens"])
+
+        messages = [{"role": "user", "content": "session probe\n" + synth_text(60, chars, rng)}]
+        first = chat(messages)
+        text = synth_text(20, chars, rng)
+        messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": text}]
+        second = chat(messages)
+        text_tokens = tokens(text)
+    grown = second["usage"]["prompt_tokens"] - first["usage"]["prompt_tokens"]
+    return max(0, grown - text_tokens - int(first["usage"]["completion_tokens"]))
+
+
 def _replay(gateway: str, workflows: list[Workflow], run: AbRun, label: str, seed: int,
-            out: Path) -> dict[str, Any]:
+            out: Path, chars: float) -> dict[str, Any]:
     spec = ReplaySpec(target=gateway, rate=1.0, workflows=len(workflows), time_scale=1.0,
                       max_context=run.engines.ctx // run.engines.n_parallel,
                       max_tokens=run.max_tokens, arrivals="trace", label=label, seed=seed,
-                      timeout_s=run.request_timeout_s, stream=run.stream)
+                      timeout_s=run.request_timeout_s, stream=run.stream,
+                      chars_per_token=chars)
     info = {"path": None, "name": "scaled AgentCgroup + synthetic sessions (A/B)",
             "arrivals": "poisson (sessions superimposed, seeded)"}
     path, _ = asyncio.run(run_replay(spec, workflows, info, out))
@@ -220,15 +273,19 @@ def run_ab(
             f"{100 * fit['median_abs_rel_err']:.1f}%, loadavg {os.getloadavg()[0]:.2f}")
         eng = with_profile_slots(eng, perf)  # the slot size the server reports
         rates = {ld: ld / offered_load(1.0, sessions, eng, perf) for ld in run.loads}
+        chars = chars_per_token(urls[0])
+        eng = replace(eng, turn_template_tokens=turn_template_tokens(urls[0], chars))
+        log(f"tokenizer: {chars:.2f} characters per token; a later turn's chat template adds "
+            f"{eng.turn_template_tokens} tokens")
         for load in run.loads:
             for seed in run.seeds:
                 wfs = cell_workload(sessions, rates[load], seed)
-                pred = predict(wfs, run.policies, eng, perf)
-                for policy in run.policies:
+                pred = predict(wfs, run.cell_policies, eng, perf, run.session_idle_s)
+                for policy in run.cell_policies:
                     erase_slots(urls, eng.n_parallel)
                     port = free_port()
                     cfg = tmp / f"gw-{port}.toml"
-                    cfg.write_text(gateway_toml(policy, urls, eng, port=port,
+                    cfg.write_text(gateway_toml(policy_spec(policy), urls, eng, port=port,
                                                 session_idle_s=run.session_idle_s,
                                                 params=run.policy_params))
                     load_before = os.getloadavg()[0]
@@ -237,7 +294,7 @@ def run_ab(
                     try:
                         t_cell = time.time()
                         real = _replay(gw.url, wfs, run, policy, seed,
-                                       tmp / "cells" / f"{policy}-{load:g}-{seed}")
+                                       tmp / "cells" / f"{policy}-{load:g}-{seed}", chars)
                         wall = time.time() - t_cell
                     finally:
                         gw.stop()

@@ -157,7 +157,8 @@ class Scheduler:
             if prev.state == TurnState.TOOL:
                 if tool_returns:
                     prev.turn = dataclasses.replace(prev.turn, tools=tuple(tool_returns))
-                self._tool_done(prev, now)
+                self.retention.on_tool_end(prev, now)
+                self._turn_done(prev, now)
             elif prev.state != TurnState.DONE:
                 raise SchedulerError(f"{prev!r}: a session runs one turn at a time")
         rec = TurnRecord(wf, len(wf.turns), turn)
@@ -173,7 +174,7 @@ class Scheduler:
         wf.closed = True
         if wf.turns and wf.turns[-1].state == TurnState.TOOL:
             # the last turn's tool result never came back as a new turn
-            return self.tool_finished(now, session_id, wf.turns[-1].index)
+            return self.tool_finished(now, session_id, wf.turns[-1].index, session_end=True)
         if wf.remaining == 0 and not wf.done:
             self._workflow_done(wf, now)
         return _NO_ACTIONS
@@ -241,12 +242,19 @@ class Scheduler:
         actions.extend(self._release(now))
         return actions
 
-    def tool_finished(self, now: float, workflow_id: str, index: int) -> list[Action]:
-        """The tool calls after turn ``index`` returned: dependent turns may become READY."""
+    def tool_finished(self, now: float, workflow_id: str, index: int,
+                      session_end: bool = False) -> list[Action]:
+        """The tool calls after turn ``index`` returned: dependent turns may become READY.
+
+        ``session_end``: no turn follows; the session ended (a gateway closes an idle one). The
+        pause is then not a tool latency (the gateway never sees when the last tool returns, only
+        when it gives up waiting), so the retention policy does not learn from it."""
         rec = self._turn(workflow_id, index)
         if rec.state != TurnState.TOOL:
             raise SchedulerError(f"{rec!r} is not in a tool call")
-        self._tool_done(rec, now)
+        if not session_end:
+            self.retention.on_tool_end(rec, now)
+        self._turn_done(rec, now)
         return self._release(now)
 
     def engine_stats(
@@ -406,10 +414,6 @@ class Scheduler:
         resume_session(engine, wf.id, wf.paused_tokens)
         wf.paused_engine = None
         wf.paused_tokens = 0
-
-    def _tool_done(self, rec: TurnRecord, now: float) -> None:
-        self.retention.on_tool_end(rec, now)
-        self._turn_done(rec, now)
 
     def _turn_done(self, rec: TurnRecord, now: float) -> None:
         rec.state = TurnState.DONE

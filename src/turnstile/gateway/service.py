@@ -58,7 +58,7 @@ from turnstile.gateway.recovery import Recovery
 from turnstile.gateway.relay import Relay, RetryableFailure
 from turnstile.gateway.replicas import ReplicaSync
 from turnstile.gateway.resolve import SessionResolver
-from turnstile.gateway.sessions import PendingTurn, Session, SessionTable
+from turnstile.gateway.sessions import PendingTurn, Session, SessionTable, sweep_period_s
 from turnstile.gateway.shared import RedisState
 from turnstile.gateway.signals import engine_loads, tool_returns
 from turnstile.gateway.store import HeldTurnRow, SessionRow, StateBackend, Store
@@ -485,7 +485,7 @@ class Gateway:
     # ================================================================== housekeeping
     async def _sweep_loop(self) -> None:
         while True:
-            await asyncio.sleep(min(1.0, max(self.config.session_idle_s / 4, 0.05)))
+            await asyncio.sleep(sweep_period_s(self.config.session_idle_s))
             self.sweep()
 
     def sweep(self) -> None:

@@ -134,10 +134,13 @@ class CompositeRouting(StatelessRouting):
     session's previous turn ran on ``e`` and ``e`` still lists it in ``cached_sessions``, else 0.
     ``load(e) = (outstanding_tokens + shadow × paused_context_tokens) / weight`` (paused
     sessions' KV is real memory pressure; the routed session's own paused context is left out),
-    normalized by the cluster's maximum load but at least ``load_floor_tokens`` so that a nearly
-    idle cluster does not look imbalanced. ``ema_e`` is the moving average of log2 prompt
-    lengths routed to ``e`` (none yet: no penalty). ``composite-noshadow`` is the same with
-    ``shadow=0``.
+    normalized by the cluster's maximum load but at least a floor, so that a nearly idle cluster
+    does not look imbalanced: ``load_floor_tokens``, or ``load_floor_frac`` of the largest
+    engine's KV capacity (per unit of speed) where that is smaller. Without the second, engines
+    with little KV (a few thousand tokens) would never look loaded, and the length term alone
+    would route: one short prompt steers every later session away from an engine. ``ema_e`` is
+    the moving average of log2 prompt lengths routed to ``e`` (none yet: no penalty).
+    ``composite-noshadow`` is the same with ``shadow=0``.
     """
 
     name = "composite"
@@ -151,6 +154,7 @@ class CompositeRouting(StatelessRouting):
         len_scale_log2: float = 4.0,
         shadow: float = 1.0,
         load_floor_tokens: float = 32_768.0,
+        load_floor_frac: float = 0.25,
         alpha: float = 0.1,
     ) -> None:
         self.w_kv = w_kv
@@ -159,6 +163,7 @@ class CompositeRouting(StatelessRouting):
         self.len_scale_log2 = len_scale_log2
         self.shadow = shadow
         self.load_floor_tokens = load_floor_tokens
+        self.load_floor_frac = load_floor_frac
         self.alpha = alpha
         self._ema_log2: dict[str, float] = {}
 
@@ -171,7 +176,11 @@ class CompositeRouting(StatelessRouting):
     def scores(self, turn: TurnRecord, view: ClusterView) -> dict[str, float]:
         engines = _healthy(view)
         loads = [_shadow_load(turn, e, self.shadow) for e in engines]
-        norm = max(*loads, self.load_floor_tokens)
+        floor = self.load_floor_tokens
+        capacity = max(e.capacity_tokens / e.weight for e in engines)
+        if capacity and self.load_floor_frac * capacity < floor:
+            floor = self.load_floor_frac * capacity
+        norm = max(*loads, floor)
         x = math.log2(max(turn.prompt_tokens, 1))
         out: dict[str, float] = {}
         for e, load in zip(engines, loads, strict=True):

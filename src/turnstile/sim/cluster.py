@@ -358,7 +358,11 @@ class ClusterSim:
                 self._touched = True
             elif kind == _TOOL_END:
                 rec: TurnRecord = payload
-                self._act(now, sched.tool_finished(now, rec.workflow.id, rec.index))
+                wf = rec.workflow
+                # after a chain's last turn nothing returns to the LLM: the session ends
+                self._act(now, sched.tool_finished(
+                    now, wf.id, rec.index,
+                    session_end=wf.children is None and rec.index + 1 == len(wf.turns)))
                 self._touched = True
             elif kind == _KICK:
                 self._kicked[payload] = False
