@@ -53,7 +53,8 @@ compiled: $(COMPILED)/.deps
 # The simulator's exactness tests against the compiled build (bit-identical results).
 test-compiled: compiled
 	TURNSTILE_EXPECT_COMPILED=1 $(COMPILED)/bin/python -m pytest -q -p no:cacheprovider \
-		tests/test_build_info.py tests/sim/test_golden_run.py tests/sim/test_leap_exact.py
+		tests/test_build_info.py tests/sim/test_golden_run.py tests/sim/test_leap_exact.py \
+		tests/sim/test_leap_sums.py tests/sim/test_prefill_leap.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -11,6 +11,7 @@ import pytest
 
 import turnstile.sim.leap_loop as leap_loop
 import turnstile.sim.step as step
+from turnstile.build_info import compiled_build
 from turnstile.policies import PolicySet
 from turnstile.sim.cluster import ClusterSim, EngineGroup
 from turnstile.workload import ToolCall, Turn, Workflow
@@ -77,6 +78,8 @@ def test_prefill_and_stalled_leaps_are_exact(monkeypatch, engines, kv_tokens, tu
     monkeypatch.setattr(leap_loop.LeapLoops, "_run_prefill", counted_prefill)
     monkeypatch.setattr(step.StepExecutor, "_prefills_stalled", counted_stalled)
     assert timeline(wfs, groups, True) == stepped
+    if compiled_build() is not None:
+        return  # compiled methods call each other directly: the patched counters see nothing
     assert seen["prefill"], "no prefill leap ran"
     if kv_tokens is not None:
         assert seen["stalled"], "no prefill was stalled on memory"

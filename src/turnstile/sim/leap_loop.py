@@ -154,6 +154,7 @@ class LeapLoops:
         """The leap's decode iterations from ``out.end_s`` on (see ``StepExecutor.leap``): what
         ``StepExecutor._commit`` records (None: no iteration). Without an offload tier it changes
         nothing in the engine, so it can run ahead (see ``lazy``)."""
+        self._sums = None  # set by a leap summed by numpy (read after the call: not narrowed)
         if plan[6] is not None:
             return self._run_prefill(out, plan, until)
         if plan[5] is not None and plan[3] is None and not self.pool.cpu_cap:

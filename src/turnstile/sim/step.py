@@ -218,7 +218,6 @@ class StepExecutor(LeapLoops):
         ``until``); whether it has any iteration. The driver's horizon is its next arrival,
         which reaches some engine anyway: planning past it is mostly work thrown away."""
         if self.lazy and not self.pool.cpu_cap:
-            self._sums = None
             c = self._run(out, plan, horizon)
             if c is None:
                 return False
@@ -229,7 +228,6 @@ class StepExecutor(LeapLoops):
             self._lazy_until = horizon
             self.lazy_end = c[4]
             return True
-        self._sums = None
         c = self._run(out, plan, until)
         if c is None:
             return False
