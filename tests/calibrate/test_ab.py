@@ -25,7 +25,7 @@ from turnstile.calibrate.ab import (
     slot_kv_tokens,
     with_profile_slots,
 )
-from turnstile.calibrate.ab_real import gateway_toml
+from turnstile.calibrate.ab_real import AbRun, gateway_toml
 from turnstile.calibrate.fidelity import TraceScale
 from turnstile.gateway.config import load_config
 from turnstile.gateway.protocol import cached_tokens
@@ -186,6 +186,15 @@ def test_predict_runs_a_rerun_label_as_its_policy() -> None:
     wfs = cell_workload(sessions, 5.0, 0)
     pred = predict(wfs, ["eager", "eager@rerun"], ENGINES, PERF)
     assert pred["eager@rerun"] == pred["eager"] and policy_spec("eager@rerun") == "eager"
+
+
+def test_cells_rotate_the_policy_order_and_rerun_the_baseline_last() -> None:
+    run = AbRun(policies=["eager", "cvar", "x"], loads=[1.0], seeds=[0, 1, 2], engines=ENGINES,
+                rerun_baseline=True)
+    assert run.cell_order(0) == ["eager", "cvar", "x", "eager@rerun"]
+    assert run.cell_order(1) == ["cvar", "x", "eager", "eager@rerun"]
+    assert run.cell_order(5) == ["x", "eager", "cvar", "eager@rerun"]
+    assert run.cell_policies == ["eager", "cvar", "x", "eager@rerun"]
 
 
 def test_plot_ab_writes_png(tmp_path: Path) -> None:

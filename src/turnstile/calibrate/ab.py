@@ -194,7 +194,6 @@ def sim_workflows(workflows: Sequence[Workflow],
     return out
 
 
-
 def offered_load(rate: float, sessions: Sequence[Workflow], engines: AbEngines,
                  perf: PerfModel) -> float:
     """``rate`` as a fraction of the estimated capacity of the engines (compute and KV bound,

@@ -89,6 +89,14 @@ class AbRun:
     def cell_policies(self) -> list[str]:
         return self.policies + ([self.policies[0] + RERUN] if self.rerun_baseline else [])
 
+    def cell_order(self, group: int) -> list[str]:
+        """The policies in the order group ``group`` (a load and seed) runs them: rotated by one
+        per group, so that the host's drift over a group falls on every policy in turn, not
+        always on the last; the rerun stays last (it measures that drift)."""
+        k = group % len(self.policies)
+        order = self.policies[k:] + self.policies[:k]
+        return order + ([self.policies[0] + RERUN] if self.rerun_baseline else [])
+
 
 def _get(url: str, timeout: float = 5.0) -> bytes:
     with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -277,44 +285,44 @@ def run_ab(
         eng = replace(eng, turn_template_tokens=turn_template_tokens(urls[0], chars))
         log(f"tokenizer: {chars:.2f} characters per token; a later turn's chat template adds "
             f"{eng.turn_template_tokens} tokens")
-        for load in run.loads:
-            for seed in run.seeds:
-                wfs = cell_workload(sessions, rates[load], seed)
-                pred = predict(wfs, run.cell_policies, eng, perf, run.session_idle_s)
-                for policy in run.cell_policies:
-                    erase_slots(urls, eng.n_parallel)
-                    port = free_port()
-                    cfg = tmp / f"gw-{port}.toml"
-                    cfg.write_text(gateway_toml(policy_spec(policy), urls, eng, port=port,
-                                                session_idle_s=run.session_idle_s,
-                                                params=run.policy_params))
-                    load_before = os.getloadavg()[0]
-                    before = engine_counters(urls)
-                    gw = _Gateway(cfg, port, tmp / "gateway.log")
-                    try:
-                        t_cell = time.time()
-                        real = _replay(gw.url, wfs, run, policy, seed,
-                                       tmp / "cells" / f"{policy}-{load:g}-{seed}", chars)
-                        wall = time.time() - t_cell
-                    finally:
-                        gw.stop()
-                    after = engine_counters(urls)
-                    processed = after["processed"] - before["processed"]
-                    cached = after["cached"] - before["cached"]
-                    cell = {
-                        "policy": policy, "load": load, "rate": rates[load], "seed": seed,
-                        "real": cell_row(real["metrics"]), "pred": cell_row(pred[policy]),
-                        "engine_hit_rate": cached / max(processed + cached, 1.0),
-                        "engine_processed_tokens": processed,
-                        "errors": real["replay"].get("errors"),
-                        "wall_s": round(wall, 2),
-                        "loadavg": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-                    }
-                    # the prefix hit rate reported is the engines' own counter
-                    cell["real"]["prefix_hit_rate"] = cell["engine_hit_rate"]
-                    cells.append(cell)
-                    if on_cell is not None:
-                        on_cell(cell)
+        groups = [(load, seed) for load in run.loads for seed in run.seeds]
+        for group, (load, seed) in enumerate(groups):
+            wfs = cell_workload(sessions, rates[load], seed)
+            pred = predict(wfs, run.cell_policies, eng, perf, run.session_idle_s)
+            for policy in run.cell_order(group):
+                erase_slots(urls, eng.n_parallel)
+                port = free_port()
+                cfg = tmp / f"gw-{port}.toml"
+                cfg.write_text(gateway_toml(policy_spec(policy), urls, eng, port=port,
+                                            session_idle_s=run.session_idle_s,
+                                            params=run.policy_params))
+                load_before = os.getloadavg()[0]
+                before = engine_counters(urls)
+                gw = _Gateway(cfg, port, tmp / "gateway.log")
+                try:
+                    t_cell = time.time()
+                    real = _replay(gw.url, wfs, run, policy, seed,
+                                   tmp / "cells" / f"{policy}-{load:g}-{seed}", chars)
+                    wall = time.time() - t_cell
+                finally:
+                    gw.stop()
+                after = engine_counters(urls)
+                processed = after["processed"] - before["processed"]
+                cached = after["cached"] - before["cached"]
+                cell = {
+                    "policy": policy, "load": load, "rate": rates[load], "seed": seed,
+                    "real": cell_row(real["metrics"]), "pred": cell_row(pred[policy]),
+                    "engine_hit_rate": cached / max(processed + cached, 1.0),
+                    "engine_processed_tokens": processed,
+                    "errors": real["replay"].get("errors"),
+                    "wall_s": round(wall, 2),
+                    "loadavg": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                }
+                # the prefix hit rate reported is the engines' own counter
+                cell["real"]["prefix_hit_rate"] = cell["engine_hit_rate"]
+                cells.append(cell)
+                if on_cell is not None:
+                    on_cell(cell)
     finally:
         for s in servers:
             s.stop()
