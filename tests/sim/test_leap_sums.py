@@ -3,7 +3,6 @@ leap loop, and so plain stepping, gives: every float equal, not approximately.""
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import replace
 
@@ -11,40 +10,20 @@ import pytest
 
 import turnstile.sim.leap_loop as leap_loop
 import turnstile.sim.leap_sums as leap_sums
-from turnstile.policies import PolicySet
-from turnstile.sim.cluster import ClusterSim, EngineGroup
+from turnstile.sim.cluster import EngineGroup
 from turnstile.sim.leap_sums import first_at_or_after, leap_durations, running_sums
-from turnstile.sim.roofline_perf import RooflinePerf, load_gpu, load_model
 from turnstile.sim.tp_perf import tp_perf_model
-from turnstile.workload import Turn, Workflow
+from turnstile.workload import Workflow
+
+from .test_leap_exact import requests, slow_compute, timeline
 
 
-def requests(n: int, rate: float, seed: int) -> list[Workflow]:
-    rng = random.Random(seed)
-    t = 0.0
-    wfs = []
-    for i in range(n):
-        t += rng.expovariate(rate)
-        p = max(1, int(rng.lognormvariate(math.log(800), 0.9)))
-        o = max(1, int(rng.lognormvariate(math.log(300), 0.8)))
-        wfs.append(Workflow(f"r{i}", round(t, 6), (Turn(min(p, 3_000), min(o, 2_000)),)))
-    return wfs
-
-
-def timeline(wfs: list[Workflow], groups: list[EngineGroup], ff: bool):
-    res = ClusterSim(wfs, PolicySet.from_spec("eager"), groups, fast_forward=ff).run()
-    turns = sorted(
-        (t.workflow.id, t.index, repr(t.started_s), repr(t.first_token_s), repr(t.finished_s),
-         t.engine)
-        for w in res.workflows
-        for t in w.turns
-    )
-    return turns, res.engine_stats, res.iterations, repr(res.makespan_s)
-
-
-def slow_compute(tflops: float) -> RooflinePerf:
-    """An H100 with less compute: decode iterations become compute-bound (or cross over)."""
-    return RooflinePerf(replace(load_gpu("H100"), peak_tflops=tflops), load_model("llama-3.1-8b"))
+def long_requests(n: int, rate: float, seed: int) -> list[Workflow]:
+    """``test_leap_exact``'s requests with twice the outputs: leaps of hundreds of iterations,
+    past the numpy threshold even without forcing it."""
+    return [replace(w, turns=tuple(replace(t, output_tokens=2 * t.output_tokens)
+                                   for t in w.turns))
+            for w in requests(n, rate, seed)]
 
 
 def loop(end, busy, kv, n_dec, cap, until, roof, linear, base, per_kv):
@@ -106,7 +85,7 @@ def test_numpy_sums_equal_the_loop_bit_for_bit():
 )
 def test_every_leap_summed_by_numpy_is_exact(monkeypatch, rate, engines, kv_tokens, max_seqs,
                                              perf):
-    wfs = requests(300, rate, seed=5)
+    wfs = long_requests(300, rate, seed=5)
     if perf == "tp2":
         model = tp_perf_model("H100", "llama-3.1-8b", 2)
     else:

@@ -12,9 +12,10 @@ import pytest
 import turnstile.sim.leap_loop as leap_loop
 import turnstile.sim.step as step
 from turnstile.build_info import compiled_build
-from turnstile.policies import PolicySet
-from turnstile.sim.cluster import ClusterSim, EngineGroup
+from turnstile.sim.cluster import EngineGroup
 from turnstile.workload import ToolCall, Turn, Workflow
+
+from .test_leap_exact import timeline
 
 
 def long_prompts(n: int, rate: float, seed: int, turns: int = 1) -> list[Workflow]:
@@ -34,17 +35,6 @@ def long_prompts(n: int, rate: float, seed: int, turns: int = 1) -> list[Workflo
             ctx += min(inp, 30_000) + min(out, 1_500)
         wfs.append(Workflow(f"w{i}", round(t, 6), tuple(ts)))
     return wfs
-
-
-def timeline(wfs: list[Workflow], groups: list[EngineGroup], ff: bool):
-    res = ClusterSim(wfs, PolicySet.from_spec("eager"), groups, fast_forward=ff).run()
-    turns = sorted(
-        (t.workflow.id, t.index, repr(t.started_s), repr(t.first_token_s), repr(t.finished_s),
-         t.engine)
-        for w in res.workflows
-        for t in w.turns
-    )
-    return turns, res.engine_stats, res.iterations, repr(res.makespan_s)
 
 
 @pytest.mark.parametrize(

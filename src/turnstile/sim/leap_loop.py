@@ -32,7 +32,6 @@ LeapPlan = tuple[int, bool, int, float | None, int, _Roof | None, SimRequest | N
 NO_PLAN: LeapPlan = (0, False, 0, None, 0, None, None)
 #: the stop iteration of a leap without decoders (none finishes)
 _NO_STOP = 1 << 62
-_NEVER = float("inf")
 #: a leap's result, not yet recorded: (iterations, new decode blocks, n_dec, next KV read,
 #: end, busy_s, duration, stop iteration); see ``StepExecutor._commit``
 LeapResult = tuple[int, int, int, int, float, float, float, int]
@@ -284,24 +283,16 @@ class LeapLoops:
         busy_s = self.busy_s
         if linear and not ar_tok and not comm:
             # x + 0.0 is x for every positive x: the same sums without the zero terms (no
-            # all-reduce: a roofline model, or TP 1), and without the check when nothing cuts
-            if until == _NEVER:
-                for _ in range(cap):
-                    dur = base + per_kv * kv + overhead_s
-                    end += dur
-                    busy_s += dur
-                    total += dur
-                    kv += n_dec
-            else:
-                for j in range(cap):
-                    if end >= until:
-                        k = j
-                        break
-                    dur = base + per_kv * kv + overhead_s
-                    end += dur
-                    busy_s += dur
-                    total += dur
-                    kv += n_dec
+            # all-reduce: a roofline model, or TP 1)
+            for j in range(cap):
+                if end >= until:
+                    k = j
+                    break
+                dur = base + per_kv * kv + overhead_s
+                end += dur
+                busy_s += dur
+                total += dur
+                kv += n_dec
         elif linear:
             for j in range(cap):
                 if end >= until:
