@@ -73,3 +73,31 @@ def test_prefill_and_stalled_leaps_are_exact(monkeypatch, engines, kv_tokens, tu
     assert seen["prefill"], "no prefill leap ran"
     if kv_tokens is not None:
         assert seen["stalled"], "no prefill was stalled on memory"
+
+
+def parallel_branches(n: int, seed: int) -> list[Workflow]:
+    """A root turn, three parallel turns on its context, then a join: turns of one session
+    prefilling at once, on different engines."""
+    rng = random.Random(seed)
+    t = 0.0
+    wfs = []
+    for i in range(n):
+        t += rng.expovariate(2.0)
+        root = rng.randint(3_000, 12_000)
+        turns = [Turn(root, rng.randint(50, 400), tools=(ToolCall("t", 0.5),))]
+        turns += [Turn(rng.randint(2_000, 9_000), rng.randint(50, 600), root, parents=(0,))
+                   for _ in range(3)]
+        turns.append(Turn(rng.randint(500, 3_000), rng.randint(50, 300), root,
+                          parents=(1, 2, 3)))
+        wfs.append(Workflow(f"d{i}", round(t, 6), tuple(turns)))
+    return wfs
+
+
+@pytest.mark.parametrize("kv_tokens", [None, 60_000])
+def test_parallel_turns_of_one_session_count_the_same_recompute(kv_tokens):
+    # the engines share each session's mark (what was ever computed): a prefill leap must not
+    # hold its chunks back from another engine prefilling the same session meanwhile
+    wfs = parallel_branches(40, seed=4)
+    groups = [EngineGroup(gpu="H100", model="llama-3.1-8b", count=3, kv_tokens=kv_tokens,
+                          max_num_seqs=32, max_batched_tokens=2_048)]
+    assert timeline(wfs, groups, True) == timeline(wfs, groups, False)

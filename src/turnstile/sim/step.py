@@ -217,7 +217,10 @@ class StepExecutor(LeapLoops):
         ``horizon`` (recorded later; a leap cut by ``horizon`` resumes as one cut by
         ``until``); whether it has any iteration. The driver's horizon is its next arrival,
         which reaches some engine anyway: planning past it is mostly work thrown away."""
-        if self.lazy and not self.pool.cpu_cap:
+        # a prefill leap is never planned ahead: its chunks move the session's mark, which the
+        # engines share (a DAG's parallel turns of one session on two engines read it), so it
+        # is recorded at once, up to ``until``, before any other engine can look
+        if self.lazy and not self.pool.cpu_cap and plan[6] is None:
             c = self._run(out, plan, horizon)
             if c is None:
                 return False
