@@ -179,6 +179,9 @@ def test_a_rerun_of_the_baseline_is_the_noise_floor_not_a_policy() -> None:
     assert goals["ranking"]["2.0"]["real"] == ["cvar", "eager"]  # the rerun is not ranked
     assert [e["policy"] for e in goals["ratio_errors"]] == ["cvar"]
     assert "| eager@rerun |" in render_table(rows)
+    # a later group that ran the policies in another order lists them as the first group did
+    later = [_cell("cvar", 3.0, 0, 20, 20), _cell("eager", 3.0, 0, 60, 50)]
+    assert [r["policy"] for r in aggregate(cells + later) if r["load"] == 3.0] == ["eager", "cvar"]
 
 
 def test_predict_runs_a_rerun_label_as_its_policy() -> None:

@@ -277,8 +277,10 @@ def aggregate(cells: Sequence[Mapping[str, Any]], baseline: str = "eager") -> li
     base: dict[tuple[float, int], Mapping[str, Any]] = {
         (c["load"], c["seed"]): c for c in cells if c["policy"] == baseline
     }
+    first = {p: i for i, p in reversed(list(enumerate(c["policy"] for c in cells)))}
     rows = []
-    for (load, policy), group in sorted(by.items(), key=lambda kv: kv[0][0]):
+    # by load, then policies in the order they first ran (cells may rotate it per load and seed)
+    for (load, policy), group in sorted(by.items(), key=lambda kv: (kv[0][0], first[kv[0][1]])):
         row: dict[str, Any] = {"load": load, "policy": policy, "seeds": len(group),
                                "rate": _mean([c["rate"] for c in group])}
         sides = [s for s in ("real", "pred", "pred_before") if s in group[0]]
