@@ -87,7 +87,8 @@ class AbRun:
 
     @property
     def cell_policies(self) -> list[str]:
-        return self.policies + ([self.policies[0] + RERUN] if self.rerun_baseline else [])
+        """Every cell label of a (load, seed) group, in the first group's order."""
+        return self.cell_order(0)
 
     def cell_order(self, group: int) -> list[str]:
         """The policies in the order group ``group`` (a load and seed) runs them: rotated by one
