@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from turnstile.core.actions import RetentionDecision
+from turnstile.core.slots import choose_slot
 from turnstile.gateway.adapters import (
     EngineAdapter,
     ForwardHints,
@@ -409,7 +410,8 @@ def test_llama_cpp_pins_expire_on_the_clock_the_gateway_gives() -> None:
             await a.begin(h)
             a.end(h)
             await a.retain(session, RetentionDecision("pin", 5.0), 1000.0)
-        assert a.choose_slot("bob", 1001.0) is None  # both slots pinned until 1005
-        assert a.choose_slot("bob", 1010.0) is not None  # both pins expired
+        # the slot a new session's turn would be bound to
+        assert choose_slot(a.slots, "bob", 1001.0)[1] is None  # both slots pinned until 1005
+        assert choose_slot(a.slots, "bob", 1010.0)[1] is not None  # both pins expired
 
     asyncio.run(run())

@@ -88,10 +88,6 @@ class LlamaCppAdapter(EngineAdapter):
             out["id_slot"] = hints.slot
         return out
 
-    def choose_slot(self, session_id: str, now_s: float) -> int | None:
-        chosen = choose_slot(self.slots, session_id, now_s)[1]
-        return None if chosen is None else chosen.id
-
     async def begin(self, hints: ForwardHints) -> None:
         if not self.slots:
             return
