@@ -1,5 +1,5 @@
 """A long decode leap's step times and end times, summed by numpy with the same float
-operations, in the same order, as the leap loop of :mod:`turnstile.sim.step` (so the same
+operations, in the same order, as the leap loop of :mod:`turnstile.sim.leap_loop` (so the same
 results, bit for bit).
 
 Why it is exact: every iteration's duration is a fixed chain of IEEE-754 double operations on
