@@ -26,7 +26,7 @@ from turnstile.calibrate.fidelity import (
     simulate,
 )
 from turnstile.calibrate.fidelity_report import Observed, compare
-from turnstile.calibrate.profile import SMALL_CHUNK_KNEES
+from turnstile.calibrate.profile import LLAMACPP_UBATCH, SMALL_CHUNK_KNEES
 from turnstile.calibrate.replay import assign_round_robin
 from turnstile.sim.fitted_perf import FittedPerf, fit_profile
 from turnstile.sim.perf import FEATURES
@@ -46,11 +46,13 @@ def real_observed(turn_log: list[list], arrivals: dict[str, float]) -> Observed:
     return o
 
 
-def fitted(profile: Path, knees: tuple[float, ...]) -> FittedPerf:
+def fitted(profile: Path, knees: tuple[float, ...], passes: bool = False) -> FittedPerf:
     doc = json.loads(profile.read_text())
     samples = [([s[f] for f in FEATURES], s["step_s"]) for s in doc["meta"]["samples"]]
     meta = {"request_overhead_s": doc["meta"].get("request_overhead_s", 0.0)}
-    return fit_profile(samples, relative=True, small_chunk_knees=knees, meta=meta)
+    split = {"ubatch_tokens": LLAMACPP_UBATCH, "ubatch_split": "equal",
+             "one_token_pass": True} if passes else {}
+    return fit_profile(samples, relative=True, small_chunk_knees=knees, meta=meta, **split)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     workflows = load_trace(setup["trace"], subset=setup["subset"]).workflows
     sessions = select_sessions(workflows, doc["sessions"], scale, seed=0)
     engine = SimEngineSpec(**doc["engine"])
-    models = {"linear": (), "linear + small-chunk term": SMALL_CHUNK_KNEES}
+    models = {"linear": ((), False), "linear + small-chunk term": (SMALL_CHUNK_KNEES, False),
+              "forward passes + small-chunk term": (SMALL_CHUNK_KNEES, True)}
     pooled: dict[str, dict[str, list]] = {m: {"ttft": [], "e2e": [], "flow": []} for m in models}
     out: dict[str, dict] = {}
     print("| step model | rate | TTFT med | E2E med | flow med | knee |")
@@ -76,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         wfs = on_poisson(sessions, rate, 0)
         assignment = assign_round_robin(wfs, setup["engines"])
         real = real_observed(run["turn_log"], {w.id: w.arrival_s for w in wfs})
-        for name, knees in models.items():
-            perf = fitted(profile, knees)
+        for name, (knees, passes) in models.items():
+            perf = fitted(profile, knees, passes)
             err = compare(real, simulate(wfs, assignment, engine, perf))
             for m in ("ttft", "e2e", "flow"):
                 pooled[name][m] += [abs(p - r) / r for r, p in err["pairs"][m] if r > 0]

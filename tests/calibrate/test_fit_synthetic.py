@@ -212,3 +212,37 @@ def test_emulated_profile_through_profile_records_the_truth_in_a_file(tmp_path) 
     assert back.coefficients == pytest.approx(TRUTH.coefficients, rel=1e-6)
     pred = sum(back.step_time(*f) for f, _ in samples)  # type: ignore[arg-type, misc]
     assert pred == pytest.approx(_sum_steps(samples), rel=1e-9)
+
+
+# --- forward passes: llama.cpp's micro-batches and its one-token pass ---------------------------
+
+#: a llama.cpp-like truth: b0 paid per forward pass of <= 512 tokens, cut per slot, and a lone
+#: token's pass a third of the cost
+TRUTH_PASSES = FittedPerf(b0=0.006, b1=2.0e-4, b2=1.5e-3, b3=4.0e-6, b4=3.0e-8, b0_one=0.002,
+                          ubatch_tokens=512, ubatch_split="equal", engine="truth")
+
+
+def test_emulated_profile_recovers_the_per_pass_and_one_token_costs() -> None:
+    emu = EmulatedEngine(TRUTH_PASSES, CHUNK)
+    samples = profile_emulated(emu, CHUNK)
+    fit = fit_profile(samples, relative=True, ubatch_tokens=512, ubatch_split="equal",
+                      one_token_pass=True)
+    _close(fit, TRUTH_PASSES, 1e-6)
+    assert fit.b0_one == pytest.approx(0.002, rel=1e-6)
+    # the one-pass model cannot: a mixed step (decoders + newcomer) costs two passes' b0
+    plain = fit_profile(samples, relative=True)
+    mixed = [(f, y) for f, y in samples if f[0] and f[1]]
+    assert mixed
+    err = [abs(plain.step_time(*f) - y) / y for f, y in mixed]  # type: ignore[arg-type, misc]
+    assert max(err) > 0.05
+    err = [abs(fit.step_time(*f) - y) / y for f, y in mixed]  # type: ignore[arg-type, misc]
+    assert max(err) < 1e-6
+
+
+def test_one_token_pass_cost_is_left_unset_without_one_token_samples() -> None:
+    samples = [(f, y) for f, y in profile_emulated(EmulatedEngine(TRUTH_PASSES, CHUNK), CHUNK)
+               if f[0] + f[1] > 1.5]
+    fit = fit_profile(samples, relative=True, ubatch_tokens=512, ubatch_split="equal",
+                      one_token_pass=True)
+    assert fit.b0_one is None and fit.meta["fit"]["one_token_pass_samples"] == 0
+    assert fit.step_time(0, 1, 100) == pytest.approx(fit.b0 + fit.b2 + 100 * fit.b3)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from turnstile.core.registry import UnknownNameError
-from turnstile.sim.fitted_perf import FittedPerf, fit_profile, nnls
+from turnstile.sim.fitted_perf import FittedPerf, fit_profile, forward_passes, nnls
 from turnstile.sim.perf import PerfModel
 from turnstile.sim.roofline_perf import (
     RooflinePerf,
@@ -238,3 +238,46 @@ def test_nnls_matches_unconstrained_when_the_optimum_is_positive() -> None:
     assert np.allclose(got, x)
     got = nnls(a, a @ np.array([1.0, -2.0, 0.5, 3.0]))
     assert got.min() >= 0 and math.isclose(got[1], 0.0, abs_tol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "ubatch", "split", "passes"),
+    [
+        (0, 1, 512, "equal", (0, 1)),  # a lone decoder: a one-token pass
+        (0, 4, 512, "equal", (1, 0)),  # decoders: one pass of one token each
+        (8, 3, 512, "equal", (2, 0)),  # a token of each of 4 sequences, then 7 prompt tokens
+        (8, 3, 512, "simple", (1, 0)),  # one KV buffer: 11 tokens in one pass
+        (2, 3, 512, "equal", (1, 1)),  # 4 tokens, then the prompt's last one alone
+        (1500, 0, 512, "equal", (3, 0)),  # 512 + 512 + 476
+        (1025, 0, 512, "simple", (2, 1)),  # 512 + 512 + 1
+        (1500, 0, 0, "equal", (1, 0)),  # uncut
+        (0, 1, 0, "simple", (0, 1)),
+        (0, 0, 512, "equal", (0, 0)),
+    ],
+)
+def test_forward_passes_by_hand(prefill, decode, ubatch, split, passes) -> None:
+    assert forward_passes(prefill, decode, ubatch, split) == passes
+
+
+def test_fitted_step_time_pays_b0_per_pass_and_b0_one_for_a_lone_token(tmp_path) -> None:
+    perf = FittedPerf(0.008, 1e-3, 2e-3, 1e-6, 0.0, b0_one=0.003, ubatch_tokens=512,
+                      ubatch_split="equal")
+    assert perf.step_time(0, 1, 100) == pytest.approx(0.003 + 2e-3 + 1e-4)
+    assert perf.step_time(0, 2, 100) == pytest.approx(0.008 + 4e-3 + 1e-4)
+    # a newcomer's 8 tokens beside 3 decoders: two passes, each paying b0
+    assert perf.step_time(8, 3, 1000) == pytest.approx(2 * 0.008 + 8e-3 + 6e-3 + 1e-3)
+    path = tmp_path / "p.json"
+    perf.to_profile(path)
+    back = FittedPerf.from_profile(path)
+    assert (back.b0_one, back.ubatch_tokens, back.ubatch_split) == (0.003, 512, "equal")
+    assert back.step_time(8, 3, 1000) == perf.step_time(8, 3, 1000)
+    # older profiles (no such fields) keep the one-pass model
+    doc = json.loads(path.read_text())
+    del doc["forward_passes"], doc["coefficients"]["b0_one_token_pass_s"]
+    path.write_text(json.dumps(doc))
+    old = FittedPerf.from_profile(path)
+    assert old.step_time(8, 3, 1000) == pytest.approx(0.008 + 8e-3 + 6e-3 + 1e-3)
+    doc["forward_passes"] = {"ubatch_tokens": 512, "split": "per-slot"}
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="ubatch_split"):
+        FittedPerf.from_profile(path)

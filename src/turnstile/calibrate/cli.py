@@ -78,6 +78,14 @@ def profile_cmd(
         bool, typer.Option(help="Least squares on absolute (not relative) step-time errors")
     ] = False,
     seed: Annotated[int, typer.Option()] = 0,
+    ubatch: Annotated[
+        int | None,
+        typer.Option(help="Tokens per forward pass: llama.cpp -ub (default 512); 0: one pass "
+                     "per step"),
+    ] = None,
+    kv_unified: Annotated[
+        bool, typer.Option(help="The llama.cpp server runs with --kv-unified (one KV buffer)")
+    ] = False,
 ) -> None:
     """Measure a real engine's step times through its HTTP API and fit the simulator's
     performance model to them (a profile for turnstile bench --profile)."""
@@ -98,6 +106,8 @@ def profile_cmd(
                 relative=not absolute,
                 kv_bytes_per_token=kv_bytes_per_token,
                 seed=seed,
+                ubatch=ubatch,
+                kv_unified=kv_unified,
                 token_range=(token_low, token_high),
                 on_total=lambda n: bar.update(task, total=n),
                 on_progress=lambda label: bar.update(task, advance=1, description=label),
@@ -113,6 +123,10 @@ def profile_cmd(
     )
     names = ("b0 s/step", "b1 s/prefill tok", "b2 s/decode seq", "b3 s/kv tok", "b4 s/attn pair")
     _out.print("  ".join(f"{n} {v:.3g}" for n, v in zip(names, perf.coefficients, strict=True)))
+    if perf.b0_one is not None or perf.ubatch_tokens:
+        one = "b0" if perf.b0_one is None else f"{perf.b0_one:.3g} s"
+        _out.print(f"forward passes of ≤{perf.ubatch_tokens or '∞'} tokens "
+                   f"({perf.ubatch_split} split), one-token pass {one}")
     if perf.b5:
         _out.print(f"b5 s/small-chunk attn pair {perf.b5:.3g} (knee {perf.small_chunk_tokens:g} "
                    "prefill tokens)")

@@ -11,7 +11,12 @@ streamed tokens; each probe returns a :class:`Measurement`, one ``(features, ste
 * **decode**: ``k`` concurrent streams over a shared (cached) prefix of a given context; the
   step time is the token inter-arrival time while all ``k`` decode;
 * **mixed**: ``k`` streams decoding while a new prompt arrives; the decoders' gap that ends with
-  the newcomer's first token is one step holding both.
+  the newcomer's first token is one step holding both (llama.cpp's ``timings.prompt_ms`` of the
+  newcomer times that step when the engine reports it).
+
+On llama.cpp the concurrent streams are pinned to slots ``0..k-1`` (the newcomer to slot ``k``):
+with one KV stream per slot the server runs one forward pass per run of consecutive busy slots,
+so slots it picked itself could split a measured step into passes the sample does not count.
 
 :mod:`turnstile.calibrate.profile` plans the sweep, runs these probes and fits the profile.
 """
@@ -86,7 +91,7 @@ class EngineProber:
         """The first request pays one-off costs (graph allocation, page faults): pay them here."""
         self._send(self.tokens.take(32), 4)
 
-    def _send(self, prompt: list[int], max_tokens: int) -> StreamResult:
+    def _send(self, prompt: list[int], max_tokens: int, slot: int | None = None) -> StreamResult:
         return stream_completion(
             self.info.url,
             prompt,
@@ -94,7 +99,15 @@ class EngineProber:
             api="openai",
             model=self.info.model,
             timeout=self.timeout,
+            extra=self._slot(slot),
         )
+
+    def _slot(self, i: int | None) -> dict[str, Any] | None:
+        """llama.cpp's ``id_slot`` for the ``i``-th concurrent stream (see the module docstring);
+        None elsewhere, or when the engine has fewer slots."""
+        if i is None or self.info.kind != "llama.cpp" or i >= (self.info.n_parallel or 0):
+            return None
+        return {"id_slot": i}
 
     def _prompt_time(self, res: StreamResult) -> float:
         """Prompt processing time: llama.cpp's own measure when present, else the TTFT."""
@@ -142,7 +155,7 @@ class EngineProber:
 
     def _streams(self, prompts: Sequence[list[int]], max_tokens: int) -> list[StreamResult]:
         with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-            futs = [pool.submit(self._send, p, max_tokens) for p in prompts]
+            futs = [pool.submit(self._send, p, max_tokens, i) for i, p in enumerate(prompts)]
             return [f.result() for f in futs]
 
     def decode(self, k: int, context: int, gen: int) -> Measurement | None:
@@ -181,6 +194,7 @@ class EngineProber:
                 api="openai",
                 model=self.info.model,
                 timeout=self.timeout,
+                extra=self._slot(i),
                 on_token=on_token,
                 should_stop=stop.is_set,
             )
@@ -190,7 +204,7 @@ class EngineProber:
             try:
                 if not warm.wait(self.timeout):
                     return None
-                new = self._send(fresh, 2)
+                new = self._send(fresh, 2, k)
                 time.sleep(0.05)  # let the decoders read the token of the newcomer's step
             finally:
                 stop.set()
@@ -201,4 +215,12 @@ class EngineProber:
         if got is None:
             return None
         feats, step = got
-        return Measurement("mixed", feats, step, 1, {"k": k, "prompt": newcomer})
+        note: dict[str, Any] = {"k": k, "prompt": newcomer, "decoder_gap_s": step}
+        t = new.timings
+        if t and t.get("prompt_ms") is not None and float(t.get("prompt_n", 0)) > 0:
+            # the engine's own time for the newcomer's prompt is that one step, timed on the
+            # server: the decoders' token gap is timed in this process, whose threads (on a
+            # small host) can deliver a token late enough to pair the newcomer with the next
+            # step's gap instead
+            step = float(t["prompt_ms"]) / 1e3
+        return Measurement("mixed", feats, step, 1, note)

@@ -8,8 +8,11 @@ and time the streamed tokens.
 Each measurement becomes a ``(features, step_time)`` sample (:mod:`turnstile.calibrate.features`)
 and :func:`turnstile.sim.fitted_perf.fit_profile` fits ``b0..b4`` to them (relative least squares by
 default: step times span three orders of magnitude), and the small-chunk attention term ``b5``
-with its knee where it fits better. :func:`write_profile` stores the result as
-a ``turnstile-profile`` file with its provenance: engine kind, model, slots, when, the samples and
+with its knee where it fits better. On llama.cpp ``b0`` is fitted per forward pass (its server
+cuts a step into micro-batches of ``-ub`` tokens, per slot unless ``--kv-unified``) and a
+one-token pass gets its own fixed cost ``b0_one`` (see
+:class:`~turnstile.sim.fitted_perf.FittedPerf`). :func:`write_profile` stores the result as a
+``turnstile-profile`` file with its provenance: engine kind, model, slots, when, the samples and
 the fit's residuals.
 
 Only OpenAI-compatible streaming is required (``POST /v1/completions`` with a token-id prompt),
@@ -48,6 +51,8 @@ __all__ = [
 
 #: llama.cpp's default logical batch (``-b``): the most tokens one step computes
 LLAMACPP_BATCH = 2048
+#: llama.cpp's default physical batch (``-ub``): the most tokens one forward pass computes
+LLAMACPP_UBATCH = 512
 #: vLLM V1's default ``max_num_batched_tokens`` for online serving (pass the real one)
 VLLM_BATCH = 8192
 #: knees tried for the small-chunk attention term
@@ -162,6 +167,8 @@ def profile_engine(
     decode_tokens: int | None = None,
     relative: bool = True,
     small_chunk: bool = True,
+    ubatch: int | None = None,
+    kv_unified: bool = False,
     kv_bytes_per_token: float = 0.0,
     seed: int = 0,
     token_range: tuple[int, int] = (33, 127),
@@ -181,7 +188,10 @@ def profile_engine(
     ``max_num_batched_tokens``); ``max_seqs`` its concurrent sequences (llama.cpp slots are
     discovered); ``max_context`` caps prompt lengths (default: the per-sequence context the
     engine reports, at most 4096). ``small_chunk`` also fits the small-chunk attention term
-    (kept only where it fits better). ``seed`` draws the random prompts: profiling the same
+    (kept only where it fits better). ``ubatch`` is llama.cpp's ``-ub`` (default 512; 0: a step
+    is one pass, which is how other engines are fitted) and ``kv_unified`` whether it was
+    started with ``--kv-unified`` (one KV buffer: a step is cut in batch order, not per slot).
+    ``seed`` draws the random prompts: profiling the same
     engine again needs another seed, or the engine's prompt cache serves the earlier prompts.
     ``on_progress`` is called once per finished measurement with a label, ``on_total`` once with
     the number planned.
@@ -278,9 +288,16 @@ def profile_engine(
     }
     if overheads:
         meta["request_overhead_s"] = float(median(overheads))
+    llama = info.kind == "llama.cpp"
+    ub = (LLAMACPP_UBATCH if llama else 0) if ubatch is None else ubatch
+    meta["ubatch_tokens"] = ub
+    meta["kv_unified"] = kv_unified
     perf = fit_profile(
         samples,
         relative=relative,
+        ubatch_tokens=ub,
+        ubatch_split="simple" if kv_unified or not llama else "equal",
+        one_token_pass=llama,
         small_chunk_knees=SMALL_CHUNK_KNEES if small_chunk else (),
         kv_bytes_per_token=kv_bytes_per_token,
         engine=info.kind,

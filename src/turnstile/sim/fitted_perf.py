@@ -2,9 +2,11 @@
 
 :class:`FittedPerf` prices an engine iteration (the four features of
 :class:`~turnstile.sim.perf.PerfModel`) as ``b0 + b1·prefill + b2·decode + b3·kv_read +
-b4·attn2``, plus an optional small-chunk attention term ``b5``; :func:`fit_profile` fits it with
-non-negative least squares (:func:`nnls`) and :meth:`FittedPerf.to_profile` /
-:meth:`FittedPerf.from_profile` store it as a ``turnstile-profile`` JSON file.
+b4·attn2``, plus an optional small-chunk attention term ``b5`` and, for engines that run one
+iteration as several forward passes (llama.cpp's micro-batches), a fixed cost per pass
+(:func:`forward_passes`); :func:`fit_profile` fits it with non-negative least squares
+(:func:`nnls`) and :meth:`FittedPerf.to_profile` / :meth:`FittedPerf.from_profile` store it as a
+``turnstile-profile`` JSON file.
 """
 
 from __future__ import annotations
@@ -23,11 +25,57 @@ from turnstile.sim.perf import FEATURES
 PROFILE_FORMAT = "turnstile-profile"
 PROFILE_VERSION = 1
 
+#: how an engine cuts one iteration's tokens into forward passes of at most ``ubatch_tokens``:
+#: ``simple``, in batch order (llama.cpp with one unified KV buffer, ``--kv-unified``);
+#: ``equal``, the same number of tokens from every sequence in a pass (llama.cpp ``-np N``
+#: without ``--kv-unified``: one KV stream per slot)
+UBATCH_SPLITS = ("simple", "equal")
+
+
+def forward_passes(
+    prefill_tokens: float, decode_seqs: float, ubatch_tokens: int, split: str
+) -> tuple[int, int]:
+    """``(passes of two or more tokens, passes of one token)`` of an iteration with
+    ``decode_seqs`` decoders (one token each) and ``prefill_tokens`` prompt tokens, as the
+    engine cuts it into forward passes of at most ``ubatch_tokens`` (0: one pass, uncut).
+
+    The prompt tokens are taken to be one sequence's (one prefill chunk per iteration, the
+    common case). With the ``equal`` split a step mixing decodes and a prefill is (at least) two
+    passes: one token of every sequence, then the prompt's other tokens. A pass of one token is
+    counted apart: a CPU engine runs it as matrix-vector products, several times cheaper than
+    the matrix products of two tokens (the one-token pass cost of :class:`FittedPerf`).
+    Fractional arguments (the mean step of a multi-step sample) are rounded."""
+    p = round(prefill_tokens)
+    d = round(decode_seqs)
+    total = p + d
+    if total <= 0:
+        return 0, 0
+    if ubatch_tokens <= 0:
+        return (0, 1) if total == 1 else (1, 0)
+    if split == "equal" and p and d:
+        multi, one, rest = 1, 0, p - 1
+    else:
+        multi, one, rest = 0, 0, total
+    full, tail = divmod(rest, ubatch_tokens)
+    multi += full  # ubatch_tokens >= 2
+    if tail == 1:
+        one += 1
+    elif tail:
+        multi += 1
+    return multi, one
+
 
 @dataclass(slots=True)
 class FittedPerf:
     """``step_time = b0 + b1·prefill + b2·decode + b3·kv_read + b4·attn2`` (all ``b ≥ 0``),
     plus, when fitted, a small-chunk attention term ``b5·attn2·k/(k + prefill)``.
+
+    With ``ubatch_tokens`` set the step is several forward passes (:func:`forward_passes`) and
+    ``b0`` is paid once per pass; with ``b0_one`` set a pass of one token pays ``b0_one``
+    instead. Both are what llama.cpp on a CPU shows: its server cuts an iteration into
+    micro-batches (``-ub``, 512 tokens), per slot when each slot has its own KV stream (so a
+    step where decoders meet a newcomer's prompt is two passes, each paying the weights), and a
+    one-token pass (a lone decoder) costs a third of a two-token one.
 
     The extra term is what a CPU engine shows (llama.cpp): a prefill chunk of a few tokens
     appended to a long cached context pays more per attention pair than a large chunk (the
@@ -52,10 +100,23 @@ class FittedPerf:
     b5: float = 0.0
     #: the knee ``k`` of the small-chunk term, in prefill tokens per step
     small_chunk_tokens: float = 0.0
+    #: fixed seconds of a forward pass that computes one token (None: ``b0``)
+    b0_one: float | None = None
+    #: the most tokens one forward pass computes (llama.cpp ``-ub``); 0: a step is one pass
+    ubatch_tokens: int = 0
+    #: how a step is cut into passes (:data:`UBATCH_SPLITS`)
+    ubatch_split: str = "simple"
+    _passes: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.name:
             self.name = f"fitted:{self.engine or '?'}/{self.model or '?'}"
+        if self.ubatch_split not in UBATCH_SPLITS:
+            raise ValueError(f"ubatch_split must be one of {UBATCH_SPLITS}, "
+                             f"got {self.ubatch_split!r}")
+        if self.ubatch_tokens < 0 or self.ubatch_tokens == 1:
+            raise ValueError(f"ubatch_tokens must be 0 (uncut) or >= 2, got {self.ubatch_tokens}")
+        self._passes = bool(self.ubatch_tokens) or self.b0_one is not None
 
     @property
     def coefficients(self) -> tuple[float, float, float, float, float]:
@@ -68,8 +129,14 @@ class FittedPerf:
         kv_read_tokens: int,
         prefill_attn_tokens2: float = 0.0,
     ) -> float:
+        if self._passes:
+            multi, one = forward_passes(prefill_tokens, decode_seqs, self.ubatch_tokens,
+                                        self.ubatch_split)
+            fixed = self.b0 * multi + (self.b0 if self.b0_one is None else self.b0_one) * one
+        else:
+            fixed = self.b0
         t = (
-            self.b0
+            fixed
             + self.b1 * prefill_tokens
             + self.b2 * decode_seqs
             + self.b3 * kv_read_tokens
@@ -98,7 +165,9 @@ class FittedPerf:
                 "b4_s_per_attn_pair": self.b4,
                 "b5_s_per_small_chunk_attn_pair": self.b5,
                 "small_chunk_tokens": self.small_chunk_tokens,
+                "b0_one_token_pass_s": self.b0_one,
             },
+            "forward_passes": {"ubatch_tokens": self.ubatch_tokens, "split": self.ubatch_split},
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "meta": self.meta,
         }
@@ -135,16 +204,26 @@ class FittedPerf:
         knee = float(c.get("small_chunk_tokens", 0.0))
         if b5 < 0 or knee < 0 or not (math.isfinite(b5) and math.isfinite(knee)):
             raise ValueError(f"{p}: the small-chunk term must be finite and non-negative")
-        return cls(
-            *b,
-            b5=b5 if knee > 0 else 0.0,
-            small_chunk_tokens=knee,
-            kv_bytes_per_token=float(doc.get("kv_bytes_per_token", 0.0)),
-            engine=str(doc.get("engine", "")),
-            model=str(doc.get("model", "")),
-            measured_at=str(doc.get("measured_at", "")),
-            meta=dict(doc.get("meta", {})),
-        )
+        b0_one = c.get("b0_one_token_pass_s")
+        if b0_one is not None and (float(b0_one) < 0 or not math.isfinite(float(b0_one))):
+            raise ValueError(f"{p}: b0_one_token_pass_s must be finite and non-negative")
+        passes = doc.get("forward_passes") or {}
+        try:
+            return cls(
+                *b,
+                b5=b5 if knee > 0 else 0.0,
+                small_chunk_tokens=knee,
+                b0_one=None if b0_one is None else float(b0_one),
+                ubatch_tokens=int(passes.get("ubatch_tokens", 0)),
+                ubatch_split=str(passes.get("split", "simple")),
+                kv_bytes_per_token=float(doc.get("kv_bytes_per_token", 0.0)),
+                engine=str(doc.get("engine", "")),
+                model=str(doc.get("model", "")),
+                measured_at=str(doc.get("measured_at", "")),
+                meta=dict(doc.get("meta", {})),
+            )
+        except ValueError as exc:
+            raise ValueError(f"{p}: {exc}") from None
 
 
 Sample = tuple[Sequence[float], float]
@@ -198,13 +277,20 @@ def fit_profile(
     measured_at: str = "",
     meta: dict[str, Any] | None = None,
     small_chunk_knees: Sequence[float] = (),
+    ubatch_tokens: int = 0,
+    ubatch_split: str = "simple",
+    one_token_pass: bool = False,
 ) -> FittedPerf:
     """Fit :class:`FittedPerf` to measured ``(features, step_time_s)`` samples.
 
     ``small_chunk_knees``: candidate knees ``k`` of the small-chunk attention term; each is
-    fitted (its column ``attn2·k/(k + prefill)`` beside the five linear ones) and the knee with
-    the smallest weighted error is kept, or none when no knee beats the linear model by 2%
-    (empty: the linear model only).
+    fitted (its column ``attn2·k/(k + prefill)`` beside the linear ones) and the knee with
+    the smallest weighted error is kept, or none when no knee beats the model without it by 2%
+    (empty: no such term).
+
+    ``ubatch_tokens`` and ``ubatch_split`` say how the engine cuts a step into forward passes
+    (:func:`forward_passes`): ``b0`` is then fitted per pass. With ``one_token_pass`` a pass of
+    one token gets its own fixed cost ``b0_one`` (kept only when some sample has such a pass).
 
     ``features`` is ``(prefill_tokens, decode_seqs, kv_read_tokens[, prefill_attn_tokens2])``.
     Coefficients are constrained non-negative (a negative per-token cost would make bigger
@@ -213,7 +299,9 @@ def fit_profile(
     ``relative`` each sample is weighted by ``1 / step_time`` (minimises relative error, which
     is what TTFT fidelity cares about when step times span orders of magnitude).
     """
+    passes = bool(ubatch_tokens) or one_token_pass
     rows: list[list[float]] = []
+    ones: list[float] = []
     ys: list[float] = []
     for feats, y in samples:
         f = [float(v) for v in feats]
@@ -221,12 +309,23 @@ def fit_profile(
             f.append(0.0)
         if len(f) != 4:
             raise ValueError(f"a sample needs 3 or 4 features {FEATURES}, got {len(f)}")
-        rows.append([1.0, *f])
+        if passes:
+            multi, one = forward_passes(f[0], f[1], ubatch_tokens, ubatch_split)
+            if not one_token_pass:
+                multi, one = multi + one, 0
+        else:
+            multi, one = 1, 0
+        rows.append([float(multi), *f])
+        ones.append(float(one))
         ys.append(float(y))
     if len(rows) < 2:
         raise ValueError(f"need at least 2 samples to fit, got {len(rows)}")
     x = np.asarray(rows)
     y = np.asarray(ys)
+    # the one-token pass column only where some sample has such a pass (else b0_one is b0)
+    with_one = one_token_pass and any(ones)
+    if with_one:
+        x = np.column_stack([x, np.asarray(ones)])
     if relative:
         if (y <= 0).any():
             raise ValueError("relative=True needs positive step times")
@@ -242,7 +341,7 @@ def fit_profile(
         xk = np.column_stack([x, x[:, 4] * k / (k + x[:, 1])])
         ck = _nnls_scaled(xk, y, wgt)
         sse_k = float((((xk @ ck) - y) * wgt) ** 2 @ np.ones_like(y))
-        if ck[5] > 0 and sse_k < 0.98**2 * sse:
+        if ck[-1] > 0 and sse_k < 0.98**2 * sse:
             coef, sse, knee = ck, sse_k, float(k)
     if knee:
         x = np.column_stack([x, x[:, 4] * knee / (knee + x[:, 1])])
@@ -256,11 +355,15 @@ def fit_profile(
         "r2": 1.0 - float((resid**2).sum()) / ss_tot if ss_tot > 0 else 1.0,
         "relative": relative,
         "small_chunk_tokens": knee,
+        "one_token_pass_samples": int(sum(1 for o in ones if o)),
     }
     return FittedPerf(
         *(float(c) for c in coef[:5]),
-        b5=float(coef[5]) if knee else 0.0,
+        b5=float(coef[-1]) if knee else 0.0,
         small_chunk_tokens=knee,
+        b0_one=float(coef[5]) if with_one else None,
+        ubatch_tokens=ubatch_tokens,
+        ubatch_split=ubatch_split,
         kv_bytes_per_token=kv_bytes_per_token,
         engine=engine,
         model=model,
