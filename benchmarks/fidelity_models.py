@@ -7,7 +7,11 @@ Nothing is replayed again, so the host's load cannot favour either model: only t
     .venv/bin/python benchmarks/fidelity_models.py benchmarks/results/fidelity-llamacpp
 
 Prints a table of median relative errors (TTFT, E2E per turn; flow time per workflow), per rate
-and all rates pooled, and writes ``fidelity_models.json`` beside ``fidelity.json``.
+and all rates pooled, then, for each model, the median simulated / measured TTFT of the turns by
+how many other turns were running on their engine when they were sent (``by_others``), and
+writes ``fidelity_models.json`` beside ``fidelity.json``. The forward-pass model
+(:func:`turnstile.sim.fitted_perf.forward_passes`) is fitted to the run's samples as they were
+measured, also for runs whose decode probes were not yet pinned to slots.
 """
 
 from __future__ import annotations
@@ -46,6 +50,19 @@ def real_observed(turn_log: list[list], arrivals: dict[str, float]) -> Observed:
     return o
 
 
+def ttft_by_others(turn_log: list[list], sim_ttft: dict) -> dict[int, tuple[float, int]]:
+    """Median simulated / measured TTFT by how many other turns ran on the turn's engine when it
+    was sent (3 = three or more), with the number of turns."""
+    ratios: dict[int, list[float]] = {}
+    for wf, i, eng, ready, first, *_ in turn_log:
+        others = sum(1 for w2, i2, e2, r2, _f, d2, *_ in turn_log
+                     if e2 == eng and (w2, i2) != (wf, i) and r2 <= ready < d2)
+        sim = sim_ttft.get((wf, i))
+        if sim is not None and first > ready:
+            ratios.setdefault(min(others, 3), []).append(sim / (first - ready))
+    return {k: (float(np.median(v)), len(v)) for k, v in sorted(ratios.items())}
+
+
 def fitted(profile: Path, knees: tuple[float, ...], passes: bool = False) -> FittedPerf:
     doc = json.loads(profile.read_text())
     samples = [([s[f] for f in FEATURES], s["step_s"]) for s in doc["meta"]["samples"]]
@@ -69,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
               "forward passes + small-chunk term": (SMALL_CHUNK_KNEES, True)}
     pooled: dict[str, dict[str, list]] = {m: {"ttft": [], "e2e": [], "flow": []} for m in models}
     out: dict[str, dict] = {}
+    by_others: dict[str, dict[str, dict]] = {}
     print("| step model | rate | TTFT med | E2E med | flow med | knee |")
     print("|---|---|---:|---:|---:|---:|")
     for run in doc["runs"]:
@@ -81,7 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         real = real_observed(run["turn_log"], {w.id: w.arrival_s for w in wfs})
         for name, (knees, passes) in models.items():
             perf = fitted(profile, knees, passes)
-            err = compare(real, simulate(wfs, assignment, engine, perf))
+            sim = simulate(wfs, assignment, engine, perf)
+            err = compare(real, sim)
+            by_others.setdefault(name, {})[f"{rate:g}"] = ttft_by_others(run["turn_log"],
+                                                                          sim.ttft)
             for m in ("ttft", "e2e", "flow"):
                 pooled[name][m] += [abs(p - r) / r for r, p in err["pairs"][m] if r > 0]
             out.setdefault(name, {})[f"{rate:g}"] = {m: err[m]["median"] for m in
@@ -94,6 +115,15 @@ def main(argv: list[str] | None = None) -> int:
         out[name]["all"] = med
         print(f"| {name} | all | {100 * med['ttft']:.1f}% | {100 * med['e2e']:.1f}% "
               f"| {100 * med['flow']:.1f}% | |")
+    print("\nsimulated / measured TTFT by the other turns running on the engine (median, turns)")
+    print("| step model | rate | alone | 1 other | 2 others | 3+ others |")
+    print("|---|---|---:|---:|---:|---:|")
+    for name, rates in by_others.items():
+        for rate, got in rates.items():
+            cells = [f"{got[k][0]:.2f} ({got[k][1]})" if k in got else "–" for k in range(4)]
+            print(f"| {name} | {rate} | " + " | ".join(cells) + " |")
+        out[name]["ttft_by_others"] = {r: {str(k): v for k, v in g.items()}
+                                       for r, g in rates.items()}
     (args.run / "fidelity_models.json").write_text(json.dumps(out, indent=1) + "\n")
     return 0
 

@@ -75,6 +75,14 @@ def test_profile_file_is_valid_and_predicts_positive_times(profile_path: Path) -
     assert len(meta["samples"]) == meta["sample_count"]
     perf = FittedPerf.from_profile(profile_path)
     assert perf.engine == "llama.cpp"
+    # llama.cpp runs a step as micro-batches cut per slot (-np without --kv-unified), and a
+    # lone decoder's one-token pass (the k = 1 decode probe) gets its own fixed cost
+    assert doc["forward_passes"] == {"ubatch_tokens": 512, "split": "equal"}
+    assert (perf.ubatch_tokens, perf.ubatch_split) == (512, "equal")
+    assert meta["fit"]["one_token_pass_samples"] >= 1 and perf.b0_one is not None
+    # a mixed step is timed by the newcomer's prompt_ms, the decoders' gap kept beside it
+    mixed = [m for m in meta["samples"] if m["kind"] == "mixed"]
+    assert mixed and all(m["decoder_gap_s"] > 0 for m in mixed)
     cases = [(1, 0, 0, 1.0), (0, 1, 64, 0.0), (0, 4, 2000, 0.0), (256, 0, 0, 256 * 257 / 2),
              (32, 3, 700, 32 * 500 + 32 * 33 / 2)]
     for f in cases:
