@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -407,3 +408,23 @@ def test_stats_scrape_feeds_the_scheduler(fake_engines: Any, gateways: Any) -> N
     wait_until(lambda: e.queue_len == 0 and e.running == 0, 5)
     assert json.loads(json.dumps(gw.gateway.health.engines[e.id].stats_counters)) == {
         "output_tokens": 0.0}
+
+
+def test_forward_debug_log_says_where_each_turn_went(fake_engines: Any, gateways: Any,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """At DEBUG the gateway logs every forwarded turn's engine and llama.cpp slot (what a
+    cache-miss investigation reads); a session's second turn goes back to its slot."""
+    caplog.set_level(logging.DEBUG, logger="turnstile.gateway")
+    eng = fake_engines()
+    gw = gateways([eng.url])
+    engine_id = gw.gateway.scheduler.view.ids[0]
+    for _ in range(2):
+        r = httpx.post(gw.url + "/v1/chat/completions", json=chat_body(),
+                       headers={"x-session-id": "s-log"})
+        assert r.status_code == 200
+    lines = [m for m in (rec.getMessage() for rec in caplog.records)
+             if m.startswith("forward s-log ")]
+    assert [m.split(" at ")[0] for m in lines] == [
+        f"forward s-log turn 0 -> {engine_id} slot 0",
+        f"forward s-log turn 1 -> {engine_id} slot 0",
+    ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
@@ -33,6 +34,8 @@ from turnstile.gateway.protocol import (
 from turnstile.gateway.sessions import PendingTurn
 
 __all__ = ["Relay", "RetryableFailure", "TurnEvents"]
+
+log = logging.getLogger("turnstile.gateway")
 
 
 class RetryableFailure(Exception):
@@ -86,6 +89,9 @@ class Relay:
             self._end(adapter, hints)
             self.events.turn_finished(p, 0, None, cancelled=True)
             raise
+        if log.isEnabledFor(logging.DEBUG):  # where a session's KV goes: cache-miss forensics
+            log.debug("forward %s turn %s -> %s slot %s at %.4f", p.session.id,
+                      None if p.rec is None else p.rec.index, p.engine, hints.slot, hints.now_s)
         if p.stream:
             return await self._forward_stream(p, adapter, hints)
         try:
