@@ -91,7 +91,9 @@ class EngineProber:
         """The first request pays one-off costs (graph allocation, page faults): pay them here."""
         self._send(self.tokens.take(32), 4)
 
-    def _send(self, prompt: list[int], max_tokens: int, slot: int | None = None) -> StreamResult:
+    def _send(self, prompt: list[int], max_tokens: int, slot: int | None = None,
+              **stream: Any) -> StreamResult:
+        """One streamed completion; ``stream`` passes ``on_token`` / ``should_stop`` on."""
         return stream_completion(
             self.info.url,
             prompt,
@@ -100,6 +102,7 @@ class EngineProber:
             model=self.info.model,
             timeout=self.timeout,
             extra=self._slot(slot),
+            **stream,
         )
 
     def _slot(self, i: int | None) -> dict[str, Any] | None:
@@ -187,17 +190,7 @@ class EngineProber:
                 if min(counts) >= 4:
                     warm.set()
 
-            return stream_completion(
-                self.info.url,
-                prompts[i],
-                limit,
-                api="openai",
-                model=self.info.model,
-                timeout=self.timeout,
-                extra=self._slot(i),
-                on_token=on_token,
-                should_stop=stop.is_set,
-            )
+            return self._send(prompts[i], limit, i, on_token=on_token, should_stop=stop.is_set)
 
         with ThreadPoolExecutor(max_workers=k) as pool:
             futs = [pool.submit(decoder, i) for i in range(k)]

@@ -290,8 +290,7 @@ def profile_engine(
         meta["request_overhead_s"] = float(median(overheads))
     llama = info.kind == "llama.cpp"
     ub = (LLAMACPP_UBATCH if llama else 0) if ubatch is None else ubatch
-    meta["ubatch_tokens"] = ub
-    meta["kv_unified"] = kv_unified
+    meta["kv_unified"] = kv_unified  # the split it implies is in the file's forward_passes
     perf = fit_profile(
         samples,
         relative=relative,
