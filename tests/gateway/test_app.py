@@ -428,3 +428,13 @@ def test_forward_debug_log_says_where_each_turn_went(fake_engines: Any, gateways
         f"forward s-log turn 0 -> {engine_id} slot 0",
         f"forward s-log turn 1 -> {engine_id} slot 0",
     ]
+
+
+def test_gateway_tells_the_core_how_many_slots_a_llama_cpp_engine_keeps(
+        fake_engines: Any, gateways: Any) -> None:
+    """The slots a llama.cpp server reports (``/slots``) reach the core's engine record, where
+    the release policy's KV gate counts sessions against them."""
+    eng = fake_engines(slots=3)
+    gw = gateways([eng.url])
+    e = gw.gateway.scheduler.view[gw.gateway.scheduler.view.ids[0]]
+    assert e.kv_slots == 3 and e.has_free_slot

@@ -36,12 +36,15 @@ def test_no_tool_returns() -> None:
 
 
 def test_engine_loads_carry_tp_bucket_and_kv_capacity() -> None:
-    adapters = [SimpleNamespace(id="a", weight=1.0, options={}),
-                SimpleNamespace(id="b", weight=4.0, options={"kv_tokens": 8192})]
+    adapters = [SimpleNamespace(id="a", weight=1.0, options={"slots": 4}, kind="vllm"),
+                SimpleNamespace(id="b", weight=4.0, options={"kv_tokens": 8192, "slots": 4},
+                                kind="llama.cpp")]
     configs = [SimpleNamespace(tp=1, bucket="short"), SimpleNamespace(tp=4, bucket="long")]
     loads = engine_loads(adapters, configs)
     assert [(e.id, e.tp, e.bucket, e.weight) for e in loads] == [
         ("a", 1, "short", 1.0), ("b", 4, "long", 4.0)]
     # the engine's KV capacity (its ``kv_tokens`` option) reaches the release policy's KV gate
     assert [e.capacity_tokens for e in loads] == [0, 8192]
+    # a llama.cpp engine's ``slots`` option: the sessions it keeps at once (other kinds: none)
+    assert [e.kv_slots for e in loads] == [0, 4]
     assert [e.tp for e in engine_loads(adapters, [])] == [1, 1]

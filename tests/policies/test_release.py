@@ -80,6 +80,72 @@ def test_cvar_admits_new_workflows_oldest_first_while_kv_has_room():
     assert released(s.turn_finished(3.0, "a", 0)) == ["b", "c"]
 
 
+def paused_sessions(s: Scheduler, names: list[str]) -> None:
+    """Start each workflow and leave it paused in a tool call (its KV on the engine)."""
+    for name in names:
+        s.workflow_arrived(0.0, two_turns(name, 10))
+        s.turn_finished(0.0, name, 0, output_tokens=1)
+    for name in names:
+        assert s.workflows[name].paused_engine is not None
+
+
+def slot_engine_scheduler(kv_slots: int) -> Scheduler:
+    ps = PolicySet.from_spec("cvar")
+    # a tiny KV fill: the token gate never has room, only the idle override can admit
+    ps.release = CvarRelease(budget_per_engine=1e9, adapt=False, kv_fill=0.001,
+                             min_kv_fill=0.001)
+    return Scheduler(ps, [EngineLoad("e0", capacity_tokens=10_000, kv_slots=kv_slots)])
+
+
+def test_cvar_idle_override_starts_no_session_onto_full_slots():
+    # a llama.cpp engine with 2 slots, both held by sessions paused in tool calls: the engine
+    # is idle, but a new session would evict one of them
+    s = slot_engine_scheduler(kv_slots=2)
+    paused_sessions(s, ["p1", "p2"])
+    e0 = s.view["e0"]
+    assert e0.outstanding_turns == 0 and e0.open_sessions == 2 and not e0.has_free_slot
+    assert s.view.any_idle() and not s.release.idle_with_free_slot(s.view, now=1.0)
+    assert released(s.workflow_arrived(1.0, one_turn("new", 100))) == []
+    assert s.held_turns == 1
+    # p1 comes back from its tool and finishes: its slot is free again, the newcomer starts
+    assert released(s.tool_finished(2.0, "p1", 0)) == ["p1"]
+    assert released(s.turn_finished(3.0, "p1", 1)) == ["new"]
+
+
+def test_cvar_idle_override_admits_when_a_slot_is_free_or_kv_is_not_slot_limited():
+    s = slot_engine_scheduler(kv_slots=3)  # one slot still free
+    paused_sessions(s, ["p1", "p2"])
+    assert s.view["e0"].has_free_slot
+    assert released(s.workflow_arrived(1.0, one_turn("new", 100))) == ["new"]
+    # paged KV (kv_slots 0): the override admits onto the idle engine as before
+    s = slot_engine_scheduler(kv_slots=0)
+    paused_sessions(s, ["p1", "p2", "p3"])
+    assert s.view["e0"].has_free_slot and s.release.idle_with_free_slot(s.view, now=1.0)
+    assert released(s.workflow_arrived(1.0, one_turn("new", 100))) == ["new"]
+
+
+def test_cvar_takes_a_session_paused_longer_than_any_seen_as_done() -> None:
+    # 2 slots held by sessions paused since t=0; pauses seen so far all took 1 s
+    s = slot_engine_scheduler(kv_slots=2)
+    s.release.min_pause_samples = 3
+    paused_sessions(s, ["p1", "p2"])
+    rel = s.release
+    assert rel.done_pause_s() == float("inf")  # too few pauses seen: nobody is taken as done
+    for x in (0.8, 1.0, 0.9):
+        rel._pauses.add(x)
+    assert rel.done_pause_s() == 1.0
+    assert not rel.idle_with_free_slot(s.view, now=0.5)  # both sessions may still come back
+    assert released(s.workflow_arrived(0.5, one_turn("early", 100))) == []
+    # the scheduler is woken when the first paused session passes the longest pause seen
+    assert s.next_wakeup(0.5) == 1.0
+    # past it, both have been paused longer than any pause seen: their slots count as free
+    assert rel.idle_with_free_slot(s.view, now=1.2)
+    assert released(s.tick(1.2)) == ["early"]
+    # a session that comes back teaches its pause
+    s.tool_finished(3.0, "p1", 0)
+    assert len(rel._pauses) == 4 and rel.done_pause_s() == 3.0
+
+
 def test_cvar_tail_weight_switches_on_past_the_quantile():
     rel = CvarRelease(alpha=0.95, adapt=False)
     rel.flow_q.q = 100.0  # pretend the online P95 of flow time is 100 s

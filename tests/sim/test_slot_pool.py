@@ -201,6 +201,19 @@ def test_a_group_with_slots_builds_a_token_granular_slot_engine() -> None:
         EngineConfig(num_gpu_blocks=100, block_size=1, kv_slots=2, max_num_seqs=4)
 
 
+def test_the_cores_engine_record_knows_the_slots() -> None:
+    """The simulated cluster tells the core how many sessions a slot engine keeps, as the
+    gateway does for a llama.cpp server; a paged engine says none."""
+    from turnstile.policies import PolicySet
+    from turnstile.sim.cluster import ClusterSim
+
+    slots = EngineGroup(kv_tokens=2072, kv_slots=4, slot_tokens=796, max_num_seqs=4,
+                        max_batched_tokens=2048, perf=flat_perf())
+    paged = EngineGroup(kv_tokens=2072, perf=flat_perf())
+    sim = ClusterSim([], PolicySet.from_spec("cvar"), [slots, paged])
+    assert [e.kv_slots for e in sim.scheduler.view.values()] == [4, 0]
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_random_sessions_keep_the_slots_consistent(seed: int) -> None:
     """Random multi-turn sessions, concurrent arrivals and retention: the pool's accounting

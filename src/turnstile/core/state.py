@@ -171,6 +171,7 @@ class EngineLoad:
         "capacity_tokens",
         "healthy",
         "id",
+        "kv_slots",
         "kv_used_frac",
         "outstanding_tokens",
         "outstanding_turns",
@@ -191,6 +192,7 @@ class EngineLoad:
     bucket: str
     tpot_s: float
     prefill_s_per_token: float
+    kv_slots: int
     accepting: bool
     outstanding_turns: int
     outstanding_tokens: int
@@ -215,6 +217,7 @@ class EngineLoad:
         bucket: str = "",
         tpot_s: float = 0.0,
         prefill_s_per_token: float = 0.0,
+        kv_slots: int = 0,
     ) -> None:
         _set(self, "id", engine_id)
         #: KV capacity in tokens when known (0 = unknown)
@@ -230,6 +233,9 @@ class EngineLoad:
         #: token (what a move to this engine re-prefills); 0 = unknown
         _set(self, "tpot_s", tpot_s)
         _set(self, "prefill_s_per_token", prefill_s_per_token)
+        #: sessions whose KV the engine keeps at once whatever their length (llama.cpp's
+        #: ``-np`` slots, one sequence each); 0 = bounded only by ``capacity_tokens``
+        _set(self, "kv_slots", kv_slots)
         #: False while the engine drains (an elastic move): no new work is routed to it
         _set(self, "accepting", True)
         _set(self, "outstanding_turns", 0)  # released to this engine and not finished
@@ -251,6 +257,12 @@ class EngineLoad:
         """Turns released here plus sessions paused in a tool call with their KV here (Libra's
         load: open trajectories, tool time included)."""
         return self.outstanding_turns + len(self.cached_sessions)
+
+    @property
+    def has_free_slot(self) -> bool:
+        """One more session's KV fits beside the open sessions' without taking a slot: always
+        on an engine that is not slot-limited (``kv_slots`` 0)."""
+        return not self.kv_slots or self.open_sessions < self.kv_slots
 
     @property
     def kv_pressure(self) -> float:
@@ -356,6 +368,12 @@ def add_engine(view: ClusterView, engine: EngineLoad) -> None:
         raise ValueError(f"engine {engine.id!r} already registered")
     view._engines[engine.id] = engine
     _set(view, "_order", (*view._order, engine.id))
+
+
+def set_kv_slots(engine: EngineLoad, kv_slots: int) -> None:
+    """The engine keeps ``kv_slots`` sessions' KV at once (0: not slot-limited), as found when
+    the driver met it (a llama.cpp server's ``/slots``)."""
+    _set(engine, "kv_slots", max(0, int(kv_slots)))
 
 
 def set_accepting(engine: EngineLoad, accepting: bool) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 
 from turnstile.core.actions import Action
 from turnstile.core.scheduler import Scheduler
-from turnstile.core.state import TurnState, WorkflowRecord
+from turnstile.core.state import TurnState, WorkflowRecord, set_kv_slots
 from turnstile.gateway.adapters import EngineAdapter, ForwardHints, make_adapter
 from turnstile.gateway.affinity import (
     ConversationKeys,
@@ -153,6 +153,10 @@ class Gateway:
         self.driver.bind_loop(asyncio.get_running_loop())
         await asyncio.gather(*(a.start() for a in self.adapters.values()),
                              return_exceptions=True)
+        for a in self.adapters.values():
+            slots = getattr(a, "slots", None)  # llama.cpp: the slots the server reported
+            if slots and a.id in self.scheduler.view:
+                set_kv_slots(self.scheduler.view[a.id], len(slots))
         await self.health.check_all()
         cfg = self.config
         if cfg.record:

@@ -26,7 +26,8 @@ _STATUSES: dict[str, ToolStatus] = {"ok": "ok", "success": "ok", "error": "error
 
 
 def engine_loads(adapters: Sequence[Any], configs: Sequence[Any]) -> list[EngineLoad]:
-    """One core engine record per adapter (KV capacity from its ``kv_tokens`` option), with
+    """One core engine record per adapter (KV capacity from its ``kv_tokens`` option, slots from
+    a llama.cpp engine's ``slots``), with
     ``tp``/``bucket`` from the engine configs when
     they line up with the adapters (same count, in order)."""
     meta = configs if len(configs) == len(adapters) else [None] * len(adapters)
@@ -35,8 +36,11 @@ def engine_loads(adapters: Sequence[Any], configs: Sequence[Any]) -> list[Engine
         tp = int(getattr(c, "tp", 1) or 1)
         # ``kv_tokens`` (engine option): the KV capacity the release policy's KV gate needs
         kv_tokens = int(a.options.get("kv_tokens", 0) or 0)
+        # ``slots`` (llama.cpp option): sessions it keeps at once; the adapter finds them from
+        # the server when not given (``Gateway.start``)
+        kv_slots = int(a.options.get("slots", 0) or 0) if a.kind == "llama.cpp" else 0
         out.append(EngineLoad(a.id, kv_tokens, weight=a.weight, tp=tp,
-                              bucket=getattr(c, "bucket", "")))
+                              bucket=getattr(c, "bucket", ""), kv_slots=kv_slots))
     return out
 
 

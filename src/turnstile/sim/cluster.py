@@ -128,7 +128,8 @@ class ClusterSim:
         tpot = perf.step_time(0, 1, 8192)
         prefill = perf.step_time(8192, 0, 0, 8192 * 8193 / 2) / 8192
         return EngineLoad(eid, g.scheduler_kv_tokens(cfg), weight=float(g.tp),
-                          tp=g.tp, tpot_s=tpot, prefill_s_per_token=prefill)
+                          tp=g.tp, tpot_s=tpot, prefill_s_per_token=prefill,
+                          kv_slots=cfg.kv_slots)
 
     # ------------------------------------------------------------- elastic pool
     def submit(self, workflows: Sequence[Workflow]) -> None:
