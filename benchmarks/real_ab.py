@@ -29,10 +29,12 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from turnstile.calibrate.ab import (
     AbEngines,
+    ServingTerms,
     aggregate,
     build_sessions,
     check_goals,
@@ -88,6 +90,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the simulator's KV model of the engines (slots: as llama.cpp)")
     ap.add_argument("--from", dest="from_dir", type=Path, default=None,
                     help="re-predict the A/B in this folder; run no engine")
+    ap.add_argument("--turn-overhead-s", type=float, default=None,
+                    help="serving term: each turn's round trip outside the engine's compute "
+                         "(calibrate.ab.ServingTerms, measured from served turns; default 0, "
+                         "with --from the run's own)")
+    ap.add_argument("--engine-slowdown", type=float, default=None,
+                    help="serving term: how much slower the engines compute while serving "
+                         "than the profile measured (default 1: as profiled; with --from the "
+                         "run's own)")
     return ap.parse_args(argv)
 
 
@@ -97,6 +107,22 @@ def _sessions(trace: Path, subset: str, n_trace: int, n_synth: int, scale: Trace
 
     trace_wfs = load_trace(trace, subset=subset).workflows if n_trace else []
     return build_sessions(trace_wfs, n_trace, n_synth, scale, seed=seed)
+
+
+def _serving(args: argparse.Namespace, stored: dict | None = None) -> ServingTerms:
+    """The serving terms the flags give, else the stored run's (``--from``), else none."""
+    base = ServingTerms(**stored) if stored else ServingTerms()
+    return ServingTerms(
+        base.turn_overhead_s if args.turn_overhead_s is None else args.turn_overhead_s,
+        base.engine_slowdown if args.engine_slowdown is None else args.engine_slowdown)
+
+
+def _serving_note(serving: dict | None) -> str:
+    t = ServingTerms(**serving) if serving else ServingTerms()
+    if t == ServingTerms():
+        return ""
+    return (f", serving terms: {1e3 * t.turn_overhead_s:.0f} ms per turn outside the engine, "
+            f"engines {t.engine_slowdown:.2f}x the profile's step times")
 
 
 def _write(doc: dict, out: Path, title: str) -> None:
@@ -110,7 +136,8 @@ def _write(doc: dict, out: Path, title: str) -> None:
     loads = [c["loadavg"][0] for c in doc["cells"]]
     note = (f"\nHost load average (1 min) during the cells: {min(loads):.1f}–{max(loads):.1f} "
             f"on {doc['setup']['cpus']} CPUs; wall time {doc['setup']['wall_s']:.0f} s; "
-            f"predictions: {doc['setup'].get('kv_model', 'paged')} KV model.\n")
+            f"predictions: {doc['setup'].get('kv_model', 'paged')} KV model"
+            f"{_serving_note(doc['setup'].get('serving'))}.\n")
     (out / "real_ab.md").write_text(table + note + "\n```json\n"
                                     + json.dumps(goals, indent=1) + "\n```\n")
     plot_ab(rows, out / "real_ab.png", title)
@@ -130,9 +157,11 @@ def repredict_main(args: argparse.Namespace) -> int:
     engines = with_profile_slots(AbEngines(**{**run["engines"], "kv_model": args.kv_model}), perf)
     rates = {float(k): v for k, v in doc["rates"].items()}
     t0 = time.time()
+    serving = _serving(args, setup.get("serving"))
     doc["cells"] = repredict(doc["cells"], sessions, rates, engines, perf,
-                             run.get("session_idle_s"))
+                             run.get("session_idle_s"), serving)
     setup["kv_model"] = args.kv_model
+    setup["serving"] = asdict(serving)
     setup["repredicted"] = {"from": str(src), "wall_s": round(time.time() - t0, 1),
                             "command": " ".join([Path(sys.executable).name, *sys.argv])}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -170,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                 threads=args.threads, hidden=args.hidden, layers=args.layers,
                 max_tokens=args.max_output, quick_profile=args.quick_profile,
                 rerun_baseline=args.rerun_baseline,
+                serving=_serving(args),
                 # longer than any tool call: the gateway must not close a session mid-task
                 session_idle_s=args.max_tool_s + 0.3)
     out: Path = args.out
@@ -190,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     doc["setup"] = {
         "trace": str(args.trace), "subset": args.subset, "sessions": len(sessions),
         "trace_sessions": args.trace_sessions, "synth_sessions": args.synth_sessions,
-        "seed": args.seed, "kv_model": args.kv_model,
+        "seed": args.seed, "kv_model": args.kv_model, "serving": asdict(run.serving),
         "scale": vars(scale) if hasattr(scale, "__dict__") else str(scale),
         "loadavg_before": load0, "loadavg_after": os.getloadavg(), "cpus": os.cpu_count(),
         "machine": platform.machine(), "wall_s": round(time.time() - t0, 1),

@@ -11,6 +11,7 @@ import pytest
 
 from turnstile.calibrate.ab import (
     AbEngines,
+    ServingTerms,
     aggregate,
     build_sessions,
     cell_row,
@@ -84,6 +85,32 @@ def test_sim_workflows_as_the_gateway_sees_them() -> None:
     (measured,) = sim_workflows([wf], per_message=6, turn_template_tokens=17)
     assert [t.input_tokens for t in measured.turns] == [112, 37, 47]
     assert [t.context_tokens for t in measured.turns] == [0, 122, 164]
+
+
+def test_serving_terms_lengthen_pauses_slow_the_engine_and_add_the_last_round_trip() -> None:
+    wf = Workflow("w", 0.0, (Turn(100, 10, tools=(ToolCall("Bash", 0.2),)),
+                             Turn(20, 5, 110), Turn(30, 5, 135)))
+    (got,) = sim_workflows([wf], per_message=6, session_idle_s=0.8, turn_overhead_s=0.05)
+    # every pause but the idle close after the last turn carries a turn's round trip
+    assert [t.tools[0].duration_s for t in got.turns] == [pytest.approx(0.25), 0.05,
+                                                          pytest.approx(0.9)]
+    slow = PERF.scaled(1.5)
+    assert slow.step_time(300, 2, 600, 4e4) == pytest.approx(1.5 * PERF.step_time(300, 2, 600, 4e4))
+    with pytest.raises(ValueError):
+        PERF.scaled(0.0)
+    with pytest.raises(ValueError):
+        ServingTerms(turn_overhead_s=-1.0)
+    sessions = build_sessions([], 0, 6, SCALE, seed=2)
+    wfs = cell_workload(sessions, 0.5, 0)  # light load: flows grow by the terms, not queueing
+    base = cell_row(predict(wfs, ["eager"], ENGINES, PERF, 0.8)["eager"])
+    served = cell_row(predict(wfs, ["eager"], ENGINES, PERF, 0.8,
+                              ServingTerms(turn_overhead_s=0.05, engine_slowdown=1.5))["eager"])
+    shortest = min(len(w.turns) for w in wfs)
+    assert served["flow_p50_s"] > base["flow_p50_s"] + 0.05 * shortest
+    assert served["workflows"] == base["workflows"] == 6
+    only_last = cell_row(ServingTerms(turn_overhead_s=0.5).metrics(
+        predict(wfs, ["eager"], ENGINES, PERF, 0.8)["eager"]))
+    assert only_last["flow_p95_s"] == pytest.approx(base["flow_p95_s"] + 0.5)
 
 
 def test_gateway_view_retains_a_finished_sessions_slot_until_closed() -> None:

@@ -36,6 +36,7 @@ from turnstile.workload.model import ToolCall, Workflow
 
 __all__ = [
     "AbEngines",
+    "ServingTerms",
     "aggregate",
     "build_sessions",
     "cell_row",
@@ -162,7 +163,8 @@ def cell_workload(sessions: Sequence[Workflow], rate: float, seed: int) -> list[
 def sim_workflows(workflows: Sequence[Workflow],
                   per_message: int = CHAT_TOKENS_PER_MESSAGE,
                   session_idle_s: float | None = None,
-                  turn_template_tokens: int | None = None) -> list[Workflow]:
+                  turn_template_tokens: int | None = None,
+                  turn_overhead_s: float = 0.0) -> list[Workflow]:
     """The workflows as the engine sees them through the chat API: the first turn also carries
     its message's template tokens and the first line naming the session that the replay adds
     (about ``per_message`` tokens each), every later turn the template tokens around its message
@@ -173,7 +175,11 @@ def sim_workflows(workflows: Sequence[Workflow],
     messages, so every pause between turns is one unnamed tool call (its latency estimates are
     pooled, as the gateway's are); and no client says a session is over, so after its last
     turn a session stays paused, its KV counted and retained, until the gateway closes it
-    (``session_idle_s`` plus half the gateway's sweep period)."""
+    (``session_idle_s`` plus half the gateway's sweep period).
+
+    ``turn_overhead_s`` (:class:`ServingTerms`) lengthens every pause but the last by a turn's
+    round trip outside the engine, so that a session holds its slot and KV as long as it does
+    when served."""
     close_s = None if session_idle_s is None else session_idle_s + sweep_period_s(
         session_idle_s) / 2
     later = per_message if turn_template_tokens is None else turn_template_tokens
@@ -186,7 +192,7 @@ def sim_workflows(workflows: Sequence[Workflow],
             inp = t.input_tokens + (later if i else 2 * per_message)
             turn = replace(t, input_tokens=inp, context_tokens=ctx)
             if close_s is not None:
-                pause = close_s if i == last else t.tool_duration_s
+                pause = close_s if i == last else t.tool_duration_s + turn_overhead_s
                 turn = replace(turn, tools=(ToolCall("", pause),))
             turns.append(turn)
             ctx += inp + t.output_tokens
@@ -211,20 +217,63 @@ def policy_spec(label: str) -> str:
     return label.removesuffix(RERUN)
 
 
+@dataclass(frozen=True)
+class ServingTerms:
+    """What serving through the gateway adds to the profiled engines, on a host where the
+    engines share their CPU with the serving stack (the A/B's 2-core host; on a GPU engine
+    both are about 0 and 1): ``turn_overhead_s``, each turn's round trip outside the engine's
+    compute (client and gateway hops, the gateway's ``/tokenize``, the server's HTTP thread and
+    chat template), and ``engine_slowdown``, how much slower the engines compute than the
+    profile measured them while the gateway, the clients and the servers' HTTP threads run
+    beside them. Both are measured from served turns (llama.cpp's per-request ``timings``
+    against the client's clock and the fitted model), never fitted to the A/B's flow times."""
+
+    turn_overhead_s: float = 0.0
+    engine_slowdown: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.turn_overhead_s < 0 or self.engine_slowdown <= 0:
+            raise ValueError(f"bad serving terms: {self}")
+
+    def perf(self, perf: PerfModel) -> PerfModel:
+        if self.engine_slowdown == 1.0:
+            return perf
+        scaled = getattr(perf, "scaled", None)
+        if scaled is None:
+            raise TypeError(f"{type(perf).__name__} cannot be slowed (no .scaled)")
+        return scaled(self.engine_slowdown)  # type: ignore[no-any-return]
+
+    def metrics(self, m: dict[str, Any]) -> dict[str, Any]:
+        """``m`` with every session's last round trip added to its flow time (the others are
+        inside the simulation, :func:`sim_workflows`)."""
+        oh = self.turn_overhead_s
+        flow = m.get("flow_time_s")
+        if not oh or not isinstance(flow, dict):
+            return m
+        return {**m, "flow_time_s": {k: v if k == "count" or v is None else v + oh
+                                     for k, v in flow.items()}}
+
+
 def predict(workflows: Sequence[Workflow], policies: Sequence[str], engines: AbEngines,
-            perf: PerfModel, session_idle_s: float | None = None) -> dict[str, dict[str, Any]]:
+            perf: PerfModel, session_idle_s: float | None = None,
+            serving: ServingTerms | None = None) -> dict[str, dict[str, Any]]:
     """Simulated metrics of each policy on ``workflows`` (``turnstile bench``'s runner); with
-    ``session_idle_s``, as the gateway sees the sessions (:func:`sim_workflows`)."""
+    ``session_idle_s``, as the gateway sees the sessions (:func:`sim_workflows`); with
+    ``serving``, as served on a host shared with the serving stack (:class:`ServingTerms`)."""
+    serving = serving or ServingTerms()
     wfs = sim_workflows(workflows, session_idle_s=session_idle_s,
-                        turn_template_tokens=engines.turn_template_tokens)
+                        turn_template_tokens=engines.turn_template_tokens,
+                        turn_overhead_s=serving.turn_overhead_s)
     specs = list(dict.fromkeys(policy_spec(p) for p in policies))
-    got = {r["policy"]: r["metrics"] for r in run_bench(wfs, specs, [engines.group(perf)])}
-    return {p: got[policy_spec(p)] for p in policies}
+    got = {r["policy"]: r["metrics"]
+           for r in run_bench(wfs, specs, [engines.group(serving.perf(perf))])}
+    return {p: serving.metrics(got[policy_spec(p)]) for p in policies}
 
 
 def repredict(cells: Sequence[Mapping[str, Any]], sessions: Sequence[Workflow],
               rates: Mapping[float, float], engines: AbEngines, perf: PerfModel,
-              session_idle_s: float | None = None) -> list[dict[str, Any]]:
+              session_idle_s: float | None = None,
+              serving: ServingTerms | None = None) -> list[dict[str, Any]]:
     """The cells of a finished A/B with their predictions made again (``engines``' KV model,
     ``perf``, ``session_idle_s`` as in :func:`predict`), each on its own workload (``sessions``
     at ``rates[load]``, the cell's seed); the measured figures are kept, the previous
@@ -236,7 +285,7 @@ def repredict(cells: Sequence[Mapping[str, Any]], sessions: Sequence[Workflow],
         key = (c["load"], c["seed"])
         if key not in preds:
             wfs = cell_workload(sessions, rates[c["load"]], c["seed"])
-            preds[key] = predict(wfs, policies, engines, perf, session_idle_s)
+            preds[key] = predict(wfs, policies, engines, perf, session_idle_s, serving)
         out.append({**c, "pred": cell_row(preds[key][c["policy"]]),
                     "pred_before": c.get("pred_before", c["pred"])})
     return out

@@ -38,6 +38,7 @@ from turnstile.bench.replay import ReplaySpec, calibrate, run_replay, synth_text
 from turnstile.calibrate.ab import (
     RERUN,
     AbEngines,
+    ServingTerms,
     cell_row,
     cell_workload,
     offered_load,
@@ -81,6 +82,8 @@ class AbRun:
     stream: bool = False
     #: per-policy gateway settings, e.g. ``{"release": {"budget_per_engine": 4096}}``
     policy_params: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: what serving adds to the profiled engines in the predictions (:class:`ServingTerms`)
+    serving: ServingTerms = field(default_factory=ServingTerms)
     #: run the first policy again after the others in every (load, seed) (``eager@rerun``):
     #: how far two runs of one policy are apart on this host, beside the policies' ratios
     rerun_baseline: bool = False
@@ -289,7 +292,7 @@ def run_ab(
         groups = [(load, seed) for load in run.loads for seed in run.seeds]
         for group, (load, seed) in enumerate(groups):
             wfs = cell_workload(sessions, rates[load], seed)
-            pred = predict(wfs, run.cell_policies, eng, perf, run.session_idle_s)
+            pred = predict(wfs, run.cell_policies, eng, perf, run.session_idle_s, run.serving)
             for policy in run.cell_order(group):
                 erase_slots(urls, eng.n_parallel)
                 port = free_port()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +121,16 @@ class FittedPerf:
     @property
     def coefficients(self) -> tuple[float, float, float, float, float]:
         return (self.b0, self.b1, self.b2, self.b3, self.b4)
+
+    def scaled(self, factor: float) -> FittedPerf:
+        """The same engine ``factor`` times slower (every time term scaled): e.g. an engine
+        whose CPU the serving stack shares (:class:`turnstile.calibrate.ab.ServingTerms`)."""
+        if factor <= 0:
+            raise ValueError(f"factor must be > 0, got {factor}")
+        return replace(self, b0=self.b0 * factor, b1=self.b1 * factor, b2=self.b2 * factor,
+                       b3=self.b3 * factor, b4=self.b4 * factor, b5=self.b5 * factor,
+                       b0_one=None if self.b0_one is None else self.b0_one * factor,
+                       meta={**self.meta, "scaled": factor})
 
     def step_time(
         self,
