@@ -92,12 +92,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="re-predict the A/B in this folder; run no engine")
     ap.add_argument("--turn-overhead-s", type=float, default=None,
                     help="serving term: each turn's round trip outside the engine's compute "
-                         "(calibrate.ab.ServingTerms, measured from served turns; default 0, "
-                         "with --from the run's own)")
+                         "(calibrate.ab.ServingTerms; given, it replaces the serving probe's; "
+                         "with --from, default the run's own)")
     ap.add_argument("--engine-slowdown", type=float, default=None,
                     help="serving term: how much slower the engines compute while serving "
-                         "than the profile measured (default 1: as profiled; with --from the "
-                         "run's own)")
+                         "than the profile measured (same)")
+    ap.add_argument("--serving-probe", action=argparse.BooleanOptionalAction, default=True,
+                    help="before the cells, serve one probe cell and measure the serving terms "
+                         "from its turns (calibrate.ab_real.measure_serving)")
     return ap.parse_args(argv)
 
 
@@ -109,20 +111,25 @@ def _sessions(trace: Path, subset: str, n_trace: int, n_synth: int, scale: Trace
     return build_sessions(trace_wfs, n_trace, n_synth, scale, seed=seed)
 
 
-def _serving(args: argparse.Namespace, stored: dict | None = None) -> ServingTerms:
-    """The serving terms the flags give, else the stored run's (``--from``), else none."""
+def _serving(args: argparse.Namespace, stored: dict | None = None) -> ServingTerms | None:
+    """The serving terms the flags give (each one left out: the stored run's, ``--from``, else
+    none); None when no flag gives one and nothing is stored (the serving probe measures
+    them)."""
+    if stored is None and args.turn_overhead_s is None and args.engine_slowdown is None:
+        return None
     base = ServingTerms(**stored) if stored else ServingTerms()
     return ServingTerms(
         base.turn_overhead_s if args.turn_overhead_s is None else args.turn_overhead_s,
         base.engine_slowdown if args.engine_slowdown is None else args.engine_slowdown)
 
 
-def _serving_note(serving: dict | None) -> str:
+def _serving_note(serving: dict | None, source: str | None = None) -> str:
     t = ServingTerms(**serving) if serving else ServingTerms()
     if t == ServingTerms():
         return ""
-    return (f", serving terms: {1e3 * t.turn_overhead_s:.0f} ms per turn outside the engine, "
-            f"engines {t.engine_slowdown:.2f}x the profile's step times")
+    how = {"probe": "measured by the serving probe", "flags": "given"}.get(source or "", "")
+    return (f", serving terms{' ' + how if how else ''}: {1e3 * t.turn_overhead_s:.0f} ms per "
+            f"turn outside the engine, engines {t.engine_slowdown:.2f}x the profile's step times")
 
 
 def _write(doc: dict, out: Path, title: str) -> None:
@@ -137,7 +144,8 @@ def _write(doc: dict, out: Path, title: str) -> None:
     note = (f"\nHost load average (1 min) during the cells: {min(loads):.1f}–{max(loads):.1f} "
             f"on {doc['setup']['cpus']} CPUs; wall time {doc['setup']['wall_s']:.0f} s; "
             f"predictions: {doc['setup'].get('kv_model', 'paged')} KV model"
-            f"{_serving_note(doc['setup'].get('serving'))}.\n")
+            f"{_serving_note(doc['setup'].get('serving'), doc['setup'].get('serving_source'))}"
+            ".\n")
     (out / "real_ab.md").write_text(table + note + "\n```json\n"
                                     + json.dumps(goals, indent=1) + "\n```\n")
     plot_ab(rows, out / "real_ab.png", title)
@@ -157,11 +165,13 @@ def repredict_main(args: argparse.Namespace) -> int:
     engines = with_profile_slots(AbEngines(**{**run["engines"], "kv_model": args.kv_model}), perf)
     rates = {float(k): v for k, v in doc["rates"].items()}
     t0 = time.time()
-    serving = _serving(args, setup.get("serving"))
+    serving = _serving(args, setup.get("serving") or {}) or ServingTerms()
     doc["cells"] = repredict(doc["cells"], sessions, rates, engines, perf,
                              run.get("session_idle_s"), serving)
     setup["kv_model"] = args.kv_model
     setup["serving"] = asdict(serving)
+    if args.turn_overhead_s is not None or args.engine_slowdown is not None:
+        setup["serving_source"] = "flags"
     setup["repredicted"] = {"from": str(src), "wall_s": round(time.time() - t0, 1),
                             "command": " ".join([Path(sys.executable).name, *sys.argv])}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -199,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 threads=args.threads, hidden=args.hidden, layers=args.layers,
                 max_tokens=args.max_output, quick_profile=args.quick_profile,
                 rerun_baseline=args.rerun_baseline,
-                serving=_serving(args),
+                serving=_serving(args), serving_probe=args.serving_probe,
                 # longer than any tool call: the gateway must not close a session mid-task
                 session_idle_s=args.max_tool_s + 0.3)
     out: Path = args.out
@@ -220,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     doc["setup"] = {
         "trace": str(args.trace), "subset": args.subset, "sessions": len(sessions),
         "trace_sessions": args.trace_sessions, "synth_sessions": args.synth_sessions,
-        "seed": args.seed, "kv_model": args.kv_model, "serving": asdict(run.serving),
+        "seed": args.seed, "kv_model": args.kv_model, "serving": doc["serving"],
+        "serving_source": "flags" if run.serving is not None
+        else "probe" if doc.get("serving_probe") else "none",
         "scale": vars(scale) if hasattr(scale, "__dict__") else str(scale),
         "loadavg_before": load0, "loadavg_after": os.getloadavg(), "cpus": os.cpu_count(),
         "machine": platform.machine(), "wall_s": round(time.time() - t0, 1),

@@ -305,3 +305,34 @@ def test_slot_kv_tokens_is_slots_times_mean_live_context() -> None:
     engines = AbEngines(count=1, n_parallel=2, ctx=4096, kv_tokens=275)
     assert engines.group(PERF).kv_tokens == 275 and engines.session_kv_tokens == 275
     assert AbEngines(count=1, n_parallel=2, ctx=4096).session_kv_tokens == 4096
+
+
+def test_serving_terms_from_served_turns() -> None:
+    """The serving probe's arithmetic on hand-made turns: the mean time outside the engine's
+    own compute, and the median full prefill against the model's time for that prompt."""
+    from types import SimpleNamespace
+
+    from turnstile.calibrate.ab_real import serving_terms
+    from turnstile.core.state import TurnRecord, WorkflowRecord
+
+    perf = FittedPerf(0.0, 1e-4, engine="test")  # 0.1 ms per prefill token, nothing else
+    wf = WorkflowRecord("s", 0.0, "default", None)
+    timings = {}
+    # (released, finished, prompt_n, cache_n, prompt_ms, predicted_ms)
+    rows = [(0.0, 0.100, 500, 0, 60.0, 20.0),     # full prefill: 60 ms against 50 modelled
+            (1.0, 1.050, 20, 500, 5.0, 15.0),     # an append: not a full prefill
+            (2.0, 2.140, 400, 20, 44.0, 16.0)]    # full prefill: 44 ms against 40 modelled
+    for i, (rel, fin, n, cached, pms, dms) in enumerate(rows):
+        rec = TurnRecord(wf, i, Turn(input_tokens=n, output_tokens=8))
+        rec.released_s, rec.finished_s = rel, fin
+        wf.turns.append(rec)
+        timings[("s", i)] = {"prompt_n": n, "cache_n": cached, "prompt_ms": pms,
+                             "predicted_ms": dms}
+    rep = SimpleNamespace(records=[wf], engine_timings=timings)
+    terms, info = serving_terms(rep, perf)  # type: ignore[arg-type]
+    # outside the engine: 20, 30 and 80 ms
+    assert terms.turn_overhead_s == pytest.approx((0.020 + 0.030 + 0.080) / 3)
+    assert terms.engine_slowdown == pytest.approx((1.2 + 1.1) / 2)
+    assert info["turns"] == 3 and info["full_prefills"] == 2
+    with pytest.raises(RuntimeError, match="no engine timings"):
+        serving_terms(SimpleNamespace(records=[wf], engine_timings={}), perf)  # type: ignore[arg-type]

@@ -50,6 +50,13 @@ def test_real_ab_smoke(tmp_path: Path, llama_server_binary: Path,
         assert c["engine_processed_tokens"] > 0 and 0 < c["engine_hit_rate"] < 1
         assert c["loadavg"][0] >= 0
     assert doc["profile"]["fit"]["samples"] >= 5
+    # the serving probe served a cell of its own before the table's and measured the terms
+    # the predictions carry: every probe turn came with the engine's timings
+    probe = doc["serving_probe"]
+    assert probe["turns"] >= 8 and probe["full_prefills"] >= 1
+    assert doc["setup"]["serving_source"] == "probe"
+    assert doc["serving"]["turn_overhead_s"] > 0 and doc["serving"]["engine_slowdown"] > 0
+    assert "measured by the serving probe" in (out / "real_ab.md").read_text()
     # the chat template around a later turn's messages, measured on the engine (the tiny
     # model's template adds more than the 6 tokens per message assumed before measuring)
     assert doc["run"]["engines"]["turn_template_tokens"] > 6
@@ -67,6 +74,7 @@ def test_real_ab_smoke(tmp_path: Path, llama_server_binary: Path,
                                    "--out", str(again)]) == 0
     redo = json.loads((again / "real_ab.json").read_text())
     assert redo["setup"]["kv_model"] == "paged" and (again / "profile.json").is_file()
+    assert redo["setup"]["serving"] == doc["serving"]  # the run's own terms, unless given
     for old, new in zip(cells, redo["cells"], strict=True):
         assert new["real"] == old["real"] and new["pred_before"] == old["pred"]
         assert new["pred"]["workflows"] == 4

@@ -39,7 +39,7 @@ from turnstile.core.clock import WallClock
 from turnstile.core.state import TurnRecord, TurnState, WorkflowRecord
 from turnstile.workload.model import Turn, Workflow
 
-__all__ = ["ReplaySpec", "calibrate", "load_workflows", "run_replay", "synth_text"]
+__all__ = ["ReplaySpec", "Replayer", "calibrate", "load_workflows", "run_replay", "synth_text"]
 
 _WORDS = ("alpha", "beta", "gamma", "delta", "lambda", "sigma", "omega", "kappa", "theta",
           "zeta", "vector", "tensor", "kernel", "buffer", "cache", "token", "thread", "socket",
@@ -148,7 +148,11 @@ def plan_workflow(wf: Workflow, max_context: int, max_tokens: int,
     return _Plan(inputs, outputs, scale)
 
 
-class _Replayer:
+class Replayer:
+    """Plays workflows as closed-loop agents against an OpenAI-compatible target (one
+    :meth:`agent` per workflow), keeping per-turn records, the targets' usage counters and, when
+    the engine reports them, its per-request timings."""
+
     def __init__(self, spec: ReplaySpec, client: httpx.AsyncClient, chars_per_token: float
                  ) -> None:
         self.spec = spec
@@ -165,6 +169,9 @@ class _Replayer:
         self.requests = 0
         self.engines: dict[str, int] = {}
         self.scales: list[float] = []
+        #: (session, turn index) -> the engine's own per-request timings, when it reports them
+        #: (llama.cpp: ``prompt_n``, ``cache_n``, ``prompt_ms``, ``predicted_n``, ``predicted_ms``)
+        self.engine_timings: dict[tuple[str, int], dict[str, Any]] = {}
 
     async def agent(self, wf: Workflow) -> None:
         spec = self.spec
@@ -238,9 +245,13 @@ class _Replayer:
                                 reply.append(piece)
                         if obj.get("usage"):
                             usage = obj["usage"]
+                        if isinstance(obj.get("timings"), dict):
+                            self.engine_timings[(session, rec.index)] = obj["timings"]
                 else:
                     obj = json.loads(await resp.aread())
                     usage = obj.get("usage") or {}
+                    if isinstance(obj.get("timings"), dict):
+                        self.engine_timings[(session, rec.index)] = obj["timings"]
                     reply.append(obj["choices"][0]["message"].get("content") or "")
         except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
             self._error(type(e).__name__)
@@ -307,7 +318,7 @@ async def run_replay(spec: ReplaySpec, workflows: list[Workflow], trace_info: di
         chars_per_token = spec.chars_per_token
         if chars_per_token is None:
             chars_per_token = await calibrate(client, spec.model)
-        rep = _Replayer(spec, client, chars_per_token)
+        rep = Replayer(spec, client, chars_per_token)
         start = rep.clock.now()
         await asyncio.gather(*(rep.agent(wf) for wf in workflows))
         makespan = rep.clock.now() - start

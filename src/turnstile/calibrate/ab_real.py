@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 
-from turnstile.bench.replay import ReplaySpec, calibrate, run_replay, synth_text
+from turnstile.bench.replay import ReplaySpec, Replayer, calibrate, run_replay, synth_text
 from turnstile.calibrate.ab import (
     RERUN,
     AbEngines,
@@ -82,8 +83,14 @@ class AbRun:
     stream: bool = False
     #: per-policy gateway settings, e.g. ``{"release": {"budget_per_engine": 4096}}``
     policy_params: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: what serving adds to the profiled engines in the predictions (:class:`ServingTerms`)
-    serving: ServingTerms = field(default_factory=ServingTerms)
+    #: what serving adds to the profiled engines in the predictions (:class:`ServingTerms`);
+    #: None: measured by the serving probe (``serving_probe``), else none
+    serving: ServingTerms | None = None
+    #: before the cells, serve one cell (``probe_policy`` at the highest load, a seed outside
+    #: the table) and measure the serving terms from its turns (:func:`measure_serving`)
+    serving_probe: bool = True
+    probe_policy: str = "cvar"
+    probe_seed: int = 1000
     #: run the first policy again after the others in every (load, seed) (``eager@rerun``):
     #: how far two runs of one policy are apart on this host, beside the policies' ratios
     rerun_baseline: bool = False
@@ -229,6 +236,60 @@ def turn_template_tokens(engine_url: str, chars: float, model: str = "tiny") -> 
     return max(0, grown - text_tokens - int(first["usage"]["completion_tokens"]))
 
 
+def serving_terms(replayer: Replayer, perf: FittedPerf, *, full_cached_frac: float = 0.25,
+                  full_min_tokens: int = 128) -> tuple[ServingTerms, dict[str, Any]]:
+    """The serving terms from a served cell's turns, as the engines report them (llama.cpp's
+    per-request ``timings``): ``turn_overhead_s`` is the mean, over turns, of the client's time
+    from release to reply minus the engine's ``prompt_ms + predicted_ms``; ``engine_slowdown``
+    the median, over full prefills (at least ``full_min_tokens`` computed, under
+    ``full_cached_frac`` of them cached), of ``prompt_ms`` against the fitted model's time for
+    that prompt alone. Measured on a policy whose turns seldom wait for a slot (cvar), so the
+    first is not the engine queue the simulator models. Returns the terms and what they came
+    from."""
+    over: list[float] = []
+    slow: list[float] = []
+    for wf in replayer.records:
+        for t in wf.turns:
+            tm = replayer.engine_timings.get((wf.id, t.index))
+            if not tm or t.finished_s < 0 or t.released_s < 0:
+                continue
+            compute = (float(tm.get("prompt_ms", 0.0)) + float(tm.get("predicted_ms", 0.0))) / 1e3
+            over.append(t.finished_s - t.released_s - compute)
+            n, cached = int(tm.get("prompt_n", 0)), int(tm.get("cache_n", 0))
+            if n >= full_min_tokens and cached < full_cached_frac * (n + cached):
+                alone = perf.step_time(n, 0, 0, n * (n + 1) / 2)
+                if alone > 0:
+                    slow.append(float(tm["prompt_ms"]) / 1e3 / alone)
+    if not over:
+        raise RuntimeError("the serving probe got no engine timings (not a llama.cpp engine?)")
+    terms = ServingTerms(turn_overhead_s=max(0.0, float(np.mean(over))),
+                         engine_slowdown=float(np.median(slow)) if slow else 1.0)
+    info = {"turns": len(over), "overhead_median_s": float(np.median(over)),
+            "full_prefills": len(slow),
+            "slowdown_quartiles": [float(q) for q in np.quantile(slow, [0.25, 0.75])]
+            if slow else None}
+    return terms, info
+
+
+def measure_serving(gateway: str, workflows: list[Workflow], run: AbRun, chars: float,
+                    perf: FittedPerf) -> tuple[ServingTerms, dict[str, Any]]:
+    """Serve ``workflows`` through ``gateway`` (a probe cell, not reported) and measure the
+    serving terms from its turns (:func:`serving_terms`)."""
+    spec = ReplaySpec(target=gateway, rate=1.0, workflows=len(workflows), time_scale=1.0,
+                      max_context=run.engines.ctx // run.engines.n_parallel,
+                      max_tokens=run.max_tokens, arrivals="trace", label="serving-probe",
+                      seed=run.probe_seed, timeout_s=run.request_timeout_s, stream=False,
+                      chars_per_token=chars)
+
+    async def play() -> Replayer:
+        async with httpx.AsyncClient(base_url=gateway, timeout=run.request_timeout_s) as client:
+            rep = Replayer(spec, client, chars)
+            await asyncio.gather(*(rep.agent(wf) for wf in workflows))
+            return rep
+
+    return serving_terms(asyncio.run(play()), perf)
+
+
 def _replay(gateway: str, workflows: list[Workflow], run: AbRun, label: str, seed: int,
             out: Path, chars: float) -> dict[str, Any]:
     spec = ReplaySpec(target=gateway, rate=1.0, workflows=len(workflows), time_scale=1.0,
@@ -289,10 +350,31 @@ def run_ab(
         eng = replace(eng, turn_template_tokens=turn_template_tokens(urls[0], chars))
         log(f"tokenizer: {chars:.2f} characters per token; a later turn's chat template adds "
             f"{eng.turn_template_tokens} tokens")
+        serving, probe = run.serving, None
+        if serving is None and run.serving_probe:
+            erase_slots(urls, eng.n_parallel)
+            port = free_port()
+            cfg = tmp / f"gw-{port}.toml"
+            cfg.write_text(gateway_toml(policy_spec(run.probe_policy), urls, eng, port=port,
+                                        session_idle_s=run.session_idle_s,
+                                        params=run.policy_params))
+            gw = _Gateway(cfg, port, tmp / "gateway.log")
+            try:
+                top = max(run.loads)
+                serving, probe = measure_serving(
+                    gw.url, cell_workload(sessions, rates[top], run.probe_seed), run, chars,
+                    perf)
+            finally:
+                gw.stop()
+            log(f"serving probe ({run.probe_policy}, load {top:g}, {probe['turns']} turns): "
+                f"{1e3 * serving.turn_overhead_s:.0f} ms per turn outside the engine, engines "
+                f"{serving.engine_slowdown:.2f}x the profile ({probe['full_prefills']} full "
+                "prefills)")
+        serving = serving or ServingTerms()
         groups = [(load, seed) for load in run.loads for seed in run.seeds]
         for group, (load, seed) in enumerate(groups):
             wfs = cell_workload(sessions, rates[load], seed)
-            pred = predict(wfs, run.cell_policies, eng, perf, run.session_idle_s, run.serving)
+            pred = predict(wfs, run.cell_policies, eng, perf, run.session_idle_s, serving)
             for policy in run.cell_order(group):
                 erase_slots(urls, eng.n_parallel)
                 port = free_port()
@@ -336,5 +418,7 @@ def run_ab(
         "profile": {"coefficients": perf.coefficients, "fit": fit,
                     "loadavg": perf.meta.get("loadavg"), "wall_s": prof.wall_s},
         "run": {**asdict(run), "engines": asdict(eng)},
+        "serving": asdict(serving),
+        "serving_probe": probe,
         "wall_s": round(time.time() - t0, 1),
     }
