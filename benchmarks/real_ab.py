@@ -8,7 +8,7 @@ session whose slot was taken re-prefills its whole context. In the same run a pr
 those engines (``turnstile profile``'s sweep) lets ``turnstile bench``'s runner predict every
 cell. See :mod:`turnstile.calibrate.ab_real` for the protocol.
 
-    .venv/bin/python benchmarks/real_ab.py --out benchmarks/results/real-ab     # ~15 min
+    .venv/bin/python benchmarks/real_ab.py --out benchmarks/results/real-ab     # ~6 min
 
 Writes ``real_ab.json`` (every cell, the aggregated rows, the goals, the host load),
 ``real_ab.md`` (the table) and ``real_ab.png`` (the plot) to ``--out``.

@@ -335,4 +335,5 @@ def test_serving_terms_from_served_turns() -> None:
     assert terms.engine_slowdown == pytest.approx((1.2 + 1.1) / 2)
     assert info["turns"] == 3 and info["full_prefills"] == 2
     with pytest.raises(RuntimeError, match="no engine timings"):
-        serving_terms(SimpleNamespace(records=[wf], engine_timings={}), perf)  # type: ignore[arg-type]
+        empty = SimpleNamespace(records=[wf], engine_timings={})
+        serving_terms(empty, perf)  # type: ignore[arg-type]

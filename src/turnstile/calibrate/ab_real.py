@@ -8,6 +8,9 @@ The real side is put together from the project's own commands, nothing re-implem
   cache, ``--cache-ram 0``, so a session whose slot was taken really re-prefills its context);
 * ``turnstile profile``'s sweep (:func:`~turnstile.calibrate.profile.profile_engine`) fits the
   step-time model the simulator uses;
+* a serving probe (:func:`measure_serving`): one cell served before the table's, whose turns
+  give what serving adds to that model on this host
+  (:class:`~turnstile.calibrate.ab.ServingTerms`);
 * per cell, a fresh gateway process (``python -m turnstile.gateway serve --config``, the policy
   and each engine's KV capacity in its TOML) in front of the engines, whose slots are erased
   first so no cell inherits another's cache;
@@ -35,7 +38,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from turnstile.bench.replay import ReplaySpec, Replayer, calibrate, run_replay, synth_text
+from turnstile.bench.replay import Replayer, ReplaySpec, calibrate, run_replay, synth_text
 from turnstile.calibrate.ab import (
     RERUN,
     AbEngines,
@@ -54,7 +57,7 @@ from turnstile.gateway.adapters import parse_prometheus
 from turnstile.sim.fitted_perf import FittedPerf
 from turnstile.workload.model import Workflow
 
-__all__ = ["AbRun", "run_ab"]
+__all__ = ["AbRun", "measure_serving", "run_ab", "serving_terms"]
 
 _COUNTERS = ("llamacpp:prompt_tokens_total", "llamacpp:prompt_tokens_cached_total")
 
@@ -194,6 +197,17 @@ class _Gateway:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+def _fresh_gateway(policy: str, urls: Sequence[str], engines: AbEngines, run: AbRun,
+                   work: Path) -> _Gateway:
+    """Empty the engines' slots and start a gateway process running ``policy`` before them."""
+    erase_slots(urls, engines.n_parallel)
+    port = free_port()
+    cfg = work / f"gw-{port}.toml"
+    cfg.write_text(gateway_toml(policy_spec(policy), urls, engines, port=port,
+                                session_idle_s=run.session_idle_s, params=run.policy_params))
+    return _Gateway(cfg, port, work / "gateway.log")
 
 
 def chars_per_token(engine_url: str, model: str = "tiny") -> float:
@@ -352,13 +366,7 @@ def run_ab(
             f"{eng.turn_template_tokens} tokens")
         serving, probe = run.serving, None
         if serving is None and run.serving_probe:
-            erase_slots(urls, eng.n_parallel)
-            port = free_port()
-            cfg = tmp / f"gw-{port}.toml"
-            cfg.write_text(gateway_toml(policy_spec(run.probe_policy), urls, eng, port=port,
-                                        session_idle_s=run.session_idle_s,
-                                        params=run.policy_params))
-            gw = _Gateway(cfg, port, tmp / "gateway.log")
+            gw = _fresh_gateway(run.probe_policy, urls, eng, run, tmp)
             try:
                 top = max(run.loads)
                 serving, probe = measure_serving(
@@ -376,15 +384,9 @@ def run_ab(
             wfs = cell_workload(sessions, rates[load], seed)
             pred = predict(wfs, run.cell_policies, eng, perf, run.session_idle_s, serving)
             for policy in run.cell_order(group):
-                erase_slots(urls, eng.n_parallel)
-                port = free_port()
-                cfg = tmp / f"gw-{port}.toml"
-                cfg.write_text(gateway_toml(policy_spec(policy), urls, eng, port=port,
-                                            session_idle_s=run.session_idle_s,
-                                            params=run.policy_params))
                 load_before = os.getloadavg()[0]
                 before = engine_counters(urls)
-                gw = _Gateway(cfg, port, tmp / "gateway.log")
+                gw = _fresh_gateway(policy, urls, eng, run, tmp)
                 try:
                     t_cell = time.time()
                     real = _replay(gw.url, wfs, run, policy, seed,
