@@ -177,9 +177,11 @@ def sim_workflows(workflows: Sequence[Workflow],
     turn a session stays paused, its KV counted and retained, until the gateway closes it
     (``session_idle_s`` plus half the gateway's sweep period).
 
-    ``turn_overhead_s`` (:class:`ServingTerms`) lengthens every pause but the last by a turn's
-    round trip outside the engine, so that a session holds its slot and KV as long as it does
-    when served."""
+    ``turn_overhead_s`` (:class:`ServingTerms`, with ``session_idle_s`` only) lengthens every
+    pause but the last by a turn's round trip outside the engine, so that a session holds its
+    slot and KV as long as it does when served."""
+    if turn_overhead_s and session_idle_s is None:
+        raise ValueError("turn_overhead_s needs session_idle_s (the sessions as served)")
     close_s = None if session_idle_s is None else session_idle_s + sweep_period_s(
         session_idle_s) / 2
     later = per_message if turn_template_tokens is None else turn_template_tokens
