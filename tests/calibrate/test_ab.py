@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from turnstile.calibrate.ab import (
@@ -309,7 +310,8 @@ def test_slot_kv_tokens_is_slots_times_mean_live_context() -> None:
 
 def test_serving_terms_from_served_turns() -> None:
     """The serving probe's arithmetic on hand-made turns: the mean time outside the engine's
-    own compute, and the median full prefill against the model's time for that prompt."""
+    own compute, and the median full prefill that ran alone against the model's time for
+    that prompt (a prefill batched with another reports the whole step)."""
     from types import SimpleNamespace
 
     from turnstile.calibrate.ab_real import serving_terms
@@ -318,22 +320,30 @@ def test_serving_terms_from_served_turns() -> None:
     perf = FittedPerf(0.0, 1e-4, engine="test")  # 0.1 ms per prefill token, nothing else
     wf = WorkflowRecord("s", 0.0, "default", None)
     timings = {}
-    # (released, finished, prompt_n, cache_n, prompt_ms, predicted_ms)
-    rows = [(0.0, 0.100, 500, 0, 60.0, 20.0),     # full prefill: 60 ms against 50 modelled
-            (1.0, 1.050, 20, 500, 5.0, 15.0),     # an append: not a full prefill
-            (2.0, 2.140, 400, 20, 44.0, 16.0)]    # full prefill: 44 ms against 40 modelled
-    for i, (rel, fin, n, cached, pms, dms) in enumerate(rows):
+    # (engine, released, finished, prompt_n, cache_n, prompt_ms, predicted_ms)
+    rows = [("a", 0.0, 0.100, 500, 0, 60.0, 20.0),   # alone: 60 ms against 50 modelled
+            ("a", 1.0, 1.050, 20, 500, 5.0, 15.0),   # an append: not a full prefill
+            ("a", 2.0, 2.140, 400, 20, 44.0, 16.0),  # alone: 44 against 40
+            ("b", 2.0, 2.100, 300, 0, 39.0, 11.0),   # alone on its engine: 39 against 30
+            ("a", 3.0, 3.200, 400, 0, 90.0, 10.0),   # these two shared steps: each reports
+            ("a", 3.1, 3.300, 400, 0, 90.0, 10.0)]   # the step's time, 90 against 40
+    for i, (eng, rel, fin, n, cached, pms, dms) in enumerate(rows):
         rec = TurnRecord(wf, i, Turn(input_tokens=n, output_tokens=8))
-        rec.released_s, rec.finished_s = rel, fin
+        rec.released_s, rec.finished_s, rec.engine = rel, fin, eng
         wf.turns.append(rec)
         timings[("s", i)] = {"prompt_n": n, "cache_n": cached, "prompt_ms": pms,
                              "predicted_ms": dms}
     rep = SimpleNamespace(records=[wf], engine_timings=timings)
     terms, info = serving_terms(rep, perf)  # type: ignore[arg-type]
-    # outside the engine: 20, 30 and 80 ms
-    assert terms.turn_overhead_s == pytest.approx((0.020 + 0.030 + 0.080) / 3)
-    assert terms.engine_slowdown == pytest.approx((1.2 + 1.1) / 2)
-    assert info["turns"] == 3 and info["full_prefills"] == 2
+    # outside the engine: 20, 30, 80, 50, 100 and 100 ms
+    assert terms.turn_overhead_s == pytest.approx(0.380 / 6)
+    assert terms.engine_slowdown == pytest.approx(1.2)  # median of 1.2, 1.1, 1.3
+    assert info["turns"] == 6 and info["full_prefills"] == 5 and info["isolated_prefills"] == 3
+    # too few alone: the lower quartile of all of them
+    few = SimpleNamespace(records=[wf], engine_timings={k: v for k, v in timings.items()
+                                                        if k[1] in (0, 4, 5)})
+    assert serving_terms(few, perf)[0].engine_slowdown == pytest.approx(  # type: ignore[arg-type]
+        float(np.quantile([1.2, 2.25, 2.25], 0.25)))
     with pytest.raises(RuntimeError, match="no engine timings"):
         empty = SimpleNamespace(records=[wf], engine_timings={})
         serving_terms(empty, perf)  # type: ignore[arg-type]

@@ -256,12 +256,14 @@ def serving_terms(replayer: Replayer, perf: FittedPerf, *, full_cached_frac: flo
     per-request ``timings``): ``turn_overhead_s`` is the mean, over turns, of the client's time
     from release to reply minus the engine's ``prompt_ms + predicted_ms``; ``engine_slowdown``
     the median, over full prefills (at least ``full_min_tokens`` computed, under
-    ``full_cached_frac`` of them cached), of ``prompt_ms`` against the fitted model's time for
-    that prompt alone. Measured on a policy whose turns seldom wait for a slot (cvar), so the
-    first is not the engine queue the simulator models. Returns the terms and what they came
-    from."""
+    ``full_cached_frac`` of them cached) that no other full prefill on the same engine
+    overlapped, of ``prompt_ms`` against the fitted model's time for that prompt alone (a
+    prefill batched with another's reports the whole step's time; with fewer than three
+    isolated ones, the lower quartile of all). Measured on a policy whose turns seldom wait for
+    a slot (cvar), so the first is not the engine queue the simulator models. Returns the terms
+    and what they came from."""
     over: list[float] = []
-    slow: list[float] = []
+    full: list[tuple[str, float, float, float]] = []  # engine, start, end, real/model
     for wf in replayer.records:
         for t in wf.turns:
             tm = replayer.engine_timings.get((wf.id, t.index))
@@ -273,15 +275,26 @@ def serving_terms(replayer: Replayer, perf: FittedPerf, *, full_cached_frac: flo
             if n >= full_min_tokens and cached < full_cached_frac * (n + cached):
                 alone = perf.step_time(n, 0, 0, n * (n + 1) / 2)
                 if alone > 0:
-                    slow.append(float(tm["prompt_ms"]) / 1e3 / alone)
+                    full.append((t.engine or "", t.released_s, t.finished_s,
+                                 float(tm["prompt_ms"]) / 1e3 / alone))
     if not over:
         raise RuntimeError("the serving probe got no engine timings (not a llama.cpp engine?)")
+    isolated = [r for e, a, b, r in full
+                if not any(e2 == e and a2 < b and a < b2 and (a2, b2) != (a, b)
+                           for e2, a2, b2, _ in full)]
+    ratios = [r for *_, r in full]
+    if len(isolated) >= 3:
+        slowdown = float(np.median(isolated))
+    elif ratios:
+        slowdown = float(np.quantile(ratios, 0.25))
+    else:
+        slowdown = 1.0
     terms = ServingTerms(turn_overhead_s=max(0.0, float(np.mean(over))),
-                         engine_slowdown=float(np.median(slow)) if slow else 1.0)
+                         engine_slowdown=slowdown)
     info = {"turns": len(over), "overhead_median_s": float(np.median(over)),
-            "full_prefills": len(slow),
-            "slowdown_quartiles": [float(q) for q in np.quantile(slow, [0.25, 0.75])]
-            if slow else None}
+            "full_prefills": len(full), "isolated_prefills": len(isolated),
+            "slowdown_quartiles": [float(q) for q in np.quantile(ratios, [0.25, 0.75])]
+            if ratios else None}
     return terms, info
 
 
@@ -376,8 +389,8 @@ def run_ab(
                 gw.stop()
             log(f"serving probe ({run.probe_policy}, load {top:g}, {probe['turns']} turns): "
                 f"{1e3 * serving.turn_overhead_s:.0f} ms per turn outside the engine, engines "
-                f"{serving.engine_slowdown:.2f}x the profile ({probe['full_prefills']} full "
-                "prefills)")
+                f"{serving.engine_slowdown:.2f}x the profile ({probe['isolated_prefills']} of "
+                f"{probe['full_prefills']} full prefills ran alone)")
         serving = serving or ServingTerms()
         groups = [(load, seed) for load in run.loads for seed in run.seeds]
         for group, (load, seed) in enumerate(groups):
