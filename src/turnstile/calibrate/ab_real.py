@@ -257,7 +257,8 @@ def serving_terms(replayer: Replayer, perf: FittedPerf, *, full_cached_frac: flo
     from release to reply minus the engine's ``prompt_ms + predicted_ms``; ``engine_slowdown``
     the median, over full prefills (at least ``full_min_tokens`` computed, under
     ``full_cached_frac`` of them cached) that no other full prefill on the same engine
-    overlapped, of ``prompt_ms`` against the fitted model's time for that prompt alone (a
+    overlapped (each placed back from its reply by the engine's ``predicted_ms`` and
+    ``prompt_ms``), of ``prompt_ms`` against the fitted model's time for that prompt alone (a
     prefill batched with another's reports the whole step's time; with fewer than three
     isolated ones, the lower quartile of all). Measured on a policy whose turns seldom wait for
     a slot (cvar), so the first is not the engine queue the simulator models. Returns the terms
@@ -274,8 +275,9 @@ def serving_terms(replayer: Replayer, perf: FittedPerf, *, full_cached_frac: flo
             n, cached = int(tm.get("prompt_n", 0)), int(tm.get("cache_n", 0))
             if n >= full_min_tokens and cached < full_cached_frac * (n + cached):
                 alone = perf.step_time(n, 0, 0, n * (n + 1) / 2)
-                if alone > 0:
-                    full.append((t.engine or "", t.released_s, t.finished_s,
+                if alone > 0:  # when it prefilled: back from the reply by the engine's times
+                    end = t.finished_s - float(tm.get("predicted_ms", 0.0)) / 1e3
+                    full.append((t.engine or "", end - float(tm["prompt_ms"]) / 1e3, end,
                                  float(tm["prompt_ms"]) / 1e3 / alone))
     if not over:
         raise RuntimeError("the serving probe got no engine timings (not a llama.cpp engine?)")
