@@ -304,11 +304,9 @@ def measure_serving(gateway: str, workflows: list[Workflow], run: AbRun, chars: 
                     perf: FittedPerf) -> tuple[ServingTerms, dict[str, Any]]:
     """Serve ``workflows`` through ``gateway`` (a probe cell, not reported) and measure the
     serving terms from its turns (:func:`serving_terms`)."""
-    spec = ReplaySpec(target=gateway, rate=1.0, workflows=len(workflows), time_scale=1.0,
-                      max_context=run.engines.ctx // run.engines.n_parallel,
-                      max_tokens=run.max_tokens, arrivals="trace", label="serving-probe",
-                      seed=run.probe_seed, timeout_s=run.request_timeout_s, stream=False,
-                      chars_per_token=chars)
+    # not streamed: llama.cpp's timings come in the reply's body
+    spec = _cell_spec(gateway, workflows, run, "serving-probe", run.probe_seed, chars,
+                      stream=False)
 
     async def play() -> Replayer:
         async with httpx.AsyncClient(base_url=gateway, timeout=run.request_timeout_s) as client:
@@ -319,13 +317,18 @@ def measure_serving(gateway: str, workflows: list[Workflow], run: AbRun, chars: 
     return serving_terms(asyncio.run(play()), perf)
 
 
-def _replay(gateway: str, workflows: list[Workflow], run: AbRun, label: str, seed: int,
-            out: Path, chars: float) -> dict[str, Any]:
-    spec = ReplaySpec(target=gateway, rate=1.0, workflows=len(workflows), time_scale=1.0,
+def _cell_spec(gateway: str, workflows: list[Workflow], run: AbRun, label: str, seed: int,
+               chars: float, stream: bool) -> ReplaySpec:
+    """How the replay driver plays one cell's sessions through ``gateway``."""
+    return ReplaySpec(target=gateway, rate=1.0, workflows=len(workflows), time_scale=1.0,
                       max_context=run.engines.ctx // run.engines.n_parallel,
                       max_tokens=run.max_tokens, arrivals="trace", label=label, seed=seed,
-                      timeout_s=run.request_timeout_s, stream=run.stream,
-                      chars_per_token=chars)
+                      timeout_s=run.request_timeout_s, stream=stream, chars_per_token=chars)
+
+
+def _replay(gateway: str, workflows: list[Workflow], run: AbRun, label: str, seed: int,
+            out: Path, chars: float) -> dict[str, Any]:
+    spec = _cell_spec(gateway, workflows, run, label, seed, chars, stream=run.stream)
     info = {"path": None, "name": "scaled AgentCgroup + synthetic sessions (A/B)",
             "arrivals": "poisson (sessions superimposed, seeded)"}
     path, _ = asyncio.run(run_replay(spec, workflows, info, out))
