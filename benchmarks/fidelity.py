@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-all", action="store_true",
                     help="profile all engines at once, each under the others' load (default: "
                     "the first engine, the others idle)")
+    ap.add_argument("--no-contention", action="store_true",
+                    help="do not measure host contention (the engines then run independently "
+                    "in the simulator, as before)")
     ap.add_argument("--noise-floor", action="store_true",
                     help="replay each rate twice; report the second real run's error against "
                     "the first (run-to-run noise of the real system)")
@@ -132,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
                     task = bar.add_task("profile", total=None)
                     prof = profile_engine(
                         urls if args.profile_all else urls[:1], out=out / name,
+                        # the other engines share this host: how much slower the first one
+                        # computes while they serve is the profile's host contention
+                        neighbours=() if args.profile_all or args.no_contention else urls[1:],
                         quick=args.quick_profile, repeats=args.profile_repeats,
                         # the sweep covers the contexts the scaled trace reaches
                         max_context=args.max_context + 64,
@@ -151,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
                                       "wall_s": perf.meta.get("profile_wall_s")}
                     console.print(f"{name}: {fit['samples']} samples, median |rel err| "
                                   f"{100 * fit['median_abs_rel_err']:.1f}%, "
-                                  f"b={tuple(f'{c:.3g}' for c in perf.coefficients)}")
+                                  f"b={tuple(f'{c:.3g}' for c in perf.coefficients)}, "
+                                  f"host contention {100 * perf.host_contention:.1f}%")
+                    profiles[name]["host_contention"] = perf.meta.get("host_contention")
                     return perf
 
                 fitted: FittedPerf | Callable[[float], FittedPerf]

@@ -3,6 +3,8 @@ the small-chunk attention term, both fitted to the run's own profile samples, ea
 run's workflows, each compared with the same real turn times (``turn_log`` in ``fidelity.json``).
 
 Nothing is replayed again, so the host's load cannot favour either model: only the model differs.
+The forward-pass model runs with the profile's measured host contention (the engines slow each
+other while both compute; ``--host-contention`` sets it for runs that did not measure it).
 
     .venv/bin/python benchmarks/fidelity_models.py benchmarks/results/fidelity-llamacpp
 
@@ -63,18 +65,28 @@ def ttft_by_others(turn_log: list[list], sim_ttft: dict) -> dict[int, tuple[floa
     return {k: (float(np.median(v)), len(v)) for k, v in sorted(ratios.items())}
 
 
-def fitted(profile: Path, knees: tuple[float, ...], passes: bool = False) -> FittedPerf:
+def fitted(profile: Path, knees: tuple[float, ...], passes: bool = False,
+           host_contention: float | None = None) -> FittedPerf:
+    """The step model refitted to ``profile``'s samples, with the profile's measured host
+    contention (or ``host_contention`` when given: runs from before it was measured)."""
     doc = json.loads(profile.read_text())
     samples = [([s[f] for f in FEATURES], s["step_s"]) for s in doc["meta"]["samples"]]
     meta = {"request_overhead_s": doc["meta"].get("request_overhead_s", 0.0)}
     split = {"ubatch_tokens": LLAMACPP_UBATCH, "ubatch_split": "equal",
              "one_token_pass": True} if passes else {}
-    return fit_profile(samples, relative=True, small_chunk_knees=knees, meta=meta, **split)
+    perf = fit_profile(samples, relative=True, small_chunk_knees=knees, meta=meta, **split)
+    if host_contention is None:
+        host_contention = doc["coefficients"].get("host_contention_per_engine", 0.0)
+    perf.host_contention = float(host_contention)
+    return perf
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run", type=Path, help="a fidelity output directory (fidelity.json)")
+    ap.add_argument("--host-contention", type=float, default=None,
+                    help="slowdown per co-running engine for the forward-pass model (default: "
+                    "each profile's measured value, 0 in runs from before it was measured)")
     args = ap.parse_args(argv)
     doc = json.loads((args.run / "fidelity.json").read_text())
     setup = doc["setup"]
@@ -98,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         assignment = assign_round_robin(wfs, setup["engines"])
         real = real_observed(run["turn_log"], {w.id: w.arrival_s for w in wfs})
         for name, (knees, passes) in models.items():
-            perf = fitted(profile, knees, passes)
+            # host contention only with the newest model: the others are as they were
+            perf = fitted(profile, knees, passes, args.host_contention if passes else 0.0)
             sim = simulate(wfs, assignment, engine, perf)
             err = compare(real, sim)
             by_others.setdefault(name, {})[f"{rate:g}"] = ttft_by_others(run["turn_log"],

@@ -176,3 +176,33 @@ def test_simulate_adds_the_request_overhead_and_uses_the_cache_granularity() -> 
     assert fine.ttft[("w", 1)] < plain.ttft[("w", 1)]
     want = PERF.step_time(4, 0, 104, 4 * 104 + 10)  # 3 new + the last output, after 104 cached
     assert fine.ttft[("w", 1)] == pytest.approx(want)
+
+
+def test_simulated_engines_are_independent_without_host_contention() -> None:
+    """One cluster with pinned routing gives each engine exactly what simulating its share
+    alone gives; with host contention a session is slower only while the other engine
+    computes."""
+    from dataclasses import replace
+
+    from turnstile.sim.cluster import run_sim
+
+    sessions = select_sessions([agent(f"w{i}", 4) for i in range(6)], 6,
+                               TraceScale(max_context=1500))
+    wfs = on_poisson(sessions, 1.0, seed=3)
+    assignment = assign_round_robin(wfs, 2)
+    spec = SimEngineSpec(kv_tokens=8192, max_num_seqs=4, max_batched_tokens=2048, block_size=1)
+    together = simulate(wfs, assignment, spec, PERF)
+    for engine in (0, 1):
+        share = [w for w in wfs if assignment[w.id] == engine]
+        alone = observe(run_sim(share, "eager", [spec.group(PERF)], block_size=1).workflows)
+        for key, ttft in alone.ttft.items():
+            assert together.ttft[key] == ttft
+        for wid, flow in alone.flow.items():
+            assert together.flow[wid] == flow
+    slowed = simulate(wfs, assignment, spec, replace(PERF, host_contention=0.5))
+    assert all(slowed.flow[w] >= together.flow[w] for w in together.flow)
+    assert sum(slowed.flow.values()) > sum(together.flow.values())
+    # a lone session has no neighbour computing: contention changes nothing for it
+    lone = {wfs[0].id: 0}
+    assert (simulate(wfs[:1], lone, spec, replace(PERF, host_contention=0.5)).flow
+            == simulate(wfs[:1], lone, spec, PERF).flow)

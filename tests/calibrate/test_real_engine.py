@@ -44,7 +44,19 @@ def server(
 
 
 @pytest.fixture(scope="module")
-def profile_path(server: LlamaServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def neighbour(
+    tmp_path_factory: pytest.TempPathFactory, llama_server_binary: Path
+) -> Iterator[LlamaServerProcess]:
+    """A second engine on the same host: the profile measures its host contention."""
+    model = write_tiny_gguf(tmp_path_factory.mktemp("neighbour") / "tiny.gguf")
+    with LlamaServerProcess(model, n_parallel=2, ctx=2048, threads=1,
+                            binary=llama_server_binary) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def profile_path(server: LlamaServerProcess, neighbour: LlamaServerProcess,
+                 tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("profile") / "profile.json"
     app = typer.Typer()
     register(app)
@@ -55,10 +67,11 @@ def profile_path(server: LlamaServerProcess, tmp_path_factory: pytest.TempPathFa
 
     result = CliRunner().invoke(
         app, ["profile", "--target", server.base_url, "--out", str(out), "--quick",
-              "--max-context", "512"],
+              "--max-context", "512", "--neighbour", neighbour.base_url,
+              "--contention-rounds", "1"],
     )
     assert result.exit_code == 0, result.output
-    assert "wrote" in result.output
+    assert "wrote" in result.output and "host contention" in result.output
     return out
 
 
@@ -90,6 +103,14 @@ def test_profile_file_is_valid_and_predicts_positive_times(profile_path: Path) -
     # a long prompt costs more than a short one, a big decode batch more than one sequence
     assert perf.step_time(500, 0, 0, 500 * 501 / 2) > perf.step_time(10, 0, 0, 55)
     assert perf.step_time(0, 4, 2000) >= perf.step_time(0, 1, 100)
+    # the neighbour's load was measured: each probe timed alone and under load, the
+    # coefficient stored (≥ 0; how large depends on this host) and read back
+    hc = meta["host_contention"]
+    assert hc["neighbours"] == 1 and set(hc["probes"]) == {"prefill 256", "cache hit 256+48",
+                                                           "decode 2x256"}
+    assert all(p["alone_s"] > 0 and p["busy_s"] > 0 for p in hc["probes"].values())
+    assert doc["coefficients"]["host_contention_per_engine"] == hc["per_engine"] >= 0
+    assert perf.host_contention == hc["per_engine"]
     # the fit describes its own measurements better than predicting nothing (error 1.0), even
     # on a busy machine: timing of a CPU engine shared with other work is noisy
     assert meta["fit"]["median_abs_rel_err"] < 1.0

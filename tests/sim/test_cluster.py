@@ -74,3 +74,43 @@ def test_holding_counts_in_ttft_but_not_in_engine_time():
     assert held, "a one-turn budget must hold some turns"
     for t in held:
         assert t.first_token_s - t.ready_s > t.first_token_s - t.released_s
+
+
+def _co_running(contention: float, same_group: bool = True):
+    """Two one-turn sessions pinned to two engines, the second arriving while the first's
+    prefill runs; the TTFT of each."""
+    from turnstile.policies.routing import PinnedRouting
+    from turnstile.sim.fitted_perf import FittedPerf
+
+    perf = FittedPerf(0.01, 1e-4, 1e-3, host_contention=contention)
+    wfs = [Workflow("a", 0.0, (Turn(4_000, 1, 0),)), Workflow("b", 0.1, (Turn(4_000, 1, 0),))]
+    policies = PolicySet.from_spec("eager")
+    policies.routing = PinnedRouting({"a": "e0", "b": "e1"})
+    if same_group:
+        groups = [EngineGroup(count=2, kv_tokens=100_000, max_batched_tokens=8192, perf=perf)]
+    else:
+        groups = [EngineGroup(count=1, kv_tokens=100_000, max_batched_tokens=8192, perf=perf)
+                  for _ in range(2)]
+    res = ClusterSim(wfs, policies, groups).run()
+    return {w.id: w.turns[0].first_token_s - w.turns[0].ready_s for w in res.workflows}
+
+
+def test_host_contention_slows_a_step_while_another_engine_of_the_group_computes():
+    alone = _co_running(0.0)
+    step = 0.01 + 4_000 * 1e-4  # one prefill step of the fitted model
+    assert alone["a"] == pytest.approx(step) and alone["b"] == pytest.approx(step)
+    slowed = _co_running(0.25)
+    # b starts while a computes: 25% slower; a started alone and keeps its time
+    assert slowed["b"] == pytest.approx(1.25 * step)
+    assert slowed["a"] == pytest.approx(step)
+    # engines of different groups do not share a host
+    assert _co_running(0.25, same_group=False) == alone
+
+
+def test_pinned_routing_names_a_missing_workflow():
+    from turnstile.policies.routing import PinnedRouting
+
+    policies = PolicySet.from_spec("eager")
+    policies.routing = PinnedRouting({})
+    with pytest.raises(KeyError, match="no pinned engine"):
+        ClusterSim([agent("x", 0.0, n_turns=1)], policies, GROUP).run()

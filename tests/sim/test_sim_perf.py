@@ -281,3 +281,13 @@ def test_fitted_step_time_pays_b0_per_pass_and_b0_one_for_a_lone_token(tmp_path)
     path.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="ubatch_split"):
         FittedPerf.from_profile(path)
+
+
+def test_fitted_profile_keeps_its_host_contention(tmp_path):
+    perf = FittedPerf(0.01, 1e-4, host_contention=0.07)
+    perf.to_profile(tmp_path / "p.json")
+    back = FittedPerf.from_profile(tmp_path / "p.json")
+    assert back.host_contention == 0.07
+    assert back.scaled(2.0).host_contention == 0.07  # a factor per co-runner, not a time
+    with pytest.raises(ValueError, match="host_contention"):
+        FittedPerf(0.01, host_contention=-0.1)

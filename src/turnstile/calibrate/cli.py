@@ -86,6 +86,14 @@ def profile_cmd(
     kv_unified: Annotated[
         bool, typer.Option(help="The llama.cpp server runs with --kv-unified (one KV buffer)")
     ] = False,
+    neighbour: Annotated[
+        list[str] | None,
+        typer.Option(help="Another engine on the same host (repeatable): measure how much "
+                     "slower the target computes while it serves (host contention)"),
+    ] = None,
+    contention_rounds: Annotated[
+        int, typer.Option(min=1, help="Alone / under-load rounds of the host-contention probes")
+    ] = 5,
 ) -> None:
     """Measure a real engine's step times through its HTTP API and fit the simulator's
     performance model to them (a profile for turnstile bench --profile)."""
@@ -108,6 +116,8 @@ def profile_cmd(
                 seed=seed,
                 ubatch=ubatch,
                 kv_unified=kv_unified,
+                neighbours=neighbour or (),
+                contention_rounds=contention_rounds,
                 token_range=(token_low, token_high),
                 on_total=lambda n: bar.update(task, total=n),
                 on_progress=lambda label: bar.update(task, advance=1, description=label),
@@ -130,6 +140,11 @@ def profile_cmd(
     if perf.b5:
         _out.print(f"b5 s/small-chunk attn pair {perf.b5:.3g} (knee {perf.small_chunk_tokens:g} "
                    "prefill tokens)")
+    hc = perf.meta.get("host_contention")
+    if hc:
+        probes = ", ".join(f"{k} ×{v['ratio']:.2f}" for k, v in hc["probes"].items())
+        _out.print(f"host contention {100 * perf.host_contention:.1f}% per co-running engine "
+                   f"({hc['neighbours']} neighbour(s): {probes})")
     _out.print(f"wrote {out}")
 
 

@@ -7,8 +7,9 @@ The pieces, each usable on its own:
   proper chain (turn ``n+1``'s context is turn ``n``'s prompt plus its output);
 * :func:`select_sessions` picks sessions from a trace, :func:`on_poisson` puts them on arrivals;
 * :func:`simulate` runs the same workflows, with the same static engine assignment as the real
-  replay, through :func:`turnstile.sim.cluster.run_sim` (eager release, one engine group per real
-  engine, configured like it: KV tokens, max sequences, per-step token budget);
+  replay, on a :class:`turnstile.sim.cluster.ClusterSim` (eager release, pinned routing, one
+  simulated engine per real one, configured like it: KV tokens, max sequences, per-step token
+  budget; slower while the others compute when the perf model measured its host's contention);
 * :func:`~turnstile.calibrate.fidelity_report.compare` pairs turns and workflows and returns
   relative errors; :mod:`turnstile.calibrate.fidelity_report` reports them.
 
@@ -27,8 +28,9 @@ import numpy as np
 
 from turnstile.calibrate.fidelity_report import Observed, compare, observe
 from turnstile.calibrate.replay import ReplayRun, assign_round_robin, replay_workflows
-from turnstile.core.state import WorkflowRecord
-from turnstile.sim.cluster import EngineGroup, run_sim
+from turnstile.policies import PolicySet
+from turnstile.policies.routing import PinnedRouting
+from turnstile.sim.cluster import ClusterSim, EngineGroup
 from turnstile.sim.perf import PerfModel
 from turnstile.sim.roofline_perf import ModelSpec, load_model
 from turnstile.workload import synth
@@ -165,18 +167,20 @@ def simulate(
     perf: PerfModel,
     policy: str = "eager",
 ) -> Observed:
-    """Simulate each real engine's share of ``workflows`` on its own engine model.
+    """Simulate ``workflows`` on one simulated engine per real one, each workflow on the engine
+    ``assignment`` gives it (the real replay's static choice).
 
-    The request overhead (see :class:`SimEngineSpec`) is added to every turn's TTFT and E2E
-    and, once per turn, to its workflow's flow time."""
-    parts: dict[int, list[Workflow]] = {}
-    for wf in workflows:
-        parts.setdefault(assignment[wf.id], []).append(wf)
-    records: list[WorkflowRecord] = []
-    for _, wfs in sorted(parts.items()):
-        res = run_sim(wfs, policy, [engine.group(perf)], block_size=engine.block_size)
-        records.extend(res.workflows)
-    obs = observe(records)
+    The engines run side by side in one cluster: with a perf model measured on a shared host
+    (``FittedPerf.host_contention``) a step is slower while the others compute, as on the real
+    host; without it they are independent. The request overhead (see :class:`SimEngineSpec`)
+    is added to every turn's TTFT and E2E and, once per turn, to its workflow's flow time."""
+    count = max(assignment.values(), default=0) + 1
+    policies = PolicySet.from_spec(policy)
+    # the cluster names its engines e0, e1, ... in order
+    policies.routing = PinnedRouting({w.id: f"e{assignment[w.id]}" for w in workflows})
+    group = replace(engine.group(perf), count=count)
+    res = ClusterSim(workflows, policies, [group], block_size=engine.block_size).run()
+    obs = observe(res.workflows)
     oh = engine.request_overhead_s
     if oh is None:
         meta = getattr(perf, "meta", None)
@@ -187,6 +191,12 @@ def simulate(
         obs.e2e = {k: v + oh for k, v in obs.e2e.items()}
         obs.flow = {k: v + oh * turns[k] for k, v in obs.flow.items()}
     return obs
+
+
+def _prompt_ms(timings: Mapping[str, Any] | None) -> float | None:
+    if not timings or timings.get("prompt_ms") is None:
+        return None
+    return round(float(timings["prompt_ms"]), 3)
 
 
 def model_spec(name_or_path: str | os.PathLike[str]) -> ModelSpec:
@@ -298,9 +308,15 @@ def run_fidelity(
             "coefficients": {
                 name: list(getattr(p, "coefficients", ())) for name, p in models_now.items()
             },
+            # the engine's own prompt time (llama.cpp ``timings.prompt_ms``, else None) splits
+            # a turn's TTFT into the engine's part and the way in and out
+            "turn_log_fields": ["workflow", "index", "engine", "ready_s", "first_token_s",
+                                "finished_s", "prompt_tokens", "cached_tokens",
+                                "output_tokens", "prompt_ms"],
             "turn_log": [
                 [t.workflow, t.index, t.engine, round(t.ready_s, 4), round(t.first_token_s, 4),
-                 round(t.finished_s, 4), t.prompt_tokens, t.cached_tokens, t.output_tokens]
+                 round(t.finished_s, 4), t.prompt_tokens, t.cached_tokens, t.output_tokens,
+                 _prompt_ms(t.timings)]
                 for t in run.turns
             ],
         })

@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,6 +104,19 @@ class EngineProber:
             extra=self._slot(slot),
             **stream,
         )
+
+    def serve_one(self, prompt_tokens: int, output_tokens: int,
+                  should_stop: Callable[[], bool] | None = None) -> StreamResult:
+        """One fresh request, untimed: load on this engine while another one is probed."""
+        return self._send(self.tokens.take(prompt_tokens), output_tokens,
+                          should_stop=should_stop)
+
+    def ttft(self, new_tokens: int, cached_prefix: int = 0) -> float:
+        """The time to first token of ``new_tokens`` fresh tokens after a cached prefix of
+        ``cached_prefix`` tokens (0: none), as this client sees it: the engine's prompt time
+        plus the request's way in and the first token's way out."""
+        prefix = self._prefix(cached_prefix) if cached_prefix else []
+        return self._send(prefix + self.tokens.take(new_tokens), 2).ttft_s
 
     def _slot(self, i: int | None) -> dict[str, Any] | None:
         """llama.cpp's ``id_slot`` for the ``i``-th concurrent stream (see the module docstring);

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from turnstile.calibrate.client import EngineInfo, EngineRequestError, discover
+from turnstile.calibrate.contention import measure_host_contention
 from turnstile.calibrate.probes import EngineProber, Measurement
 from turnstile.sim.fitted_perf import FittedPerf, fit_profile
 from turnstile.sim.perf import FEATURES
@@ -116,13 +117,17 @@ def plan_for(
     n_pre = 4 if quick else 6
     top = min(ctx, chunk)
     prefill = _geometric(16, top, n_pre)
+    # suffix lengths off multiples of 64: llama.cpp's CPU kernels run an exact multiple of 64
+    # new tokens up to a third faster than one token fewer or more (docs/calibration.md §3),
+    # and real turns are almost never such a multiple
     if quick:
-        hits = [(ctx // 2, 4), (ctx // 2, 64)]
+        hits = [(ctx // 2, 4), (ctx // 2, 60)]
         contexts = [64, min(ctx, ctx // 2 + 8)]
     else:
         # agent turns mostly append a few tokens to a cached context: sample small suffixes
         hits = [
-            (p, s) for p in (ctx // 4, ctx // 2, (ctx * 4) // 5) for s in (4, 16, 64, 256, 512)
+            (p, s) for p in (ctx // 4, ctx // 2, (ctx * 4) // 5)
+            for s in (4, 16, 40, 100, 250, 500)
         ]
         hits = [(p, s) for p, s in hits if p + s <= ctx]
         # decode prompts are a cached prefix + 8 tokens: reuse the cache-hit prefixes
@@ -176,6 +181,8 @@ def profile_engine(
     plan: ProfilePlan | None = None,
     on_progress: Callable[[str], None] | None = None,
     on_total: Callable[[int], None] | None = None,
+    neighbours: Sequence[str] = (),
+    contention_rounds: int = 5,
 ) -> ProfileResult:
     """Measure the engine at ``url`` and fit a :class:`FittedPerf` to it.
 
@@ -191,7 +198,10 @@ def profile_engine(
     (kept only where it fits better). ``ubatch`` is llama.cpp's ``-ub`` (default 512; 0: a step
     is one pass, which is how other engines are fitted) and ``kv_unified`` whether it was
     started with ``--kv-unified`` (one KV buffer: a step is cut in batch order, not per slot).
-    ``seed`` draws the random prompts: profiling the same
+    ``neighbours`` are other engines on the same host (not profiled): after the sweep a few
+    probes are timed again while they serve a steady load, and the slowdown per co-running
+    engine is the profile's ``host_contention`` (:mod:`turnstile.calibrate.contention`,
+    ``contention_rounds`` rounds). ``seed`` draws the random prompts: profiling the same
     engine again needs another seed, or the engine's prompt cache serves the earlier prompts.
     ``on_progress`` is called once per finished measurement with a label, ``on_total`` once with
     the number planned.
@@ -217,8 +227,10 @@ def profile_engine(
             decode_tokens=decode_tokens,
             repeats=repeats,
         )
+    if neighbours and len(urls) > 1:
+        raise ValueError("neighbours measure one engine's host contention: profile one target")
     if on_total is not None:
-        on_total(plan.count() * len(urls))
+        on_total(plan.count() * len(urls) + (6 * contention_rounds if neighbours else 0))
     tick = on_progress or (lambda _label: None)
     raw: dict[str, list[Measurement]] = {}
     skipped: list[str] = []
@@ -260,7 +272,15 @@ def profile_engine(
         with ThreadPoolExecutor(max_workers=len(urls)) as pool:
             for f in [pool.submit(sweep, i) for i in range(len(urls))]:
                 f.result()
+    # the sweep's own request overheads: the contention probes under load would inflate them
     overheads = [o for p in probers for o in p.overheads]
+    contention = None
+    if neighbours:
+        contention = measure_host_contention(
+            probers[0], [discover(u) for u in neighbours], rounds=contention_rounds,
+            seed=seed, token_range=token_range, timeout=timeout, on_progress=tick,
+            prefill_tokens=min(256, ctx // 2), cache_hit=(min(768, ctx // 2), 48),
+            decode=(min(2, seqs), min(512, ctx // 2), 24))
     # repeats of one configuration: the median step time (robust to a noisy neighbour)
     ms = [_combine(group) for group in raw.values()]
     if len(ms) < 2:
@@ -304,6 +324,9 @@ def profile_engine(
         measured_at=measured_at,
         meta=meta,
     )
+    if contention is not None:
+        perf.host_contention = contention.per_engine
+        perf.meta["host_contention"] = contention.to_meta()
     perf.meta["fit"]["by_kind"] = _residuals_by_kind(perf, ms)
     perf.meta["samples"] = [
         {

@@ -45,6 +45,24 @@ class RoundRobinRouting(StatelessRouting):
         raise NoHealthyEngineError("no healthy engine to route to")
 
 
+class PinnedRouting(StatelessRouting):
+    """Each workflow to the engine a given map names (``workflow id → engine id``): a replay
+    of a run whose engine choices are fixed beforehand (the fidelity protocol's static
+    assignment). Not in the registry: it needs the map."""
+
+    name = "pinned"
+
+    def __init__(self, engines: dict[str, str]) -> None:
+        self.engines = engines
+
+    def route(self, turn: TurnRecord, view: ClusterView, now: float) -> str:
+        wid = turn.workflow.id
+        try:
+            return self.engines[wid]
+        except KeyError:
+            raise KeyError(f"workflow {wid!r} has no pinned engine") from None
+
+
 @ROUTING.register("least-loaded")
 class LeastLoadedRouting(StatelessRouting):
     """Baseline: the engine with the fewest outstanding tokens per unit of speed.

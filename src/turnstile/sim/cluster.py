@@ -76,9 +76,18 @@ class ClusterSim:
         #: values without identity)
         self._live: list[Any] = []
         self._live_t: list[float] = []
-        self._ff = fast_forward
-        for g in groups:
-            perf = g.build_perf()
+        #: host contention (engines of one group share a host: FittedPerf.host_contention):
+        #: per engine its group, its factor per co-running engine, and whether it computes now
+        self._host: list[int] = []
+        self._host_c: list[float] = []
+        self._computing: list[bool] = []
+        perfs = [g.build_perf() for g in groups]
+        self._contended = any(getattr(p, "host_contention", 0.0) > 0 and g.count > 1
+                              for g, p in zip(groups, perfs, strict=True))
+        # a leap runs many iterations at the time factor of its first: exact only while no
+        # other engine's start or stop can change that factor, so contended runs step
+        self._ff = fast_forward and not self._contended
+        for g, perf in zip(groups, perfs, strict=True):
             for _ in range(g.count):
                 loads.append(self._new_engine(g, perf))
         self.finished: list[WorkflowRecord] = []
@@ -121,6 +130,9 @@ class ClusterSim:
             engine.lazy = self._ff
         self._live.append(None)
         self._live_t.append(-1.0)
+        self._host.append(id(g))
+        self._host_c.append(float(getattr(perf, "host_contention", 0.0)))
+        self._computing.append(False)
         self._by_id[eid] = len(self.engines) - 1
         self.num_gpus += g.tp
         # relative speed: decode throughput scales with TP (heterogeneous routing); per-token
@@ -418,7 +430,11 @@ class ClusterSim:
             self._busy[i] = True
             self._pending = (i, None)
             return
+        if self._contended:
+            engine.slowdown = self._host_slowdown(i)
         outcome = engine.step(now)
+        if self._contended:
+            self._computing[i] = outcome is not None and outcome.busy
         if outcome is None:
             self._busy[i] = False
             # reported through the core's API (the view is read-only to drivers)
@@ -439,6 +455,17 @@ class ClusterSim:
             self._touched = True
         # at most one engine steps per event (a step end or a kick names one engine)
         self._pending = (i, outcome)
+
+    def _host_slowdown(self, i: int) -> float:
+        """Engine ``i``'s time factor for a step starting now: ``1 + c·k`` for the ``k`` other
+        engines of its group computing a step meanwhile (O(engines); only contended runs)."""
+        c = self._host_c[i]
+        if not c:
+            return 1.0
+        host = self._host[i]
+        k = sum(1 for j, h in enumerate(self._host)
+                if j != i and h == host and self._computing[j])
+        return 1.0 + c * k
 
     def _apply_outcome(self, now: float, i: int, outcome: Any) -> None:
         sched = self.scheduler

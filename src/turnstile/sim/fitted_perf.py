@@ -106,6 +106,11 @@ class FittedPerf:
     ubatch_tokens: int = 0
     #: how a step is cut into passes (:data:`UBATCH_SPLITS`)
     ubatch_split: str = "simple"
+    #: how much longer a step takes per other engine on the same host stepping at the same time
+    #: (engines sharing a CPU's cores, caches and memory bandwidth: llama.cpp engines on one
+    #: machine); 0.05 = 5% per co-running engine. Measured by ``turnstile profile --neighbour``;
+    #: the simulator applies it among the engines of one group (see ``sim.cluster``)
+    host_contention: float = 0.0
     _passes: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -114,6 +119,9 @@ class FittedPerf:
         if self.ubatch_split not in UBATCH_SPLITS:
             raise ValueError(f"ubatch_split must be one of {UBATCH_SPLITS}, "
                              f"got {self.ubatch_split!r}")
+        if not (self.host_contention >= 0 and math.isfinite(self.host_contention)):
+            raise ValueError(f"host_contention must be finite and >= 0, "
+                             f"got {self.host_contention}")
         if self.ubatch_tokens < 0 or self.ubatch_tokens == 1:
             raise ValueError(f"ubatch_tokens must be 0 (uncut) or >= 2, got {self.ubatch_tokens}")
         self._passes = bool(self.ubatch_tokens) or self.b0_one is not None
@@ -176,6 +184,7 @@ class FittedPerf:
                 "b5_s_per_small_chunk_attn_pair": self.b5,
                 "small_chunk_tokens": self.small_chunk_tokens,
                 "b0_one_token_pass_s": self.b0_one,
+                "host_contention_per_engine": self.host_contention,
             },
             "forward_passes": {"ubatch_tokens": self.ubatch_tokens, "split": self.ubatch_split},
             "kv_bytes_per_token": self.kv_bytes_per_token,
@@ -226,6 +235,7 @@ class FittedPerf:
                 b0_one=None if b0_one is None else float(b0_one),
                 ubatch_tokens=int(passes.get("ubatch_tokens", 0)),
                 ubatch_split=str(passes.get("split", "simple")),
+                host_contention=float(c.get("host_contention_per_engine", 0.0)),
                 kv_bytes_per_token=float(doc.get("kv_bytes_per_token", 0.0)),
                 engine=str(doc.get("engine", "")),
                 model=str(doc.get("model", "")),

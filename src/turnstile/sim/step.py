@@ -62,6 +62,9 @@ class StepExecutor(LeapLoops):
         self.iterations = 0
         self.busy_s = 0.0
         self.idle_wait_s = 0.0
+        #: the factor on the next iteration's time: other engines on the same host computing
+        #: meanwhile (set by the cluster driver, which knows them; 1.0 alone)
+        self.slowdown = 1.0
 
     def step(self, now: float) -> StepOutcome | None:
         """Run one iteration starting at ``now``; ``None`` when there is nothing to do."""
@@ -105,6 +108,8 @@ class StepExecutor(LeapLoops):
         dur = self.perf.step_time(prefill_tokens, n_dec, s.kv_sum + n_dec + ctx_read, attn2)
         if reload_blocks:
             dur += reload_blocks * self.reload_s_per_block
+        if self.slowdown != 1.0:
+            dur *= self.slowdown
         end = now + dur
         # 4. effects at the end of the step
         finished: list[SimRequest] = []
