@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-all", action="store_true",
                     help="profile all engines at once, each under the others' load (default: "
                     "the first engine, the others idle)")
+    ap.add_argument("--pin-cores", action="store_true",
+                    help="pin engine i's threads to CPU i mod cpus (as a CPU deployment pins "
+                    "with taskset): the scheduler then does not move an engine between cores")
     ap.add_argument("--no-contention", action="store_true",
                     help="do not measure host contention (the engines then run independently "
                     "in the simulator, as before)")
@@ -123,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for s in servers:
                 s.start()
+            if args.pin_cores:
+                for i, s in enumerate(servers):
+                    _pin(s, i % (os.cpu_count() or 1))
             urls = [s.base_url for s in servers]
             console.print(f"engines: {', '.join(urls)} ({args.hidden}x{args.layers}, "
                           f"-np {args.n_parallel} -c {args.ctx} -t {args.threads})")
@@ -204,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         "trace": str(args.trace), "subset": args.subset, "scale": dataclasses.asdict(scale),
         "arrivals": "sessions superimposed on Poisson arrivals (seeded)",
         "loadavg_before": load0, "loadavg_after": os.getloadavg(),
+        "pin_cores": args.pin_cores,
         "cpus": os.cpu_count(), "machine": platform.machine(),
         "wall_s": round(time.time() - t_start, 1),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -213,6 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     console.print(f"wrote {out}/fidelity.md, fidelity.json, fidelity_scatter.png, profile.json")
     return 0
+
+
+def _pin(server: LlamaServerProcess, cpu: int) -> None:
+    """Every thread of a running server onto one CPU (Linux: ``/proc/PID/task``)."""
+    assert server.process is not None
+    for task in Path(f"/proc/{server.process.pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), {cpu})
 
 
 def _bar(console: Console) -> Progress:

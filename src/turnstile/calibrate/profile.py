@@ -118,7 +118,7 @@ def plan_for(
     top = min(ctx, chunk)
     prefill = _geometric(16, top, n_pre)
     # suffix lengths off multiples of 64: llama.cpp's CPU kernels run an exact multiple of 64
-    # new tokens up to a third faster than one token fewer or more (docs/calibration.md §3),
+    # new tokens up to a third faster than one token fewer or more (docs/calibration.md §1),
     # and real turns are almost never such a multiple
     if quick:
         hits = [(ctx // 2, 4), (ctx // 2, 60)]
