@@ -138,6 +138,10 @@ def test_cvar_takes_a_session_paused_longer_than_any_seen_as_done() -> None:
     assert released(s.workflow_arrived(0.5, one_turn("early", 100))) == []
     # the scheduler is woken when the first paused session passes the longest pause seen
     assert s.next_wakeup(0.5) == 1.0
+    # ... on an engine the override could use: a down engine wakes nobody
+    s.engine_stats(0.5, "e0", healthy=False)
+    assert s.next_wakeup(0.5) > 1.2 and not rel.idle_with_free_slot(s.view, now=1.2)
+    s.engine_stats(0.5, "e0", healthy=True)
     # past it, both have been paused longer than any pause seen: their slots count as free
     assert rel.idle_with_free_slot(s.view, now=1.2)
     assert released(s.tick(1.2)) == ["early"]

@@ -48,7 +48,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from turnstile.core.interfaces import AdmissionPolicy
-from turnstile.core.state import ClusterView, TurnRecord, TurnState, WorkflowRecord
+from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, TurnState, WorkflowRecord
 from turnstile.policies.base import RELEASE
 from turnstile.policies.estimators import QuantileTracker, RecentWindow
 
@@ -217,7 +217,7 @@ class CvarRelease:
         slot-limited engine."""
         limit = -1.0
         for e in view.values():
-            if e.outstanding_turns or not (e.healthy and e.accepting):
+            if not _idle_for_new_work(e):
                 continue
             if e.has_free_slot:
                 return True
@@ -401,7 +401,8 @@ class CvarRelease:
             done = self.done_pause_s()
             if done != math.inf:
                 for e in self._view.values():
-                    if e.outstanding_turns or not e.kv_slots or e.has_free_slot:
+                    # the engines idle_with_free_slot would look at, slot-limited and full
+                    if not _idle_for_new_work(e) or not e.kv_slots or e.has_free_slot:
                         continue
                     for sid in e.cached_sessions:
                         t = self._paused_at.get(sid, math.inf) + done
@@ -411,6 +412,11 @@ class CvarRelease:
 
     def __len__(self) -> int:
         return self._n
+
+
+def _idle_for_new_work(e: EngineLoad) -> bool:
+    """An engine the idle override may start a session on: nothing outstanding, up, taking work."""
+    return not e.outstanding_turns and e.healthy and e.accepting
 
 
 @RELEASE.register("cvar-fixed")
