@@ -37,11 +37,14 @@ class FakeEngine:
                 self.send_header("Content-Type", ctype)
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
-                for part in parts:
-                    self.wfile.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
-                    self.wfile.flush()
-                    time.sleep(gap_s)
-                self.wfile.write(b"0\r\n\r\n")
+                try:
+                    for part in parts:
+                        self.wfile.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+                        self.wfile.flush()
+                        time.sleep(gap_s)
+                    self.wfile.write(b"0\r\n\r\n")
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client closed the stream early (should_stop): what it may do
 
             def do_GET(self) -> None:
                 self._answer(None)
