@@ -114,3 +114,15 @@ def test_pinned_routing_names_a_missing_workflow():
     policies.routing = PinnedRouting({})
     with pytest.raises(KeyError, match="no pinned engine"):
         ClusterSim([agent("x", 0.0, n_turns=1)], policies, GROUP).run()
+
+
+def test_engines_with_host_contention_cannot_join_a_run_that_leaps():
+    from turnstile.sim.fitted_perf import FittedPerf
+
+    sim = ClusterSim([agent("a", 0.0, n_turns=1)], PolicySet.from_spec("eager"), GROUP)
+    contended = EngineGroup(count=2, kv_tokens=100_000,
+                            perf=FittedPerf(0.01, 1e-4, host_contention=0.1))
+    with pytest.raises(ValueError, match="host contention"):
+        sim.add_engines(contended, 1.0)
+    assert sim.add_engines(EngineGroup(count=1, kv_tokens=100_000,
+                                       perf=FittedPerf(0.01, 1e-4)), 1.0) == ["e1"]

@@ -152,6 +152,9 @@ class ClusterSim:
     def add_engines(self, group: EngineGroup, at_s: float) -> list[str]:
         """``group.count`` engines join at ``at_s``: they take work from then on."""
         perf = group.build_perf()
+        if getattr(perf, "host_contention", 0.0) > 0 and not self._contended:
+            # leaps were planned without it; a contended run must step from the start
+            raise ValueError("engines with host contention join only a run built with them")
         ids = []
         for _ in range(group.count):
             load = self._new_engine(group, perf)
