@@ -4,6 +4,7 @@ gateway replicas) instead of writing records behind the scheduler's back."""
 from __future__ import annotations
 
 from turnstile.core import Release, Scheduler
+from turnstile.core.state import EngineLoad
 from turnstile.policies import PolicySet
 from turnstile.policies.cvar import CvarRelease
 from turnstile.workload import Turn, Workflow
@@ -49,7 +50,25 @@ def test_peer_load_is_seen_by_policies_and_replaced_not_accumulated() -> None:
     s.peer_load(1.0, {"e0": (1, 100, 0)}, ready_turns=0)  # a new report replaces the last
     assert (view["e0"].outstanding_turns, view["e0"].outstanding_tokens) == (1, 100)
     assert view.released_turns == 2 and view.ready_turns == 0
-    assert s.own_load("e0") == (0, 0, 0)
+    assert s.own_load("e0") == (0, 0, 0, 0)
+
+
+def test_sessions_other_replicas_keep_paused_fill_a_slot_engine() -> None:
+    """On a llama.cpp engine shared by replicas, a session paused through another replica holds
+    a slot: the view counts it in open sessions and free slots, and own_load reports only this
+    replica's paused sessions."""
+    s = Scheduler(PolicySet.from_spec("eager"), [EngineLoad("e0", 4096, kv_slots=2)])
+    s.open_session(0.0, "a")
+    rec, _ = s.turn_ready(0.0, "a", Turn(10, 5))
+    s.turn_started(0.1, "a", rec.index)
+    s.turn_finished(0.2, "a", rec.index, 5)  # "a" is paused here, holding one slot
+    e0 = s.view["e0"]
+    assert e0.open_sessions == 1 and e0.has_free_slot
+    s.peer_load(0.3, {"e0": (0, 0, 300, 1)})  # one session paused through another replica
+    assert e0.open_sessions == 2 and not e0.has_free_slot
+    assert s.own_load("e0") == (0, 0, e0.paused_context_tokens - 300, 1)
+    s.peer_load(0.4, {"e0": (0, 0, 0)})  # a replica that reports no sessions: none
+    assert e0.peer_paused_sessions == 0 and e0.has_free_slot
 
 
 def test_peer_observations_teach_the_policies_through_their_hooks() -> None:

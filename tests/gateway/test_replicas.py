@@ -271,3 +271,34 @@ def test_replicas_learn_tool_times_and_flow_times_from_each_other(
     finally:
         for g in gws:
             g.stop()
+
+
+def test_replicas_exchange_their_paused_sessions_per_engine(redis_url: str) -> None:
+    """What a replica publishes is the sum the others read, paused sessions included (what a
+    slot engine's free slots need); a replica of an older version publishes three figures and
+    counts no paused session."""
+    import asyncio
+    import json
+
+    import redis
+
+    from turnstile.gateway.shared import RedisState
+
+    async def exchange() -> tuple[dict[str, tuple[int, ...]], int]:
+        a = RedisState(redis_url, replica_id="ra")
+        b = RedisState(redis_url, replica_id="rb")
+        await a.open()
+        await b.open()
+        try:
+            await a.exchange_load({"e0": (1, 100, 300, 2)}, held=1)
+            # an older replica's document: released turns, tokens, paused context
+            old = redis.Redis.from_url(redis_url)
+            old.sadd("ts:replicas", "rold")
+            old.set("ts:load:rold", json.dumps({"engines": {"e0": [2, 50, 10]}, "held": 0}))
+            return await b.exchange_load({"e0": (0, 0, 0, 0)}, held=0)
+        finally:
+            await a.aclose()
+            await b.aclose()
+
+    peers, held = asyncio.run(exchange())
+    assert peers == {"e0": (3, 150, 310, 2)} and held == 1

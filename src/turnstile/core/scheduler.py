@@ -79,7 +79,7 @@ class Scheduler:
         self._out_sum = prior_output_tokens
         self._out_n = 1
         # load reported by other drivers on the same engines (see peer_load)
-        self._peer: dict[str, tuple[int, int, int]] = {}
+        self._peer: dict[str, tuple[int, int, int, int]] = {}
         self._peer_ready = 0
         self._peer_seq = 0
 
@@ -273,22 +273,27 @@ class Scheduler:
         return self._release(now)
 
     def peer_load(
-        self, now: float, engines: Mapping[str, tuple[int, int, int]], ready_turns: int = 0
+        self, now: float, engines: Mapping[str, Sequence[int]], ready_turns: int = 0
     ) -> list[Action]:
         """Work other drivers sharing these engines hold (other gateway replicas), per engine
-        ``(released turns, released tokens, paused context tokens)``, plus the turns they hold
-        READY. Counted in the view the policies read (so routing, shadow load and any released
-        work a policy reads from the view are global), replacing the previous report; this
-        scheduler's own accounting is unchanged underneath."""
+        ``(released turns, released tokens, paused context tokens, paused sessions)`` (the last
+        may be left out: 0), plus the turns they hold READY. Counted in the view the policies
+        read (so routing, shadow load, free slots and any released work a policy reads from the
+        view are global), replacing the previous report; this scheduler's own accounting is
+        unchanged underneath."""
         view = self.view
-        for engine_id, (turns, tokens, paused) in engines.items():
+        for engine_id, load in engines.items():
             if engine_id not in view:
                 continue
+            turns, tokens, paused = int(load[0]), int(load[1]), int(load[2])
+            sessions = int(load[3]) if len(load) > 3 else 0
             e = view[engine_id]
-            old_turns, old_tokens, old_paused = self._peer.get(engine_id, (0, 0, 0))
-            add_peer_load(e, turns - old_turns, tokens - old_tokens, paused - old_paused)
+            old_turns, old_tokens, old_paused, old_sessions = self._peer.get(engine_id,
+                                                                             (0, 0, 0, 0))
+            add_peer_load(e, turns - old_turns, tokens - old_tokens, paused - old_paused,
+                          sessions - old_sessions)
             count_peer_released(view, turns - old_turns, tokens - old_tokens)
-            self._peer[engine_id] = (turns, tokens, paused)
+            self._peer[engine_id] = (turns, tokens, paused, sessions)
         count_ready(view, ready_turns - self._peer_ready)
         self._peer_ready = ready_turns
         return self._release(now)
@@ -317,13 +322,13 @@ class Scheduler:
             rec.finished_s = now - tool_time_s
             self.retention.on_tool_end(rec, now)
 
-    def own_load(self, engine_id: str) -> tuple[int, int, int]:
-        """This scheduler's own ``(released turns, released tokens, paused context tokens)``
-        on an engine, without what :meth:`peer_load` reported."""
+    def own_load(self, engine_id: str) -> tuple[int, int, int, int]:
+        """This scheduler's own ``(released turns, released tokens, paused context tokens,
+        paused sessions)`` on an engine, without what :meth:`peer_load` reported."""
         e = self.view[engine_id]
-        turns, tokens, paused = self._peer.get(engine_id, (0, 0, 0))
+        turns, tokens, paused, _sessions = self._peer.get(engine_id, (0, 0, 0, 0))
         return (e.outstanding_turns - turns, e.outstanding_tokens - tokens,
-                e.paused_context_tokens - paused)
+                e.paused_context_tokens - paused, len(e.cached_sessions))
 
     def add_engine(self, now: float, engine: EngineLoad) -> list[Action]:
         """An engine joined the cluster (an elastic pool growing); held turns may go there."""

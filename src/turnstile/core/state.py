@@ -176,6 +176,7 @@ class EngineLoad:
         "outstanding_tokens",
         "outstanding_turns",
         "paused_context_tokens",
+        "peer_paused_sessions",
         "prefill_s_per_token",
         "queue_len",
         "running",
@@ -197,6 +198,7 @@ class EngineLoad:
     outstanding_turns: int
     outstanding_tokens: int
     paused_context_tokens: int
+    peer_paused_sessions: int
     _sessions: dict[str, None]
     cached_sessions: KeysView[str]
     queue_len: int
@@ -242,6 +244,8 @@ class EngineLoad:
         _set(self, "outstanding_tokens", 0)  # their prompt + expected output tokens
         #: "shadow load": context tokens of sessions paused in a tool call whose KV lives here
         _set(self, "paused_context_tokens", 0)
+        #: sessions other drivers sharing this engine (gateway replicas) hold paused on it
+        _set(self, "peer_paused_sessions", 0)
         sessions: dict[str, None] = {}
         _set(self, "_sessions", sessions)
         #: ids of the sessions paused here (a read-only, live view)
@@ -255,8 +259,8 @@ class EngineLoad:
     @property
     def open_sessions(self) -> int:
         """Turns released here plus sessions paused in a tool call with their KV here (Libra's
-        load: open trajectories, tool time included)."""
-        return self.outstanding_turns + len(self.cached_sessions)
+        load: open trajectories, tool time included), other gateway replicas' included."""
+        return self.outstanding_turns + len(self.cached_sessions) + self.peer_paused_sessions
 
     @property
     def has_free_slot(self) -> bool:
@@ -424,12 +428,14 @@ def report_stats(
         _set(engine, "healthy", healthy)
 
 
-def add_peer_load(engine: EngineLoad, turns: int, work_tokens: int, paused_tokens: int) -> None:
+def add_peer_load(engine: EngineLoad, turns: int, work_tokens: int, paused_tokens: int,
+                  paused_sessions: int = 0) -> None:
     """Work another driver sharing ``engine`` (another gateway replica) released to it or holds
     paused on it changed by these deltas (see ``Scheduler.peer_load``)."""
     _set(engine, "outstanding_turns", engine.outstanding_turns + turns)
     _set(engine, "outstanding_tokens", engine.outstanding_tokens + work_tokens)
     _set(engine, "paused_context_tokens", engine.paused_context_tokens + paused_tokens)
+    _set(engine, "peer_paused_sessions", engine.peer_paused_sessions + paused_sessions)
 
 
 def count_peer_released(view: ClusterView, turns: int, work_tokens: int) -> None:

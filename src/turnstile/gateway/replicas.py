@@ -1,9 +1,10 @@
 """One gateway replica among several sharing a :class:`~.shared.RedisState`.
 
 * Every ``peer_sync_s`` the replica publishes its own load on each engine (released turns and
-  tokens, paused context) and its held turns, refreshes its heartbeat, and hands the other
-  replicas' sum to its scheduler (``Scheduler.peer_load``): routing, shadow load and the budgets
-  policies read from the view are decided on the cluster's load, not one replica's share of it.
+  tokens, paused context and sessions) and its held turns, refreshes its heartbeat, and hands
+  the other replicas' sum to its scheduler (``Scheduler.peer_load``): routing, shadow load, free
+  slots and the budgets policies read from the view are decided on the cluster's load, not one
+  replica's share of it.
 * It feeds the other replicas' observations (flow times, tool-call durations) to its policies,
   so what they learn is learned from the whole cluster's traffic.
 * Every few syncs it claims the accepted turns of replicas whose heartbeat expired and serves
@@ -77,7 +78,7 @@ class ReplicaSync:
         own = {eid: sched.own_load(eid) for eid in sched.view.ids}
         peers, held = await self.state.exchange_load(own, sched.held_turns)
         for eid in sched.view.ids:
-            peers.setdefault(eid, (0, 0, 0))
+            peers.setdefault(eid, (0, 0, 0, 0))
         self.host._apply(sched.peer_load(self.now(), peers, held))
         now = self.now()
         for flow_s, tool_s in await self.state.read_observations():

@@ -303,9 +303,11 @@ class RedisState:
         return await self._rows(rids)
 
     # ------------------------------------------------------------------ load exchange
-    async def exchange_load(self, own: dict[str, tuple[int, int, int]], held: int
-                            ) -> tuple[dict[str, tuple[int, int, int]], int]:
-        """Publish this replica's load; returns the sum of the other live replicas'."""
+    async def exchange_load(self, own: dict[str, tuple[int, ...]], held: int
+                            ) -> tuple[dict[str, tuple[int, int, int, int]], int]:
+        """Publish this replica's load (per engine: released turns, released tokens, paused
+        context tokens, paused sessions); returns the sum of the other live replicas'. A
+        replica of an older version publishes no paused-session count: 0."""
         key = f"{self.ns}:load:{self.replica}"
         doc = json.dumps({"engines": own, "held": held})
         pipe = self.redis.pipeline(transaction=False)
@@ -324,10 +326,10 @@ class RedisState:
                 obj = json.loads(d)
                 held_total += int(obj.get("held", 0))
                 for eid, v in obj.get("engines", {}).items():
-                    t = total.setdefault(eid, [0, 0, 0])
-                    for i in range(3):
+                    t = total.setdefault(eid, [0, 0, 0, 0])
+                    for i in range(min(4, len(v))):
                         t[i] += int(v[i])
-        return {k: (v[0], v[1], v[2]) for k, v in total.items()}, held_total
+        return {k: (v[0], v[1], v[2], v[3]) for k, v in total.items()}, held_total
 
     # ------------------------------------------------------------------ learning
     def publish_observation(self, *, flow_time_s: float | None = None,
