@@ -82,6 +82,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tool-div", type=float, default=20.0)
     ap.add_argument("--max-tool-s", type=float, default=0.5)
     ap.add_argument("--quick-profile", action="store_true")
+    ap.add_argument("--measure-attempts", type=int, default=2,
+                    help="profile (and serving-probe) again when the profile's own fit error is "
+                         "over 10%% or the probe measures the engines over 1.25x the profile: "
+                         "the host was busy; the best of this many attempts is kept")
     ap.add_argument("--rerun-baseline", action=argparse.BooleanOptionalAction, default=True,
                     help="run the first policy again after the others in every load and seed "
                          "(eager@rerun): the measurement's own noise")
@@ -208,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                 seeds=[int(s) for s in args.seeds.split(",") if s.strip()], engines=engines,
                 threads=args.threads, hidden=args.hidden, layers=args.layers,
                 max_tokens=args.max_output, quick_profile=args.quick_profile,
-                rerun_baseline=args.rerun_baseline,
+                rerun_baseline=args.rerun_baseline, measure_attempts=args.measure_attempts,
                 serving=_serving(args), serving_probe=args.serving_probe,
                 # longer than any tool call: the gateway must not close a session mid-task
                 session_idle_s=args.max_tool_s + 0.3)

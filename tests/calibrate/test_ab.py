@@ -347,3 +347,21 @@ def test_serving_terms_from_served_turns() -> None:
     with pytest.raises(RuntimeError, match="no engine timings"):
         empty = SimpleNamespace(records=[wf], engine_timings={})
         serving_terms(empty, perf)  # type: ignore[arg-type]
+
+
+def test_best_of_measures_again_while_the_host_looks_busy() -> None:
+    from turnstile.calibrate.ab_real import best_of
+
+    said: list[str] = []
+    scores = iter([0.3, 0.05, 0.01])
+    got = best_of(lambda i: (i, next(scores)), lambda r: r[1], 0.1, 3, "fit error", said.append)
+    assert got == (1, 0.05)  # the second attempt is under the limit: no third one
+    assert len(said) == 1 and "fit error 0.3 is over 0.1" in said[0]
+    # every attempt over the limit: the best of them is kept, nothing said after the last
+    scores = iter([0.4, 0.2, 0.3])
+    said.clear()
+    assert best_of(lambda i: (i, next(scores)), lambda r: r[1], 0.1, 3, "x", said.append) == (
+        1, 0.2)
+    assert len(said) == 2
+    # one attempt: measured once whatever it scores
+    assert best_of(lambda i: i, lambda r: 9.0, 0.1, 1, "x", said.append) == 0

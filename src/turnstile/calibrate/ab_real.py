@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import subprocess
@@ -33,7 +34,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import numpy as np
@@ -57,7 +58,7 @@ from turnstile.gateway.adapters import parse_prometheus
 from turnstile.sim.fitted_perf import FittedPerf
 from turnstile.workload.model import Workflow
 
-__all__ = ["AbRun", "measure_serving", "run_ab", "serving_terms"]
+__all__ = ["AbRun", "best_of", "measure_serving", "run_ab", "serving_terms"]
 
 _COUNTERS = ("llamacpp:prompt_tokens_total", "llamacpp:prompt_tokens_cached_total")
 
@@ -94,6 +95,12 @@ class AbRun:
     serving_probe: bool = True
     probe_policy: str = "cvar"
     probe_seed: int = 1000
+    #: a profile whose own fit error exceeds this, or a serving probe measuring engines slower
+    #: than ``max_engine_slowdown`` × the profile, was taken while the host was busy: measured
+    #: again, up to ``measure_attempts`` times in all, and the best attempt kept
+    max_profile_error: float = 0.10
+    max_engine_slowdown: float = 1.25
+    measure_attempts: int = 2
     #: run the first policy again after the others in every (load, seed) (``eager@rerun``):
     #: how far two runs of one policy are apart on this host, beside the policies' ratios
     rerun_baseline: bool = False
@@ -337,6 +344,29 @@ def _replay(gateway: str, workflows: list[Workflow], run: AbRun, label: str, see
     return {"metrics": res["metrics"], "replay": res.get("replay", {})}
 
 
+T = TypeVar("T")
+
+
+def best_of(measure: Callable[[int], T], score: Callable[[T], float], limit: float,
+            attempts: int, what: str, log: Callable[[str], None] = print) -> T:
+    """``measure(0)``, and again (``measure(1)``, ...) while ``score`` of the result is over
+    ``limit`` (a measurement taken while the host was busy), up to ``attempts`` in all; the
+    attempt with the lowest score is kept."""
+    best: T | None = None
+    best_score = math.inf
+    for i in range(max(1, attempts)):
+        got = measure(i)
+        sc = score(got)
+        if sc < best_score:
+            best, best_score = got, sc
+        if sc <= limit:
+            break
+        if i + 1 < attempts:
+            log(f"{what} {sc:.3g} is over {limit:.3g} (the host was busy?): measuring again")
+    assert best is not None
+    return best
+
+
 def run_ab(
     run: AbRun,
     sessions: Sequence[Workflow],
@@ -368,11 +398,15 @@ def run_ab(
             f"-c {eng.ctx} -t {run.threads} --cache-ram 0; session KV {eng.session_kv_tokens} "
             "tokens per engine")
         # all engines at once: each is measured under the others' load, as when they serve
-        prof = profile_engine(urls, out=work_dir / "profile.json",
-                              quick=run.quick_profile, repeats=run.profile_repeats,
-                              max_context=eng.ctx // eng.n_parallel, chunk=eng.chunk,
-                              seed=int(time.time()) % 100_000)
+        prof = best_of(
+            lambda i: profile_engine(urls, out=work_dir / "profile.json",
+                                     quick=run.quick_profile, repeats=run.profile_repeats,
+                                     max_context=eng.ctx // eng.n_parallel, chunk=eng.chunk,
+                                     seed=(int(time.time()) + 7919 * i) % 100_000),
+            lambda p: float(p.perf.meta["fit"]["median_abs_rel_err"]), run.max_profile_error,
+            run.measure_attempts, "profile's own fit error", log)
         perf: FittedPerf = prof.perf
+        perf.to_profile(work_dir / "profile.json")  # the kept attempt's, not the last one's
         fit = perf.meta["fit"]
         log(f"profile: {fit['samples']} samples in {prof.wall_s:.0f} s, median |rel err| "
             f"{100 * fit['median_abs_rel_err']:.1f}%, loadavg {os.getloadavg()[0]:.2f}")
@@ -384,14 +418,20 @@ def run_ab(
             f"{eng.turn_template_tokens} tokens")
         serving, probe = run.serving, None
         if serving is None and run.serving_probe:
-            gw = _fresh_gateway(run.probe_policy, urls, eng, run, tmp)
-            try:
-                top = max(run.loads)
-                serving, probe = measure_serving(
-                    gw.url, cell_workload(sessions, rates[top], run.probe_seed), run, chars,
-                    perf)
-            finally:
-                gw.stop()
+            top = max(run.loads)
+
+            def probe_once(i: int) -> tuple[ServingTerms, dict[str, Any]]:
+                gw = _fresh_gateway(run.probe_policy, urls, eng, run, tmp)
+                try:
+                    return measure_serving(
+                        gw.url, cell_workload(sessions, rates[top], run.probe_seed + i), run,
+                        chars, perf)
+                finally:
+                    gw.stop()
+
+            serving, probe = best_of(probe_once, lambda got: got[0].engine_slowdown,
+                                     run.max_engine_slowdown, run.measure_attempts,
+                                     "serving probe's engine slowdown", log)
             log(f"serving probe ({run.probe_policy}, load {top:g}, {probe['turns']} turns): "
                 f"{1e3 * serving.turn_overhead_s:.0f} ms per turn outside the engine, engines "
                 f"{serving.engine_slowdown:.2f}x the profile ({probe['isolated_prefills']} of "
