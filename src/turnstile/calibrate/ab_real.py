@@ -51,7 +51,7 @@ from turnstile.calibrate.ab import (
     predict,
     with_profile_slots,
 )
-from turnstile.calibrate.profile import profile_engine
+from turnstile.calibrate.profile import profile_engine, write_profile
 from turnstile.engines.llama_server import LlamaServerProcess, free_port
 from turnstile.engines.tiny_model import write_tiny_gguf
 from turnstile.gateway.adapters import parse_prometheus
@@ -399,14 +399,13 @@ def run_ab(
             "tokens per engine")
         # all engines at once: each is measured under the others' load, as when they serve
         prof = best_of(
-            lambda i: profile_engine(urls, out=work_dir / "profile.json",
-                                     quick=run.quick_profile, repeats=run.profile_repeats,
+            lambda i: profile_engine(urls, quick=run.quick_profile, repeats=run.profile_repeats,
                                      max_context=eng.ctx // eng.n_parallel, chunk=eng.chunk,
                                      seed=(int(time.time()) + 7919 * i) % 100_000),
             lambda p: float(p.perf.meta["fit"]["median_abs_rel_err"]), run.max_profile_error,
             run.measure_attempts, "profile's own fit error", log)
         perf: FittedPerf = prof.perf
-        perf.to_profile(work_dir / "profile.json")  # the kept attempt's, not the last one's
+        write_profile(prof, work_dir / "profile.json")  # the kept attempt's, once
         fit = perf.meta["fit"]
         log(f"profile: {fit['samples']} samples in {prof.wall_s:.0f} s, median |rel err| "
             f"{100 * fit['median_abs_rel_err']:.1f}%, loadavg {os.getloadavg()[0]:.2f}")

@@ -58,14 +58,12 @@ class _NeighbourLoad:
         self._probers = probers
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self.requests = 0
         self.errors: list[str] = []
 
     def _loop(self, prober: EngineProber) -> None:
         while not self._stop.is_set():
             try:
                 prober.serve_one(NEIGHBOUR_PROMPT, NEIGHBOUR_OUTPUT, self._stop.is_set)
-                self.requests += 1
             except EngineRequestError as e:
                 self.errors.append(str(e))
                 return

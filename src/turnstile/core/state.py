@@ -263,6 +263,11 @@ class EngineLoad:
         return self.outstanding_turns + len(self.cached_sessions) + self.peer_paused_sessions
 
     @property
+    def idle(self) -> bool:
+        """Takes new work (healthy, not draining) and has nothing released to it."""
+        return self.outstanding_turns == 0 and self.healthy and self.accepting
+
+    @property
     def has_free_slot(self) -> bool:
         """One more session's KV fits beside the open sessions' without taking a slot: always
         on an engine that is not slot-limited (``kv_slots`` 0)."""
@@ -355,8 +360,7 @@ class ClusterView:
 
     def any_idle(self) -> bool:
         """Some engine that takes new work has nothing released to it."""
-        return any(e.outstanding_turns == 0 and e.healthy and e.accepting
-                   for e in self._engines.values())
+        return any(e.idle for e in self._engines.values())
 
 
 Mapping.register(ClusterView)

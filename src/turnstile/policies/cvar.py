@@ -48,7 +48,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from turnstile.core.interfaces import AdmissionPolicy
-from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, TurnState, WorkflowRecord
+from turnstile.core.state import ClusterView, TurnRecord, TurnState, WorkflowRecord
 from turnstile.policies.base import RELEASE
 from turnstile.policies.estimators import QuantileTracker, RecentWindow
 
@@ -216,8 +216,8 @@ class CvarRelease:
         by a session paused longer than :meth:`done_pause_s` (likely done). O(slots) per idle
         slot-limited engine."""
         limit = -1.0
-        for e in view.values():
-            if not _idle_for_new_work(e):
+        for e in view.values():  # the engines view.any_idle() looks at
+            if not e.idle:
                 continue
             if e.has_free_slot:
                 return True
@@ -402,7 +402,7 @@ class CvarRelease:
             if done != math.inf:
                 for e in self._view.values():
                     # the engines idle_with_free_slot would look at, slot-limited and full
-                    if not _idle_for_new_work(e) or not e.kv_slots or e.has_free_slot:
+                    if not e.idle or not e.kv_slots or e.has_free_slot:
                         continue
                     for sid in e.cached_sessions:
                         t = self._paused_at.get(sid, math.inf) + done
@@ -412,11 +412,6 @@ class CvarRelease:
 
     def __len__(self) -> int:
         return self._n
-
-
-def _idle_for_new_work(e: EngineLoad) -> bool:
-    """An engine the idle override may start a session on: nothing outstanding, up, taking work."""
-    return not e.outstanding_turns and e.healthy and e.accepting
 
 
 @RELEASE.register("cvar-fixed")
