@@ -34,7 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from turnstile.calibrate.fidelity import SimEngineSpec, TraceScale, run_fidelity, select_sessions
 from turnstile.calibrate.fidelity_report import write_report
 from turnstile.calibrate.profile import LLAMACPP_BATCH, profile_engine
-from turnstile.engines.llama_server import LlamaServerProcess, require_llama_server
+from turnstile.engines.llama_server import LlamaServerProcess, engine_cpus, require_llama_server
 from turnstile.engines.tiny_model import tiny_vocab, write_tiny_gguf
 from turnstile.sim.fitted_perf import FittedPerf
 from turnstile.sim.perf import PerfModel
@@ -89,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="profile all engines at once, each under the others' load (default: "
                     "the first engine, the others idle)")
     ap.add_argument("--pin-cores", action="store_true",
-                    help="pin engine i's threads to CPU i mod cpus (as a CPU deployment pins "
-                    "with taskset): the scheduler then does not move an engine between cores")
+                    help="pin each engine's threads to a physical core of its own among the "
+                    "CPUs this process may use (taskset narrows them), and the replay to the "
+                    "others, as a CPU deployment pins with taskset")
     ap.add_argument("--no-contention", action="store_true",
                     help="do not measure host contention (the engines then run independently "
                     "in the simulator, as before)")
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     sessions = select_sessions(loaded.workflows, args.sessions, scale, seed=args.seed)
     load0 = os.getloadavg()
     t_start = time.time()
+    allowed = sorted(os.sched_getaffinity(0))
+    pinned: dict[str, list[int]] = {}
 
     with tempfile.TemporaryDirectory(prefix="turnstile-fidelity-") as tmp:
         model = write_tiny_gguf(Path(tmp) / "model.gguf", hidden=args.hidden,
@@ -127,8 +130,12 @@ def main(argv: list[str] | None = None) -> int:
             for s in servers:
                 s.start()
             if args.pin_cores:
-                for i, s in enumerate(servers):
-                    _pin(s, i % (os.cpu_count() or 1))
+                engine_cores, rest = engine_cpus(len(servers))
+                for s, cpu in zip(servers, engine_cores, strict=True):
+                    s.pin([cpu])
+                os.sched_setaffinity(0, rest)  # the replay and its clients off the engines
+                pinned = {"engines": engine_cores, "replay": rest}
+                console.print(f"pinned: engines on CPUs {engine_cores}, the replay on {rest}")
             urls = [s.base_url for s in servers]
             console.print(f"engines: {', '.join(urls)} ({args.hidden}x{args.layers}, "
                           f"-np {args.n_parallel} -c {args.ctx} -t {args.threads})")
@@ -210,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "trace": str(args.trace), "subset": args.subset, "scale": dataclasses.asdict(scale),
         "arrivals": "sessions superimposed on Poisson arrivals (seeded)",
         "loadavg_before": load0, "loadavg_after": os.getloadavg(),
-        "pin_cores": args.pin_cores,
+        "pin_cores": args.pin_cores, "pinned_cpus": pinned, "cpus_allowed": allowed,
         "cpus": os.cpu_count(), "machine": platform.machine(),
         "wall_s": round(time.time() - t_start, 1),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -220,13 +227,6 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     console.print(f"wrote {out}/fidelity.md, fidelity.json, fidelity_scatter.png, profile.json")
     return 0
-
-
-def _pin(server: LlamaServerProcess, cpu: int) -> None:
-    """Every thread of a running server onto one CPU (Linux: ``/proc/PID/task``)."""
-    assert server.process is not None
-    for task in Path(f"/proc/{server.process.pid}/task").iterdir():
-        os.sched_setaffinity(int(task.name), {cpu})
 
 
 def _bar(console: Console) -> Progress:

@@ -89,6 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rerun-baseline", action=argparse.BooleanOptionalAction, default=True,
                     help="run the first policy again after the others in every load and seed "
                          "(eager@rerun): the measurement's own noise")
+    ap.add_argument("--pin-cores", action="store_true",
+                    help="pin each engine to a physical core of its own among the CPUs this "
+                         "process may use (taskset narrows them), the gateway and the clients "
+                         "to the others")
     ap.add_argument("--seed", type=int, default=0, help="session choice")
     ap.add_argument("--kv-model", choices=("slots", "paged"), default="slots",
                     help="the simulator's KV model of the engines (slots: as llama.cpp)")
@@ -213,12 +217,14 @@ def main(argv: list[str] | None = None) -> int:
                 threads=args.threads, hidden=args.hidden, layers=args.layers,
                 max_tokens=args.max_output, quick_profile=args.quick_profile,
                 rerun_baseline=args.rerun_baseline, measure_attempts=args.measure_attempts,
+                pin_cores=args.pin_cores,
                 serving=_serving(args), serving_probe=args.serving_probe,
                 # longer than any tool call: the gateway must not close a session mid-task
                 session_idle_s=args.max_tool_s + 0.3)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     load0 = os.getloadavg()
+    allowed = sorted(os.sched_getaffinity(0))
     t0 = time.time()
 
     def on_cell(c: dict) -> None:
@@ -239,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         else "probe" if doc.get("serving_probe") else "none",
         "scale": vars(scale) if hasattr(scale, "__dict__") else str(scale),
         "loadavg_before": load0, "loadavg_after": os.getloadavg(), "cpus": os.cpu_count(),
+        "cpus_allowed": allowed,
+        "pinned_cpus": doc["pinned_cpus"],
         "machine": platform.machine(), "wall_s": round(time.time() - t0, 1),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
     }

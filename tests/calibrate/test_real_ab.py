@@ -35,6 +35,7 @@ def test_real_ab_smoke(tmp_path: Path, llama_server_binary: Path,
         "--trace-sessions", "0", "--synth-sessions", "4", "--max-turns", "4",
         "--max-context", "500", "--ctx", "2048", "--n-parallel", "2", "--quick-profile",
         "--measure-attempts", "1",  # a smoke run: whatever the CI host's load, measure once
+        "--pin-cores",
     ])
     assert rc == 0
     doc = json.loads((out / "real_ab.json").read_text())
@@ -51,6 +52,10 @@ def test_real_ab_smoke(tmp_path: Path, llama_server_binary: Path,
         assert c["engine_processed_tokens"] > 0 and 0 < c["engine_hit_rate"] < 1
         assert c["loadavg"][0] >= 0
     assert doc["profile"]["fit"]["samples"] >= 5
+    # each engine pinned to a CPU of its own among those this process may use
+    pinned = doc["setup"]["pinned_cpus"]
+    assert len(set(pinned["engines"])) == 2 and pinned["serving"]
+    assert set(pinned["engines"]) <= set(doc["setup"]["cpus_allowed"])
     # the serving probe served a cell of its own before the table's and measured the terms
     # the predictions carry: every probe turn came with the engine's timings
     probe = doc["serving_probe"]

@@ -52,7 +52,7 @@ from turnstile.calibrate.ab import (
     with_profile_slots,
 )
 from turnstile.calibrate.profile import profile_engine, write_profile
-from turnstile.engines.llama_server import LlamaServerProcess, free_port
+from turnstile.engines.llama_server import LlamaServerProcess, engine_cpus, free_port
 from turnstile.engines.tiny_model import write_tiny_gguf
 from turnstile.gateway.adapters import parse_prometheus
 from turnstile.sim.fitted_perf import FittedPerf
@@ -104,6 +104,9 @@ class AbRun:
     #: run the first policy again after the others in every (load, seed) (``eager@rerun``):
     #: how far two runs of one policy are apart on this host, beside the policies' ratios
     rerun_baseline: bool = False
+    #: pin each engine to a physical core of its own and this process (the replay's clients,
+    #: and the gateways it starts) to the other allowed CPUs (:func:`engine_cpus`)
+    pin_cores: bool = False
 
     @property
     def cell_policies(self) -> list[str]:
@@ -390,9 +393,17 @@ def run_ab(
     ]
     cells: list[dict[str, Any]] = []
     t0 = time.time()
+    pinned: dict[str, list[int]] = {}
     try:
         for s in servers:
             s.start()
+        if run.pin_cores:
+            engine_cores, rest = engine_cpus(len(servers))
+            for s, cpu in zip(servers, engine_cores, strict=True):
+                s.pin([cpu])
+            os.sched_setaffinity(0, rest)  # inherited by the gateways started from here on
+            pinned = {"engines": engine_cores, "serving": rest}
+            log(f"pinned: engines on CPUs {engine_cores}, gateway and clients on {rest}")
         urls = [s.base_url for s in servers]
         log(f"engines {', '.join(urls)}: {run.hidden}x{run.layers}, -np {eng.n_parallel} "
             f"-c {eng.ctx} -t {run.threads} --cache-ram 0; session KV {eng.session_kv_tokens} "
@@ -479,5 +490,6 @@ def run_ab(
         "run": {**asdict(run), "engines": asdict(eng)},
         "serving": asdict(serving),
         "serving_probe": probe,
+        "pinned_cpus": pinned,
         "wall_s": round(time.time() - t0, 1),
     }

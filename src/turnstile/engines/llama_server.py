@@ -25,6 +25,7 @@ __all__ = [
     "ENV_VAR",
     "LlamaServerError",
     "LlamaServerProcess",
+    "engine_cpus",
     "find_llama_server",
     "free_port",
     "require_llama_server",
@@ -39,6 +40,41 @@ _REPO_ROOT = Path(__file__).resolve().parents[3]
 
 class LlamaServerError(RuntimeError):
     """The llama-server binary is missing, or the server failed to start."""
+
+
+def _physical_core(cpu: int) -> tuple[int, int]:
+    """``(package, core)`` of a logical CPU (Linux sysfs); the CPU itself where unknown."""
+    topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+    try:
+        return (int((topo / "physical_package_id").read_text()),
+                int((topo / "core_id").read_text()))
+    except (OSError, ValueError):
+        return (-1, cpu)
+
+
+def engine_cpus(count: int) -> tuple[list[int], list[int]]:
+    """Split the CPUs this process may run on (its affinity mask, so ``taskset`` narrows it)
+    into one CPU for each of ``count`` engines and the rest, for the process driving them.
+
+    Each engine gets a physical core of its own where there are enough; the other hyperthreads
+    of those cores go to no one while other cores are left, so an engine shares its core with
+    nothing. Where fewer CPUs than engines + 1 are allowed (2 CPUs, 2 engines) the rest is every
+    allowed CPU: the driver then floats, as it does unpinned.
+    """
+    allowed = sorted(os.sched_getaffinity(0))
+    if count > len(allowed):
+        raise ValueError(f"{count} engines need {count} CPUs; this process may use {allowed}")
+    cores: dict[tuple[int, int], list[int]] = {}
+    for cpu in allowed:
+        cores.setdefault(_physical_core(cpu), []).append(cpu)
+    groups = list(cores.values())
+    if len(groups) > count:
+        engines = [g[0] for g in groups[:count]]
+        rest = [c for g in groups[count:] for c in g]
+    else:  # fewer cores than engines + 1: one logical CPU each, siblings shared
+        engines = allowed[:count]
+        rest = [c for c in allowed if c not in engines] or allowed
+    return engines, rest
 
 
 def _is_executable(path: Path) -> bool:
@@ -199,6 +235,14 @@ class LlamaServerProcess:
         if self._owns_log and self._log_path is not None:
             self._log_path.unlink(missing_ok=True)
             self._log_path = None
+
+    def pin(self, cpus: Sequence[int]) -> None:
+        """Every thread of the running server onto ``cpus`` (Linux: ``/proc/PID/task``), as a
+        CPU deployment pins an engine with ``taskset``: the scheduler then does not move it."""
+        if self.process is None:
+            raise LlamaServerError("server not started")
+        for task in Path(f"/proc/{self.process.pid}/task").iterdir():
+            os.sched_setaffinity(int(task.name), set(cpus))
 
     def log_tail(self, max_lines: int = 40) -> str:
         if self._log_path is None or not self._log_path.exists():
