@@ -34,7 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from turnstile.calibrate.fidelity import SimEngineSpec, TraceScale, run_fidelity, select_sessions
 from turnstile.calibrate.fidelity_report import write_report
 from turnstile.calibrate.profile import LLAMACPP_BATCH, profile_engine
-from turnstile.engines.llama_server import LlamaServerProcess, engine_cpus, require_llama_server
+from turnstile.engines.llama_server import LlamaServerProcess, pin_engines, require_llama_server
 from turnstile.engines.tiny_model import tiny_vocab, write_tiny_gguf
 from turnstile.sim.fitted_perf import FittedPerf
 from turnstile.sim.perf import PerfModel
@@ -129,13 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for s in servers:
                 s.start()
-            if args.pin_cores:
-                engine_cores, rest = engine_cpus(len(servers))
-                for s, cpu in zip(servers, engine_cores, strict=True):
-                    s.pin([cpu])
-                os.sched_setaffinity(0, rest)  # the replay and its clients off the engines
-                pinned = {"engines": engine_cores, "replay": rest}
-                console.print(f"pinned: engines on CPUs {engine_cores}, the replay on {rest}")
+            if args.pin_cores:  # the replay and its clients off the engines' cores
+                pinned = pin_engines(servers)
+                console.print(f"pinned: engines on CPUs {pinned['engines']}, the replay on "
+                              f"{pinned['driver']}")
             urls = [s.base_url for s in servers]
             console.print(f"engines: {', '.join(urls)} ({args.hidden}x{args.layers}, "
                           f"-np {args.n_parallel} -c {args.ctx} -t {args.threads})")

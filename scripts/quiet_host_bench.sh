@@ -33,12 +33,8 @@ mkdir -p "$OUT"
 
 # CPUs grouped by physical core (package, core id), in the order of their first CPU
 read -r FID_CPUS AB_CPUS < <("$PY" - <<'EOF'
-from turnstile.engines.llama_server import _physical_core
-import os
-cores = {}
-for cpu in sorted(os.sched_getaffinity(0)):
-    cores.setdefault(_physical_core(cpu), []).append(cpu)
-g = list(cores.values())
+from turnstile.engines.llama_server import physical_cores
+g = physical_cores()
 if len(g) < 8:
     raise SystemExit(f"need 8 physical cores, found {len(g)}")
 flat = lambda gs: ",".join(str(c) for x in gs for c in x)

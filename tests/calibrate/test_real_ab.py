@@ -54,7 +54,7 @@ def test_real_ab_smoke(tmp_path: Path, llama_server_binary: Path,
     assert doc["profile"]["fit"]["samples"] >= 5
     # each engine pinned to a CPU of its own among those this process may use
     pinned = doc["setup"]["pinned_cpus"]
-    assert len(set(pinned["engines"])) == 2 and pinned["serving"]
+    assert len(set(pinned["engines"])) == 2 and pinned["driver"]
     assert set(pinned["engines"]) <= set(doc["setup"]["cpus_allowed"])
     # the serving probe served a cell of its own before the table's and measured the terms
     # the predictions carry: every probe turn came with the engine's timings

@@ -52,7 +52,7 @@ from turnstile.calibrate.ab import (
     with_profile_slots,
 )
 from turnstile.calibrate.profile import profile_engine, write_profile
-from turnstile.engines.llama_server import LlamaServerProcess, engine_cpus, free_port
+from turnstile.engines.llama_server import LlamaServerProcess, free_port, pin_engines
 from turnstile.engines.tiny_model import write_tiny_gguf
 from turnstile.gateway.adapters import parse_prometheus
 from turnstile.sim.fitted_perf import FittedPerf
@@ -397,13 +397,10 @@ def run_ab(
     try:
         for s in servers:
             s.start()
-        if run.pin_cores:
-            engine_cores, rest = engine_cpus(len(servers))
-            for s, cpu in zip(servers, engine_cores, strict=True):
-                s.pin([cpu])
-            os.sched_setaffinity(0, rest)  # inherited by the gateways started from here on
-            pinned = {"engines": engine_cores, "serving": rest}
-            log(f"pinned: engines on CPUs {engine_cores}, gateway and clients on {rest}")
+        if run.pin_cores:  # the gateways started from here on inherit the driver's CPUs
+            pinned = pin_engines(servers)
+            log(f"pinned: engines on CPUs {pinned['engines']}, gateway and clients on "
+                f"{pinned['driver']}")
         urls = [s.base_url for s in servers]
         log(f"engines {', '.join(urls)}: {run.hidden}x{run.layers}, -np {eng.n_parallel} "
             f"-c {eng.ctx} -t {run.threads} --cache-ram 0; session KV {eng.session_kv_tokens} "

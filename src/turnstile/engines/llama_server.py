@@ -28,6 +28,8 @@ __all__ = [
     "engine_cpus",
     "find_llama_server",
     "free_port",
+    "physical_cores",
+    "pin_engines",
     "require_llama_server",
 ]
 
@@ -52,6 +54,15 @@ def _physical_core(cpu: int) -> tuple[int, int]:
         return (-1, cpu)
 
 
+def physical_cores() -> list[list[int]]:
+    """The CPUs this process may run on, grouped by physical core (hyperthreads together), in
+    the order of each core's first CPU."""
+    cores: dict[tuple[int, int], list[int]] = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        cores.setdefault(_physical_core(cpu), []).append(cpu)
+    return list(cores.values())
+
+
 def engine_cpus(count: int) -> tuple[list[int], list[int]]:
     """Split the CPUs this process may run on (its affinity mask, so ``taskset`` narrows it)
     into one CPU for each of ``count`` engines and the rest, for the process driving them.
@@ -64,10 +75,7 @@ def engine_cpus(count: int) -> tuple[list[int], list[int]]:
     allowed = sorted(os.sched_getaffinity(0))
     if count > len(allowed):
         raise ValueError(f"{count} engines need {count} CPUs; this process may use {allowed}")
-    cores: dict[tuple[int, int], list[int]] = {}
-    for cpu in allowed:
-        cores.setdefault(_physical_core(cpu), []).append(cpu)
-    groups = list(cores.values())
+    groups = physical_cores()
     if len(groups) > count:
         engines = [g[0] for g in groups[:count]]
         rest = [c for g in groups[count:] for c in g]
@@ -75,6 +83,17 @@ def engine_cpus(count: int) -> tuple[list[int], list[int]]:
         engines = allowed[:count]
         rest = [c for c in allowed if c not in engines] or allowed
     return engines, rest
+
+
+def pin_engines(servers: Sequence[LlamaServerProcess]) -> dict[str, list[int]]:
+    """Pin each running server to a CPU of its own (:func:`engine_cpus`) and this process to the
+    rest: the processes it starts from now on (a gateway) inherit that. Returns
+    ``{"engines": [cpu per server], "driver": [the rest]}``, for the run's record."""
+    engines, rest = engine_cpus(len(servers))
+    for server, cpu in zip(servers, engines, strict=True):
+        server.pin([cpu])
+    os.sched_setaffinity(0, rest)
+    return {"engines": engines, "driver": rest}
 
 
 def _is_executable(path: Path) -> bool:
