@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         profile = args.run / f"profile_rate{rate:g}.json"
         if not profile.is_file():  # older runs kept only the last rate's profile; a run
             # with --profile-once keeps one, profile.json
-            profile = ([*sorted(args.run.glob("profile_rate*.json")), args.run / "profile.json"])[0]
+            rated = sorted(args.run.glob("profile_rate*.json"))
+            profile = rated[-1] if rated else args.run / "profile.json"
         wfs = on_poisson(sessions, rate, 0)
         assignment = assign_round_robin(wfs, setup["engines"])
         real = real_observed(run["turn_log"], {w.id: w.arrival_s for w in wfs})

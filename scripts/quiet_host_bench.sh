@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The fidelity benchmark and the real-engine A/B on a quiet many-core host (the lent device
-# machine: 16 CPUs, nothing else running), side by side, each on physical cores of its own:
+# The fidelity benchmark and the real-engine A/B on a many-core host with nothing else of
+# ours running (the lent device machine: 16 CPUs; it proved noisier than hoped, docs/calibration.md
+# §3 runs L-M), side by side, each on physical cores of its own:
 #   fidelity: 3 cores (its two engines pinned one core each, the replay on the third);
 #   A/B:      4 cores (its two engines one core each, gateway and clients on the other two).
 # Each benchmark pins its engines inside the CPU set it is given (--pin-cores, taskset).

@@ -105,7 +105,8 @@ class AbRun:
     #: how far two runs of one policy are apart on this host, beside the policies' ratios
     rerun_baseline: bool = False
     #: pin each engine to a physical core of its own and this process (the replay's clients,
-    #: and the gateways it starts) to the other allowed CPUs (:func:`engine_cpus`)
+    #: and the gateways it starts) to the other allowed CPUs
+    #: (:func:`~turnstile.engines.llama_server.pin_engines`)
     pin_cores: bool = False
 
     @property

@@ -72,10 +72,10 @@ def engine_cpus(count: int) -> tuple[list[int], list[int]]:
     nothing. Where fewer CPUs than engines + 1 are allowed (2 CPUs, 2 engines) the rest is every
     allowed CPU: the driver then floats, as it does unpinned.
     """
-    allowed = sorted(os.sched_getaffinity(0))
+    groups = physical_cores()
+    allowed = sorted(c for g in groups for c in g)
     if count > len(allowed):
         raise ValueError(f"{count} engines need {count} CPUs; this process may use {allowed}")
-    groups = physical_cores()
     if len(groups) > count:
         engines = [g[0] for g in groups[:count]]
         rest = [c for g in groups[count:] for c in g]
