@@ -1,9 +1,21 @@
-"""Step models side by side on the *same* measured fidelity run: the linear model and the one with
-the small-chunk attention term, both fitted to the run's own profile samples, each simulating the
-run's workflows, each compared with the same real turn times (``turn_log`` in ``fidelity.json``).
+"""Step models side by side on the *same* measured fidelity run, each fitted to the run's own
+profile samples, each simulating the run's workflows, each compared with the same real turn times
+(``turn_log`` in ``fidelity.json``):
+
+* ``linear``: one pass per step;
+* ``linear + small-chunk term``: attention pairs of a small prefill chunk cost more (a knee);
+* ``forward passes + small-chunk term``: a fixed cost per forward pass (llama.cpp's
+  micro-batches; :func:`turnstile.sim.fitted_perf.forward_passes`), each step's passes counted
+  as if its decoders held slots ``0..k-1``, as the profile measures them;
+* ``passes by slot + small-chunk term``: the passes counted from the slots the server gives the
+  requests (:mod:`turnstile.sim.lanes`: a run of consecutive slots is one pass);
+* ``passes by slot + knee or FA-tile threshold``: the small-chunk term may instead stop at once
+  at 64 prefill tokens, where llama.cpp's CPU flash attention turns to its tiled kernel; the fit
+  keeps whichever of the knees and the threshold fits the samples best. This is what
+  ``turnstile profile`` fits on llama.cpp.
 
 Nothing is replayed again, so the host's load cannot favour either model: only the model differs.
-The forward-pass model runs with the profile's measured host contention (the engines slow each
+The forward-pass models run with the profile's measured host contention (the engines slow each
 other while both compute; ``--host-contention`` sets it for runs that did not measure it).
 
     .venv/bin/python benchmarks/fidelity_models.py benchmarks/results/fidelity-llamacpp
@@ -11,15 +23,16 @@ other while both compute; ``--host-contention`` sets it for runs that did not me
 Prints a table of median relative errors (TTFT, E2E per turn; flow time per workflow), per rate
 and all rates pooled, then, for each model, the median simulated / measured TTFT of the turns by
 how many other turns were running on their engine when they were sent (``by_others``), and
-writes ``fidelity_models.json`` beside ``fidelity.json``. The forward-pass model
-(:func:`turnstile.sim.fitted_perf.forward_passes`) is fitted to the run's samples as they were
-measured, also for runs whose decode probes were not yet pinned to slots.
+writes ``fidelity_models.json`` beside ``fidelity.json``. The forward-pass models are fitted to
+the run's samples as they were measured, also for runs whose decode probes were not yet pinned
+to slots.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +45,7 @@ from turnstile.calibrate.fidelity import (
     simulate,
 )
 from turnstile.calibrate.fidelity_report import Observed, compare
-from turnstile.calibrate.profile import LLAMACPP_UBATCH, SMALL_CHUNK_KNEES
+from turnstile.calibrate.profile import LLAMACPP_FA_TILE_Q, LLAMACPP_UBATCH, SMALL_CHUNK_KNEES
 from turnstile.calibrate.replay import assign_round_robin
 from turnstile.sim.fitted_perf import FittedPerf, fit_profile
 from turnstile.sim.perf import FEATURES
@@ -65,16 +78,39 @@ def ttft_by_others(turn_log: list[list], sim_ttft: dict) -> dict[int, tuple[floa
     return {k: (float(np.median(v)), len(v)) for k, v in sorted(ratios.items())}
 
 
-def fitted(profile: Path, knees: tuple[float, ...], passes: bool = False,
-           host_contention: float | None = None) -> FittedPerf:
-    """The step model refitted to ``profile``'s samples, with the profile's measured host
+@dataclass(frozen=True)
+class StepModel:
+    """One step model of the comparison: its small-chunk term's candidates, whether a step is
+    priced by its forward passes, and whether those are counted from the requests' slots."""
+
+    knees: tuple[float, ...] = ()
+    thresholds: tuple[float, ...] = ()
+    passes: bool = False
+    by_slot: bool = False
+
+
+MODELS = {
+    "linear": StepModel(),
+    "linear + small-chunk term": StepModel(SMALL_CHUNK_KNEES),
+    "forward passes + small-chunk term": StepModel(SMALL_CHUNK_KNEES, passes=True),
+    "passes by slot + small-chunk term": StepModel(SMALL_CHUNK_KNEES, passes=True, by_slot=True),
+    # what ``turnstile profile`` fits on llama.cpp
+    "passes by slot + knee or FA-tile threshold": StepModel(
+        SMALL_CHUNK_KNEES, (LLAMACPP_FA_TILE_Q,), passes=True, by_slot=True),
+}
+
+
+def fitted(profile: Path, model: StepModel, host_contention: float | None = None) -> FittedPerf:
+    """``model`` refitted to ``profile``'s samples, with the profile's measured host
     contention (or ``host_contention`` when given: runs from before it was measured)."""
     doc = json.loads(profile.read_text())
     samples = [([s[f] for f in FEATURES], s["step_s"]) for s in doc["meta"]["samples"]]
     meta = {"request_overhead_s": doc["meta"].get("request_overhead_s", 0.0)}
     split = {"ubatch_tokens": LLAMACPP_UBATCH, "ubatch_split": "equal",
-             "one_token_pass": True} if passes else {}
-    perf = fit_profile(samples, relative=True, small_chunk_knees=knees, meta=meta, **split)
+             "one_token_pass": True} if model.passes else {}
+    perf = fit_profile(samples, relative=True, small_chunk_knees=model.knees,
+                       small_chunk_thresholds=model.thresholds, meta=meta, **split)
+    perf.slot_passes = model.by_slot
     if host_contention is None:
         host_contention = doc["coefficients"].get("host_contention_per_engine", 0.0)
     perf.host_contention = float(host_contention)
@@ -94,12 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     workflows = load_trace(setup["trace"], subset=setup["subset"]).workflows
     sessions = select_sessions(workflows, doc["sessions"], scale, seed=0)
     engine = SimEngineSpec(**doc["engine"])
-    models = {"linear": ((), False), "linear + small-chunk term": (SMALL_CHUNK_KNEES, False),
-              "forward passes + small-chunk term": (SMALL_CHUNK_KNEES, True)}
+    models = MODELS
     pooled: dict[str, dict[str, list]] = {m: {"ttft": [], "e2e": [], "flow": []} for m in models}
     out: dict[str, dict] = {}
     by_others: dict[str, dict[str, dict]] = {}
-    print("| step model | rate | TTFT med | E2E med | flow med | knee |")
+    print("| step model | rate | TTFT med | E2E med | flow med | knee / threshold |")
     print("|---|---|---:|---:|---:|---:|")
     for run in doc["runs"]:
         rate = run["rate"]
@@ -111,9 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         wfs = on_poisson(sessions, rate, 0)
         assignment = assign_round_robin(wfs, setup["engines"])
         real = real_observed(run["turn_log"], {w.id: w.arrival_s for w in wfs})
-        for name, (knees, passes) in models.items():
-            # host contention only with the newest model: the others are as they were
-            perf = fitted(profile, knees, passes, args.host_contention if passes else 0.0)
+        for name, model in models.items():
+            # host contention only with the forward-pass models: the others are as they were
+            perf = fitted(profile, model, args.host_contention if model.passes else 0.0)
             sim = simulate(wfs, assignment, engine, perf)
             err = compare(real, sim)
             by_others.setdefault(name, {})[f"{rate:g}"] = ttft_by_others(run["turn_log"],
@@ -122,9 +157,10 @@ def main(argv: list[str] | None = None) -> int:
                 pooled[name][m] += [abs(p - r) / r for r, p in err["pairs"][m] if r > 0]
             out.setdefault(name, {})[f"{rate:g}"] = {m: err[m]["median"] for m in
                                                       ("ttft", "e2e", "flow")}
+            below = " (below)" if perf.small_chunk_rule == "below" else ""
             print(f"| {name} | {rate:g} | {100 * err['ttft']['median']:.1f}% "
                   f"| {100 * err['e2e']['median']:.1f}% | {100 * err['flow']['median']:.1f}% "
-                  f"| {perf.small_chunk_tokens:g} |")
+                  f"| {perf.small_chunk_tokens:g}{below} |")
     for name in models:
         med = {m: float(np.median(v)) for m, v in pooled[name].items()}
         out[name]["all"] = med

@@ -29,6 +29,7 @@ COMPILED_MODULES = (
     "turnstile.sim.engine",
     "turnstile.sim.kernel",
     "turnstile.sim.kv_retention",
+    "turnstile.sim.lanes",
     "turnstile.sim.leap_loop",
     "turnstile.sim.request",
     "turnstile.sim.roofline_perf",

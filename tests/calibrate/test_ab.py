@@ -4,6 +4,7 @@ the small-chunk attention term of the fitted step model; the gateway settings th
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -274,6 +275,39 @@ def test_profile_file_round_trip_with_small_chunk_term(tmp_path: Path) -> None:
     back = FittedPerf.from_profile(tmp_path / "p.json")
     assert back.b5 == perf.b5 and back.small_chunk_tokens == 16.0
     assert back.step_time(4, 1, 900, 3610.0) == pytest.approx(perf.step_time(4, 1, 900, 3610.0))
+
+
+def test_fit_tells_the_tile_threshold_from_a_knee(tmp_path: Path) -> None:
+    """An engine whose attention turns cheap at once at 64 prefill tokens (llama.cpp's tiled
+    flash attention): the threshold candidate wins over every knee, and the file keeps it."""
+    truth = FittedPerf(0.004, 2e-4, 1.5e-3, 4e-6, 3e-7, b5=1e-6, small_chunk_tokens=64.0,
+                       small_chunk_rule="below")
+    assert truth.step_time(63, 0, 0, 6e4) - truth.step_time(63, 0, 0, 0.0) == pytest.approx(
+        (3e-7 + 1e-6) * 6e4)
+    assert truth.step_time(64, 0, 0, 6e4) - truth.step_time(64, 0, 0, 0.0) == pytest.approx(
+        3e-7 * 6e4)
+    samples = _chunk_samples(truth, 2)
+    knees = fit_profile(samples, relative=True, small_chunk_knees=(4, 16, 64))
+    fit = fit_profile(samples, relative=True, small_chunk_knees=(4, 16, 64),
+                      small_chunk_thresholds=(64,))
+    assert (fit.small_chunk_rule, fit.small_chunk_tokens) == ("below", 64.0)
+    assert fit.b5 == pytest.approx(1e-6, rel=0.1)
+    assert fit.meta["fit"]["median_abs_rel_err"] < 0.5 * knees.meta["fit"]["median_abs_rel_err"]
+    fit.to_profile(tmp_path / "p.json")
+    back = FittedPerf.from_profile(tmp_path / "p.json")
+    assert back.small_chunk_rule == "below"
+    assert back.step_time(40, 1, 900, 4e4) == fit.step_time(40, 1, 900, 4e4)
+    doc = json.loads((tmp_path / "p.json").read_text())
+    del doc["coefficients"]["small_chunk_rule"]  # a profile from before the rule: a knee
+    (tmp_path / "p.json").write_text(json.dumps(doc))
+    assert FittedPerf.from_profile(tmp_path / "p.json").small_chunk_rule == "knee"
+    # a knee model's samples keep their knee: the threshold is only a candidate
+    knee_truth = FittedPerf(0.004, 2e-4, 1.5e-3, 4e-6, 3e-7, b5=1e-6, small_chunk_tokens=16.0)
+    got = fit_profile(_chunk_samples(knee_truth, 0), relative=True,
+                      small_chunk_knees=(4, 16, 64), small_chunk_thresholds=(64,))
+    assert (got.small_chunk_rule, got.small_chunk_tokens) == ("knee", 16.0)
+    with pytest.raises(ValueError, match="small_chunk_rule"):
+        FittedPerf(0.004, small_chunk_rule="step")
 
 
 # --- the gateway as the A/B configures it -----------------------------------------------------

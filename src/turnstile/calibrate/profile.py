@@ -59,6 +59,9 @@ VLLM_BATCH = 8192
 #: knees tried for the small-chunk attention term
 #: (see :class:`~turnstile.sim.fitted_perf.FittedPerf`)
 SMALL_CHUNK_KNEES = (4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
+#: the query tokens from which llama.cpp's CPU flash attention runs its tiled kernel
+#: (``GGML_FA_TILE_Q`` in ggml-cpu): the threshold tried for the small-chunk term on llama.cpp
+LLAMACPP_FA_TILE_Q = 64.0
 
 
 @dataclass
@@ -318,6 +321,7 @@ def profile_engine(
         ubatch_split="simple" if kv_unified or not llama else "equal",
         one_token_pass=llama,
         small_chunk_knees=SMALL_CHUNK_KNEES if small_chunk else (),
+        small_chunk_thresholds=(LLAMACPP_FA_TILE_Q,) if small_chunk and llama else (),
         kv_bytes_per_token=kv_bytes_per_token,
         engine=info.kind,
         model=info.model,

@@ -16,6 +16,7 @@ from typing import Any
 
 from turnstile.sim.block_pool import BlockPool
 from turnstile.sim.engine_config import EngineConfig
+from turnstile.sim.lanes import Lanes
 from turnstile.sim.request import DECODE, DONE, PREFILL, WAITING, SimRequest
 from turnstile.sim.slot_pool import SlotPool
 
@@ -38,6 +39,9 @@ class BatchScheduler:
         self._seq = 0
         self.running: dict[SimRequest, None] = {}
         self.prefilling: list[SimRequest] = []
+        #: the running requests' slots, for a perf model that prices a step by the forward
+        #: passes its slots cut it into (set by the engine: see ``turnstile.sim.lanes``)
+        self.lanes: Lanes | None = None
         # the decoders, as aggregates
         self.it = 0
         self.n_dec = 0
@@ -94,6 +98,7 @@ class BatchScheduler:
         attn2 = 0.0
         ctx_read = 0
         reload_blocks = 0
+        lanes = self.lanes
         if self.prefilling and budget > 0:
             keep: list[SimRequest] = []
             for req in self.prefilling:
@@ -121,6 +126,8 @@ class BatchScheduler:
                 prefill_tokens += chunk
                 budget -= chunk
                 self.computed(req, c, chunk)
+                if lanes is not None:
+                    lanes.chunk(req, chunk)
                 if req.num_computed == req._target:
                     done_prefill.append(req)
                 else:
@@ -165,6 +172,9 @@ class BatchScheduler:
                 budget -= chunk
                 self.computed(req, c, chunk)
                 self.running[req] = None
+                if lanes is not None:
+                    lanes.admit(req, pool.slot_of(req))
+                    lanes.chunk(req, chunk)
                 if req.num_computed == req._target:
                     done_prefill.append(req)
                 else:
@@ -245,6 +255,8 @@ class BatchScheduler:
             self.phase[(nxt - n0) % bs] += 1
             self.kv_sum += n0
             self.n_dec += 1
+            if self.lanes is not None:
+                self.lanes.start_decoding(req)
 
     def next_finish(self) -> int:
         """The iteration at whose end the next decoder finishes (there are decoders)."""
@@ -268,6 +280,8 @@ class BatchScheduler:
 
     def finish(self, req: SimRequest, kv_len: int, end: float, out: list[SimRequest]) -> None:
         del self.running[req]
+        if self.lanes is not None:
+            self.lanes.release(req)
         req.num_output = req.output_tokens
         req.num_computed = kv_len
         req.finished_s = end
@@ -301,6 +315,8 @@ class BatchScheduler:
         """Stop ``req`` at the start of iteration ``it``; its blocks go back (full ones to the
         prefix cache) and it waits to be recomputed, ahead of its equals."""
         del self.running[req]
+        if self.lanes is not None:
+            self.lanes.release(req)
         if req._state == DECODE:
             steps = it - req._i0
             kv_len = req._n0 + steps

@@ -350,6 +350,10 @@ class BlockPool(RetentionTier):
         self.private -= private
         self.free += freed
 
+    def slot_of(self, req: SimRequest) -> int:
+        """Paged KV has no slots: -1 (the engine's lanes then take the server's choice)."""
+        return -1
+
     def remember_session(self, req: SimRequest, kv_len: int) -> None:
         """``req`` finished: its blocks are what retention decisions on its session act on."""
         if self.caching:

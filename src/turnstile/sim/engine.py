@@ -75,6 +75,7 @@ from typing import TYPE_CHECKING, Any
 from turnstile.sim.batch_scheduler import BatchScheduler
 from turnstile.sim.block_pool import BlockPool
 from turnstile.sim.engine_config import EngineConfig
+from turnstile.sim.lanes import Lanes
 from turnstile.sim.perf import PerfModel
 from turnstile.sim.request import NEW, SimRequest, StepOutcome
 from turnstile.sim.slot_pool import SlotPool
@@ -106,6 +107,9 @@ class EngineModel(StepExecutor):
         # slot-limited KV (llama.cpp) has the block pool's interface
         self.pool = SlotPool(config) if config.kv_slots else BlockPool(config)
         self.sched = BatchScheduler(config, self.pool, session_marks)
+        lane_ubatch = int(getattr(perf, "lane_ubatch", 0) or 0)
+        if lane_ubatch:  # the perf model prices the passes the slots cut a step into
+            self.sched.lanes = Lanes(config.kv_slots or config.max_num_seqs, lane_ubatch)
         self.reload_s_per_block = (
             config.block_size * perf.kv_bytes_per_token / (config.cpu_bandwidth_gbps * 1e9)
             if self.pool.cpu_cap

@@ -25,6 +25,12 @@ from turnstile.sim.perf import FEATURES
 PROFILE_FORMAT = "turnstile-profile"
 PROFILE_VERSION = 1
 
+#: how the small-chunk attention term fades with the step's prefill tokens ``p`` (knee or
+#: threshold ``k``): ``knee``, smoothly, ``k / (k + p)``; ``below``, at once: all of it while
+#: ``p < k``, none from ``k`` on (llama.cpp's CPU flash attention switches to a tiled kernel for
+#: 64 query tokens or more: ``GGML_FA_TILE_Q``)
+SMALL_CHUNK_RULES = ("knee", "below")
+
 #: how an engine cuts one iteration's tokens into forward passes of at most ``ubatch_tokens``:
 #: ``simple``, in batch order (llama.cpp with one unified KV buffer, ``--kv-unified``);
 #: ``equal``, the same number of tokens from every sequence in a pass (llama.cpp ``-np N``
@@ -40,8 +46,11 @@ def forward_passes(
     engine cuts it into forward passes of at most ``ubatch_tokens`` (0: one pass, uncut).
 
     The prompt tokens are taken to be one sequence's (one prefill chunk per iteration, the
-    common case). With the ``equal`` split a step mixing decodes and a prefill is (at least) two
-    passes: one token of every sequence, then the prompt's other tokens. A pass of one token is
+    common case), on the slot after the decoders'. With the ``equal`` split a step mixing decodes
+    and a prefill is (at least) two passes: one token of every sequence, then the prompt's other
+    tokens. (This is :func:`turnstile.sim.lanes.equal_split_passes` in closed form for that
+    layout, which is what the profile's probes measure; an engine model that knows its
+    requests' slots counts the passes of any layout with it.) A pass of one token is
     counted apart: a CPU engine runs it as matrix-vector products, several times cheaper than
     the matrix products of two tokens (the one-token pass cost of :class:`FittedPerf`).
     Fractional arguments (the mean step of a multi-step sample) are rounded."""
@@ -81,7 +90,9 @@ class FittedPerf:
     appended to a long cached context pays more per attention pair than a large chunk (the
     attention runs as matrix-vector products instead of a tiled matrix product), so each pair
     costs ``b4 + b5`` when the step's prefill is much smaller than the knee ``k``
-    (``small_chunk_tokens``) and ``b4`` when much larger. ``b5 = 0`` is the linear model.
+    (``small_chunk_tokens``) and ``b4`` when much larger. With ``small_chunk_rule = "below"`` the
+    switch is a threshold instead, as in the engine's kernels: ``b4 + b5`` while the prefill is
+    under ``k`` tokens, ``b4`` from ``k`` on. ``b5 = 0`` is the linear model.
     """
 
     b0: float
@@ -100,12 +111,18 @@ class FittedPerf:
     b5: float = 0.0
     #: the knee ``k`` of the small-chunk term, in prefill tokens per step
     small_chunk_tokens: float = 0.0
+    #: how the small-chunk term fades past ``k`` (:data:`SMALL_CHUNK_RULES`)
+    small_chunk_rule: str = "knee"
     #: fixed seconds of a forward pass that computes one token (None: ``b0``)
     b0_one: float | None = None
     #: the most tokens one forward pass computes (llama.cpp ``-ub``); 0: a step is one pass
     ubatch_tokens: int = 0
     #: how a step is cut into passes (:data:`UBATCH_SPLITS`)
     ubatch_split: str = "simple"
+    #: with the ``equal`` split, count a step's passes from its requests' slots when the engine
+    #: model tracks them (:attr:`lane_ubatch`); False prices every step as if its decoders held
+    #: slots ``0..k-1`` and its prompt the next one, the layout the profile measures
+    slot_passes: bool = True
     #: how much longer a step takes per other engine on the same host stepping at the same time
     #: (engines sharing a CPU's cores, caches and memory bandwidth: llama.cpp engines on one
     #: machine); 0.05 = 5% per co-running engine. Measured by ``turnstile profile --neighbour``;
@@ -116,6 +133,9 @@ class FittedPerf:
     def __post_init__(self) -> None:
         if not self.name:
             self.name = f"fitted:{self.engine or '?'}/{self.model or '?'}"
+        if self.small_chunk_rule not in SMALL_CHUNK_RULES:
+            raise ValueError(f"small_chunk_rule must be one of {SMALL_CHUNK_RULES}, "
+                             f"got {self.small_chunk_rule!r}")
         if self.ubatch_split not in UBATCH_SPLITS:
             raise ValueError(f"ubatch_split must be one of {UBATCH_SPLITS}, "
                              f"got {self.ubatch_split!r}")
@@ -140,16 +160,27 @@ class FittedPerf:
                        b0_one=None if self.b0_one is None else self.b0_one * factor,
                        meta={**self.meta, "scaled": factor})
 
+    @property
+    def lane_ubatch(self) -> int:
+        """The micro-batch size by which the engine cuts a step per run of consecutive slots
+        (llama.cpp's ``equal`` split), so that the engine model tracks its requests' slots and
+        passes :meth:`step_time` the step's forward passes (:mod:`turnstile.sim.lanes`); 0 when
+        the passes do not depend on the slots."""
+        return self.ubatch_tokens if self.ubatch_split == "equal" and self.slot_passes else 0
+
     def step_time(
         self,
         prefill_tokens: int,
         decode_seqs: int,
         kv_read_tokens: int,
         prefill_attn_tokens2: float = 0.0,
+        passes: tuple[int, int] | None = None,
     ) -> float:
-        if self._passes:
-            multi, one = forward_passes(prefill_tokens, decode_seqs, self.ubatch_tokens,
+        if passes is not None or self._passes:
+            if passes is None:
+                passes = forward_passes(prefill_tokens, decode_seqs, self.ubatch_tokens,
                                         self.ubatch_split)
+            multi, one = passes
             fixed = self.b0 * multi + (self.b0 if self.b0_one is None else self.b0_one) * one
         else:
             fixed = self.b0
@@ -162,7 +193,10 @@ class FittedPerf:
         )
         if self.b5:
             k = self.small_chunk_tokens
-            t += self.b5 * prefill_attn_tokens2 * k / (k + prefill_tokens)
+            if self.small_chunk_rule == "knee":
+                t += self.b5 * prefill_attn_tokens2 * k / (k + prefill_tokens)
+            elif prefill_tokens < k:
+                t += self.b5 * prefill_attn_tokens2
         return t
 
     # -- profile files -------------------------------------------------------------------------
@@ -183,6 +217,7 @@ class FittedPerf:
                 "b4_s_per_attn_pair": self.b4,
                 "b5_s_per_small_chunk_attn_pair": self.b5,
                 "small_chunk_tokens": self.small_chunk_tokens,
+                "small_chunk_rule": self.small_chunk_rule,
                 "b0_one_token_pass_s": self.b0_one,
                 "host_contention_per_engine": self.host_contention,
             },
@@ -232,6 +267,7 @@ class FittedPerf:
                 *b,
                 b5=b5 if knee > 0 else 0.0,
                 small_chunk_tokens=knee,
+                small_chunk_rule=str(c.get("small_chunk_rule", "knee")),
                 b0_one=None if b0_one is None else float(b0_one),
                 ubatch_tokens=int(passes.get("ubatch_tokens", 0)),
                 ubatch_split=str(passes.get("split", "simple")),
@@ -287,6 +323,14 @@ def _nnls_scaled(x: np.ndarray, y: np.ndarray, wgt: np.ndarray) -> np.ndarray:
     return nnls(a / scale, y * wgt) / scale
 
 
+def _small_chunk_column(x: np.ndarray, k: float, rule: str) -> np.ndarray:
+    """The small-chunk term's column for knee or threshold ``k`` (``x``: the fit's rows, the
+    prefill tokens in column 1 and the attention pairs in column 4)."""
+    if rule == "knee":
+        return x[:, 4] * k / (k + x[:, 1])
+    return np.where(x[:, 1] < k, x[:, 4], 0.0)
+
+
 def fit_profile(
     samples: Iterable[Sample],
     *,
@@ -297,6 +341,7 @@ def fit_profile(
     measured_at: str = "",
     meta: dict[str, Any] | None = None,
     small_chunk_knees: Sequence[float] = (),
+    small_chunk_thresholds: Sequence[float] = (),
     ubatch_tokens: int = 0,
     ubatch_split: str = "simple",
     one_token_pass: bool = False,
@@ -306,7 +351,9 @@ def fit_profile(
     ``small_chunk_knees``: candidate knees ``k`` of the small-chunk attention term; each is
     fitted (its column ``attn2·k/(k + prefill)`` beside the linear ones) and the knee with
     the smallest weighted error is kept, or none when no knee beats the model without it by 2%
-    (empty: no such term).
+    (empty: no such term). ``small_chunk_thresholds`` are candidates for the same term with the
+    ``below`` rule (column ``attn2`` where ``prefill < k``), tried after the knees in the same
+    way (each kept only if it beats the best so far by 2%), whichever their rule.
 
     ``ubatch_tokens`` and ``ubatch_split`` say how the engine cuts a step into forward passes
     (:func:`forward_passes`): ``b0`` is then fitted per pass. With ``one_token_pass`` a pass of
@@ -355,16 +402,19 @@ def fit_profile(
     coef = _nnls_scaled(x, y, wgt)
     sse = float((((x @ coef) - y) * wgt) ** 2 @ np.ones_like(y))
     knee = 0.0
-    for k in small_chunk_knees:
+    rule = "knee"
+    candidates = [(k, "knee") for k in small_chunk_knees]
+    candidates += [(k, "below") for k in small_chunk_thresholds]
+    for k, r in candidates:
         if k <= 0:
-            raise ValueError(f"small-chunk knees must be > 0, got {k}")
-        xk = np.column_stack([x, x[:, 4] * k / (k + x[:, 1])])
+            raise ValueError(f"small-chunk knees and thresholds must be > 0, got {k}")
+        xk = np.column_stack([x, _small_chunk_column(x, k, r)])
         ck = _nnls_scaled(xk, y, wgt)
         sse_k = float((((xk @ ck) - y) * wgt) ** 2 @ np.ones_like(y))
         if ck[-1] > 0 and sse_k < 0.98**2 * sse:
-            coef, sse, knee = ck, sse_k, float(k)
+            coef, sse, knee, rule = ck, sse_k, float(k), r
     if knee:
-        x = np.column_stack([x, x[:, 4] * knee / (knee + x[:, 1])])
+        x = np.column_stack([x, _small_chunk_column(x, knee, rule)])
     pred = x @ coef
     resid = y - pred
     ss_tot = float(((y - y.mean()) ** 2).sum())
@@ -375,12 +425,14 @@ def fit_profile(
         "r2": 1.0 - float((resid**2).sum()) / ss_tot if ss_tot > 0 else 1.0,
         "relative": relative,
         "small_chunk_tokens": knee,
+        "small_chunk_rule": rule,
         "one_token_pass_samples": int(sum(1 for o in ones if o)),
     }
     return FittedPerf(
         *(float(c) for c in coef[:5]),
         b5=float(coef[-1]) if knee else 0.0,
         small_chunk_tokens=knee,
+        small_chunk_rule=rule,
         b0_one=float(coef[5]) if with_one else None,
         ubatch_tokens=ubatch_tokens,
         ubatch_split=ubatch_split,

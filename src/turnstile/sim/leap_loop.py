@@ -111,6 +111,8 @@ class LeapLoops:
         phase = s.phase
         bs = s.bs
         step_time = self.perf.step_time
+        lanes = s.lanes
+        passes = None if lanes is None else lanes.prefill_passes(req, budget)
         c = req.num_computed
         left = req._target - c
         have = -(-c // bs)
@@ -136,7 +138,11 @@ class LeapLoops:
             avail -= need
             taken += need
             # as step(): attention pairs 0.0 + chunk·c + chunk(chunk+1)/2, KV read kv + c
-            dur = step_time(budget, n_dec, kv + c, budget * c + budget * (budget + 1) / 2)
+            if passes is None:
+                dur = step_time(budget, n_dec, kv + c, budget * c + budget * (budget + 1) / 2)
+            else:
+                dur = step_time(budget, n_dec, kv + c, budget * c + budget * (budget + 1) / 2,
+                                passes)
             end += dur
             busy_s += dur
             total += dur
@@ -164,6 +170,8 @@ class LeapLoops:
         if roof is not None:
             c_tok, attn_s, weights_s, kv_s, overhead_s, ar_tok, comm = roof
         step_time = self.perf.step_time
+        # the decoders, and so their slots, do not change in a leap
+        passes = None if s.lanes is None else s.lanes.decode_passes()
         end = out.end_s
         phase = s.phase
         bs = s.bs
@@ -207,8 +215,10 @@ class LeapLoops:
                 compute = c_tok + attn_s * kv
                 memory = weights_s + kv_s * kv
                 dur = (compute if compute > memory else memory) + overhead_s + ar_tok + comm
-            else:
+            elif passes is None:
                 dur = step_time(0, n_dec, kv, 0.0)
+            else:
+                dur = step_time(0, n_dec, kv, 0.0, passes)
             end += dur
             busy_s += dur
             total += dur

@@ -14,6 +14,12 @@ features, all cheap running sums the engine model keeps:
     attention token pairs of the prefill chunks: for a chunk of ``n`` tokens after ``c``
     already-computed ones, ``n·c + n(n+1)/2`` (causal).
 
+An engine that cuts an iteration into several forward passes by where its sequences live
+(llama.cpp's micro-batches over runs of consecutive slots) is priced from one more argument,
+``passes``: ``(passes of two or more tokens, passes of one token)``, which the engine model
+counts (:mod:`turnstile.sim.lanes`) and passes only to a model whose ``lane_ubatch`` attribute
+is set; other models never receive it.
+
 Implementations of :class:`PerfModel`:
 
 * :class:`~turnstile.sim.roofline_perf.RooflinePerf`: FLOPs against HBM bytes for a named GPU
@@ -52,4 +58,5 @@ class PerfModel(Protocol):
         decode_seqs: int,
         kv_read_tokens: int,
         prefill_attn_tokens2: float = 0.0,
+        passes: tuple[int, int] | None = None,
     ) -> float: ...

@@ -304,6 +304,7 @@ class RooflinePerf:
         decode_seqs: int,
         kv_read_tokens: int,
         prefill_attn_tokens2: float = 0.0,
+        passes: tuple[int, int] | None = None,  # never given: no ``lane_ubatch``
     ) -> float:
         tokens = prefill_tokens + decode_seqs
         compute = self._flop_s * tokens + self._attn_s * (kv_read_tokens + prefill_attn_tokens2)

@@ -228,6 +228,10 @@ class SlotPool:
             gw.gw_last_used = self._tick
         self.ver += 1
 
+    def slot_of(self, req: SimRequest) -> int:
+        """The id of the slot ``req`` runs in (it was allocated one)."""
+        return self.held[req].id
+
     def remember_session(self, req: SimRequest, kv_len: int) -> None:
         """Nothing to remember: the slot holds the session's sequence."""
 

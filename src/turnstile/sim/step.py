@@ -105,7 +105,12 @@ class StepExecutor(LeapLoops):
         if not n_dec and not prefill_tokens:
             return self._idle(now)
         # 3. duration
-        dur = self.perf.step_time(prefill_tokens, n_dec, s.kv_sum + n_dec + ctx_read, attn2)
+        lanes = s.lanes
+        if lanes is None:
+            dur = self.perf.step_time(prefill_tokens, n_dec, s.kv_sum + n_dec + ctx_read, attn2)
+        else:
+            dur = self.perf.step_time(prefill_tokens, n_dec, s.kv_sum + n_dec + ctx_read, attn2,
+                                      lanes.step_passes())
         if reload_blocks:
             dur += reload_blocks * self.reload_s_per_block
         if self.slowdown != 1.0:

@@ -234,6 +234,7 @@ class TpRooflinePerf(RooflinePerf):
         decode_seqs: int,
         kv_read_tokens: int,
         prefill_attn_tokens2: float = 0.0,
+        passes: tuple[int, int] | None = None,  # never given: no ``lane_ubatch``
     ) -> float:
         # the parent's roofline and overheads (its linear all-reduce term is zeroed above)
         t = RooflinePerf.step_time(

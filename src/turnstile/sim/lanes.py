@@ -1,0 +1,156 @@
+"""Which slot of a llama.cpp server each running request occupies, and how the server cuts a
+step into forward passes because of it.
+
+A llama.cpp server started with ``-np N`` and without ``--kv-unified`` keeps one KV stream per
+slot, and splits each iteration's batch with ``split_equal(n_ubatch, sequential=true)``: a
+forward pass (micro-batch) takes the same number of tokens from every sequence in it, and only
+from a run of *consecutive* slot ids. So the same four decoders cost one pass on slots
+``{0, 1, 2, 3}`` but two on ``{0, 1, 3}``; two decoders on ``{0, 2}`` are two one-token passes
+(matrix-vector products, cheaper on a CPU than one two-token pass). Measured on the tiny test
+model, one thread: three decoders 13.2 ms a step on ``{0, 1, 2}``, 16.7 ms on ``{0, 1, 3}``; two
+12.1 ms on ``{0, 1}``, 8.6 ms on ``{0, 2}``.
+
+:func:`equal_split_passes` counts the passes of one step from its sequences' slots and tokens;
+:class:`Lanes` tracks the slots (the server's choice on a paged engine model, the slot pool's own
+on a slot-limited one) for a perf model that prices passes
+(:attr:`turnstile.sim.fitted_perf.FittedPerf.lane_ubatch`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from turnstile.sim.request import SimRequest
+
+__all__ = ["Lanes", "equal_split_passes"]
+
+
+def equal_split_passes(seqs: Sequence[tuple[int, int]], ubatch_tokens: int) -> tuple[int, int]:
+    """``(passes of two or more tokens, passes of one token)`` of a step whose sequences are
+    ``seqs`` — ``(slot, tokens)`` in the server's batch order (the decoders by slot, then the
+    prompt chunks by slot) — as llama.cpp's ``split_equal(ubatch_tokens, sequential=true)``
+    cuts it. Each pass starts from the first sequence with tokens left, adds every later one
+    whose slot is the last added slot plus one, and takes from each
+    ``min(tokens left of any of them, ubatch_tokens // how many)`` tokens. A sequence's tokens
+    are contiguous in the batch, so scanning sequences is scanning tokens."""
+    left = [n for _, n in seqs]
+    multi = one = 0
+    n = len(seqs)
+    while True:
+        chain: list[int] = []
+        last = -2
+        least = 0
+        for i in range(n):
+            if left[i] <= 0:
+                continue
+            lane = seqs[i][0]
+            if not chain or lane == last + 1:
+                chain.append(i)
+                last = lane
+                if len(chain) == 1 or left[i] < least:
+                    least = left[i]
+        if not chain:
+            return multi, one
+        k = len(chain)
+        take = ubatch_tokens // k
+        if take < 1:
+            take = 1
+        if least < take:
+            take = least
+        for i in chain:
+            left[i] -= take
+        if k * take == 1:
+            one += 1
+        else:
+            multi += 1
+
+
+class Lanes:
+    """The slots of one engine's running requests: which one each request runs in (``of``),
+    which slots decode (``decoding``, a bit per slot), the prompt chunks of the step being
+    scheduled (``chunks``), and per slot the session it last held and when it was last used.
+
+    On a paged engine model the slot is the server's choice (:meth:`choose`): the idle slot
+    that last held the request's session (llama.cpp's longest-common-prefix pick; with
+    ``--cache-ram`` the rest of the session is restored there), else the least recently used
+    idle slot. On a slot-limited one the slot pool has chosen and :meth:`admit` is told."""
+
+    __slots__ = ("busy", "chunks", "decoding", "last_used", "n", "of", "session", "tick",
+                 "ubatch_tokens")
+
+    def __init__(self, n: int, ubatch_tokens: int) -> None:
+        if n < 1:
+            raise ValueError(f"an engine needs at least one slot, got {n}")
+        if ubatch_tokens < 2:
+            raise ValueError(f"ubatch_tokens must be >= 2, got {ubatch_tokens}")
+        self.n = n
+        self.ubatch_tokens = ubatch_tokens
+        self.of: dict[SimRequest, int] = {}
+        self.busy = [False] * n
+        self.session: list[str | None] = [None] * n
+        self.last_used = [0] * n
+        self.tick = 0
+        self.decoding = 0
+        self.chunks: list[tuple[int, int]] = []
+
+    def choose(self, req: SimRequest) -> int:
+        """The idle slot the server gives ``req`` (see the class docstring)."""
+        best = -1
+        for i in range(self.n):
+            if self.busy[i]:
+                continue
+            if self.session[i] == req.session:
+                return i
+            if best < 0 or self.last_used[i] < self.last_used[best]:
+                best = i
+        if best < 0:
+            raise RuntimeError(f"no idle slot for {req!r}: more running requests than slots")
+        return best
+
+    def admit(self, req: SimRequest, slot: int = -1) -> int:
+        """``req`` starts running in ``slot`` (-1: the server's choice); returns the slot."""
+        if slot < 0:
+            slot = self.choose(req)
+        elif self.busy[slot]:
+            raise RuntimeError(f"slot {slot} is busy: cannot run {req!r} there")
+        self.busy[slot] = True
+        self.session[slot] = req.session
+        self.of[req] = slot
+        return slot
+
+    def chunk(self, req: SimRequest, tokens: int) -> None:
+        """``req`` computes ``tokens`` prompt tokens in the step being scheduled."""
+        self.chunks.append((self.of[req], tokens))
+
+    def start_decoding(self, req: SimRequest) -> None:
+        self.decoding |= 1 << self.of[req]
+
+    def release(self, req: SimRequest) -> None:
+        """``req`` finished or was preempted: its slot is idle (and keeps its session)."""
+        slot = self.of.pop(req)
+        self.busy[slot] = False
+        self.decoding &= ~(1 << slot)
+        self.tick += 1
+        self.last_used[slot] = self.tick
+
+    def step_passes(self) -> tuple[int, int]:
+        """The passes of the step just scheduled (the decoders, then ``chunks``, which it
+        clears)."""
+        seqs = self._decoders()
+        if self.chunks:
+            seqs += sorted(self.chunks)
+            self.chunks.clear()
+        return equal_split_passes(seqs, self.ubatch_tokens)
+
+    def decode_passes(self) -> tuple[int, int]:
+        """The passes of a step of the decoders alone."""
+        return equal_split_passes(self._decoders(), self.ubatch_tokens)
+
+    def prefill_passes(self, req: SimRequest, tokens: int) -> tuple[int, int]:
+        """The passes of a step of the decoders and ``tokens`` prompt tokens of ``req``."""
+        return equal_split_passes([*self._decoders(), (self.of[req], tokens)],
+                                  self.ubatch_tokens)
+
+    def _decoders(self) -> list[tuple[int, int]]:
+        mask = self.decoding
+        return [(i, 1) for i in range(self.n) if mask >> i & 1]
