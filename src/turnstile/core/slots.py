@@ -1,8 +1,10 @@
-"""The gateway's choice of a llama.cpp slot for a session's turn.
+"""Which llama.cpp slot a session's turn runs in: the gateway's choice and the server's.
 
 The gateway's llama.cpp adapter binds each turn to a slot (``id_slot``) from what it believes
 the slots hold; the simulator's slot-limited KV model makes the same choice, so that it predicts
-what the gateway will do. Both keep their own bookkeeping and call :func:`choose_slot`.
+what the gateway will do. Both keep their own bookkeeping and call :func:`choose_slot`. A turn
+sent unbound gets the server's own pick, :func:`server_slot`, which the simulator's models of
+the server's slots (``sim.slot_pool``, ``sim.lanes``) share.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol, TypeVar
 
-__all__ = ["GatewaySlot", "choose_slot"]
+__all__ = ["GatewaySlot", "ServerSlot", "choose_slot", "server_slot"]
 
 
 class GatewaySlot(Protocol):
@@ -33,7 +35,39 @@ class GatewaySlot(Protocol):
         """When the gateway last bound or released a turn there (any increasing clock)."""
 
 
+class ServerSlot(Protocol):
+    """What the server knows of one slot."""
+
+    @property
+    def busy(self) -> bool:
+        """A request runs in it."""
+
+    @property
+    def session(self) -> str | None:
+        """The session whose sequence it holds (None: empty)."""
+
+    @property
+    def last_used(self) -> int:
+        """When a request last started or ended there (any increasing counter)."""
+
+
 S = TypeVar("S", bound=GatewaySlot)
+V = TypeVar("V", bound=ServerSlot)
+
+
+def server_slot(slots: Iterable[V], session: str) -> V | None:
+    """The idle slot llama.cpp's server gives an unbound request of ``session``: the one holding
+    the session's sequence (its longest-common-prefix pick), else the least recently used (the
+    first such in ``slots``); None when every slot is busy."""
+    lru = None
+    for s in slots:
+        if s.busy:
+            continue
+        if s.session == session:
+            return s
+        if lru is None or s.last_used < lru.last_used:
+            lru = s
+    return lru
 
 
 def choose_slot(slots: Iterable[S], session: str, now_s: float) -> tuple[S | None, S | None]:

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from turnstile.core.slots import server_slot
 from turnstile.sim.request import SimRequest
 
-__all__ = ["Lanes", "equal_split_passes"]
+__all__ = ["Lane", "Lanes", "equal_split_passes"]
 
 
 def equal_split_passes(seqs: Sequence[tuple[int, int]], ubatch_tokens: int) -> tuple[int, int]:
@@ -65,18 +66,30 @@ def equal_split_passes(seqs: Sequence[tuple[int, int]], ubatch_tokens: int) -> t
             multi += 1
 
 
+class Lane:
+    """One slot as the server sees it (:class:`turnstile.core.slots.ServerSlot`)."""
+
+    __slots__ = ("busy", "id", "last_used", "session")
+
+    def __init__(self, slot_id: int) -> None:
+        self.id = slot_id
+        self.busy = False
+        self.session: str | None = None
+        self.last_used = 0
+
+
 class Lanes:
     """The slots of one engine's running requests: which one each request runs in (``of``),
     which slots decode (``decoding``, a bit per slot), the prompt chunks of the step being
     scheduled (``chunks``), and per slot the session it last held and when it was last used.
 
-    On a paged engine model the slot is the server's choice (:meth:`choose`): the idle slot
-    that last held the request's session (llama.cpp's longest-common-prefix pick; with
-    ``--cache-ram`` the rest of the session is restored there), else the least recently used
-    idle slot. On a slot-limited one the slot pool has chosen and :meth:`admit` is told."""
+    On a paged engine model the slot is the server's choice
+    (:func:`turnstile.core.slots.server_slot`: the idle slot that last held the request's
+    session, llama.cpp's longest-common-prefix pick, where with ``--cache-ram`` the rest of the
+    session is restored; else the least recently used idle slot). On a slot-limited one the slot
+    pool has chosen and :meth:`admit` is told."""
 
-    __slots__ = ("busy", "chunks", "decoding", "last_used", "n", "of", "session", "tick",
-                 "ubatch_tokens")
+    __slots__ = ("chunks", "decoding", "lanes", "n", "of", "tick", "ubatch_tokens")
 
     def __init__(self, n: int, ubatch_tokens: int) -> None:
         if n < 1:
@@ -85,36 +98,28 @@ class Lanes:
             raise ValueError(f"ubatch_tokens must be >= 2, got {ubatch_tokens}")
         self.n = n
         self.ubatch_tokens = ubatch_tokens
+        self.lanes = [Lane(i) for i in range(n)]
         self.of: dict[SimRequest, int] = {}
-        self.busy = [False] * n
-        self.session: list[str | None] = [None] * n
-        self.last_used = [0] * n
         self.tick = 0
         self.decoding = 0
         self.chunks: list[tuple[int, int]] = []
 
     def choose(self, req: SimRequest) -> int:
         """The idle slot the server gives ``req`` (see the class docstring)."""
-        best = -1
-        for i in range(self.n):
-            if self.busy[i]:
-                continue
-            if self.session[i] == req.session:
-                return i
-            if best < 0 or self.last_used[i] < self.last_used[best]:
-                best = i
-        if best < 0:
+        lane = server_slot(self.lanes, req.session)
+        if lane is None:
             raise RuntimeError(f"no idle slot for {req!r}: more running requests than slots")
-        return best
+        return lane.id
 
     def admit(self, req: SimRequest, slot: int = -1) -> int:
         """``req`` starts running in ``slot`` (-1: the server's choice); returns the slot."""
         if slot < 0:
             slot = self.choose(req)
-        elif self.busy[slot]:
+        lane = self.lanes[slot]
+        if lane.busy:
             raise RuntimeError(f"slot {slot} is busy: cannot run {req!r} there")
-        self.busy[slot] = True
-        self.session[slot] = req.session
+        lane.busy = True
+        lane.session = req.session
         self.of[req] = slot
         return slot
 
@@ -128,10 +133,11 @@ class Lanes:
     def release(self, req: SimRequest) -> None:
         """``req`` finished or was preempted: its slot is idle (and keeps its session)."""
         slot = self.of.pop(req)
-        self.busy[slot] = False
+        lane = self.lanes[slot]
+        lane.busy = False
         self.decoding &= ~(1 << slot)
         self.tick += 1
-        self.last_used[slot] = self.tick
+        lane.last_used = self.tick
 
     def step_passes(self) -> tuple[int, int]:
         """The passes of the step just scheduled (the decoders, then ``chunks``, which it

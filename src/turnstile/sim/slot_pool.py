@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from turnstile.core.slots import choose_slot
+from turnstile.core.slots import choose_slot, server_slot
 from turnstile.sim.engine_config import EngineConfig
 from turnstile.sim.request import SimRequest
 
@@ -154,16 +154,7 @@ class SlotPool:
         slot = self.bound.get(req)
         if slot is not None:
             return None if slot.busy else slot
-        session = req.session
-        lru = None
-        for s in self.slots:
-            if s.busy:
-                continue
-            if s.session == session:
-                return s
-            if lru is None or s.last_used < lru.last_used:
-                lru = s
-        return lru
+        return server_slot(self.slots, req.session)
 
     def match_prefix(self, req: SimRequest, target: int) -> SlotMatch:
         """The slot ``req`` would run in and the prefix it reuses there, leaving at least one of
