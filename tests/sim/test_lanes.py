@@ -56,16 +56,18 @@ def req(i: int, session: str) -> SimRequest:
 def test_the_server_picks_the_sessions_slot_else_the_least_recently_used():
     lanes = Lanes(3, UB)
     a, b, c = req(0, "a"), req(1, "b"), req(2, "c")
-    assert [lanes.admit(r) for r in (a, b, c)] == [0, 1, 2]  # empty slots in order
+    # never-used slots tie; llama.cpp keeps the last of a tie, so a fresh server fills its
+    # slots from the highest id down (seen on llama-server: 3, 2, 1 with -np 4)
+    assert [lanes.admit(r) for r in (a, b, c)] == [2, 1, 0]
     lanes.release(b)
     lanes.release(a)
     a2 = req(3, "a")
-    assert lanes.admit(a2) == 0  # its session's slot, though slot 1 was used less recently
+    assert lanes.admit(a2) == 2  # its session's slot, though slot 1 was used less recently
     d = req(4, "d")
     assert lanes.admit(d) == 1
     lanes.release(c)
     lanes.release(a2)
-    assert lanes.admit(req(5, "e")) == 2  # least recently used of {0, 2}
+    assert lanes.admit(req(5, "e")) == 0  # least recently used of {0, 2}
     with pytest.raises(RuntimeError, match="busy"):
         lanes.admit(req(6, "f"), slot=1)
 
@@ -73,8 +75,8 @@ def test_the_server_picks_the_sessions_slot_else_the_least_recently_used():
 def test_decoding_slots_price_the_step():
     lanes = Lanes(4, UB)
     rs = [req(i, f"s{i}") for i in range(4)]
-    for r in rs:
-        lanes.admit(r)
+    for i, r in enumerate(rs):
+        lanes.admit(r, slot=i)
         lanes.start_decoding(r)
     assert lanes.decode_passes() == (1, 0)
     lanes.release(rs[2])
@@ -150,3 +152,76 @@ def test_slot_aware_steps_leap_exactly(slots):
     for a, b in zip(stepped[0], leaped[0], strict=True):
         assert b[2:] == pytest.approx(a[2:], rel=1e-9, abs=0.0), (a, b)
     assert leaped[1] == stepped[1]
+
+
+def test_prompts_of_one_step_are_batched_by_slot():
+    """The server adds prompts to its batch slot by slot, whatever order they came in: two
+    equal prompts admitted into slots 3 then 2 are one pass over {2, 3}."""
+    lanes = Lanes(4, UB)
+    a, b = req(0, "a"), req(1, "b")
+    assert (lanes.admit(a), lanes.admit(b)) == (3, 2)
+    lanes.chunk(a, 20)
+    lanes.chunk(b, 20)
+    assert lanes.step_passes() == (1, 0)  # in admission order it would be {3}, then {2}
+
+
+def test_every_chunk_of_a_long_prompt_prices_its_passes():
+    """A prompt longer than the step budget beside a decoder: the decoder's slot (3) and the
+    prompt's (2) are not a run, so every step of the prompt, the first and the continued
+    ones, is a one-token pass then a 63-token one."""
+    eng = EngineModel("e", EngineConfig(num_gpu_blocks=4096, block_size=16, max_num_seqs=4,
+                                        max_batched_tokens=64), PERF)
+    eng.submit(SimRequest(0, "a", 16, 400), 0.0)
+    now = eng.step(0.0).end_s  # a's prompt; a decodes from here on, in slot 3
+    eng.submit(SimRequest(1, "b", 200, 3), now)
+    durs = []
+    for _ in range(3):  # b's chunks of 63, 63, 63 (then 11)
+        o = eng.step(now)
+        eng.check_integrity()
+        durs.append(o.duration_s)
+        now = o.end_s
+    assert sorted(eng.sched.lanes.of.values()) == [2, 3]
+    one_then_rest = 0.008 + 0.003 + 0.002 * 63 + 0.002 * 1
+    assert durs == pytest.approx([one_then_rest] * 3, rel=1e-12)
+
+
+def long_sessions(n: int) -> list[Workflow]:
+    """Sessions whose prompts take many step budgets, beside others decoding."""
+    out = []
+    for i in range(n):
+        turns, ctx = [], 0
+        for k in range(2):
+            new, gen = 900 + 250 * ((3 * i + k) % 5), 30 + (11 * i + 5 * k) % 60
+            turns.append(Turn(new, gen, context_tokens=ctx, tools=(ToolCall("t", 0.2),)))
+            ctx += new + gen
+        out.append(Workflow(f"w{i}", 0.15 * i, tuple(turns)))
+    return out
+
+
+def test_prefill_leaps_price_their_passes_by_slot(monkeypatch):
+    """Chunked prefills leaped over (fast-forward) beside decoders in scattered slots give the
+    very floats that stepping gives: the leap counts each iteration's passes from the slots."""
+    import turnstile.sim.leap_loop as leap_loop
+    from turnstile.build_info import compiled_build
+
+    group = EngineGroup(count=1, kv_tokens=16_384, max_num_seqs=4, max_batched_tokens=128,
+                        perf=PERF)
+    ran = []
+    run_prefill = leap_loop.LeapLoops._run_prefill
+
+    def counted(self, out, plan, until):
+        got = run_prefill(self, out, plan, until)
+        ran.append(bool(got))
+        return got
+
+    def timeline(ff: bool):
+        res = ClusterSim(long_sessions(10), PolicySet.from_spec("eager"), [group],
+                         fast_forward=ff).run()
+        return sorted((t.workflow.id, t.index, repr(t.first_token_s), repr(t.finished_s))
+                      for w in res.workflows for t in w.turns), res.iterations
+
+    stepped = timeline(False)
+    monkeypatch.setattr(leap_loop.LeapLoops, "_run_prefill", counted)
+    assert timeline(True) == stepped
+    if compiled_build() is None:
+        assert any(ran), "no prefill leap ran"

@@ -57,15 +57,20 @@ V = TypeVar("V", bound=ServerSlot)
 
 def server_slot(slots: Iterable[V], session: str) -> V | None:
     """The idle slot llama.cpp's server gives an unbound request of ``session``: the one holding
-    the session's sequence (its longest-common-prefix pick), else the least recently used (the
-    first such in ``slots``); None when every slot is busy."""
+    the session's sequence (its longest-common-prefix pick), else the least recently used; None
+    when every slot is busy.
+
+    Ties go to the *last* such slot in ``slots``, as in the server's
+    ``get_available_slot``, which keeps a slot whose ``t_last_used <= t_last``: its slots start
+    never used (``t_last_used = -1``), so a fresh server fills them from the highest id down.
+    Which slots are busy sets how a step is cut into forward passes (:mod:`turnstile.sim.lanes`)."""
     lru = None
     for s in slots:
         if s.busy:
             continue
         if s.session == session:
             return s
-        if lru is None or s.last_used < lru.last_used:
+        if lru is None or s.last_used <= lru.last_used:
             lru = s
     return lru
 

@@ -374,3 +374,6 @@ class BatchScheduler:
         assert self.prompt_tokens == self.hit_tokens + self.prefilled_tokens + sum(
             r._target - r.num_computed for r in self.prefilling
         )
+        if self.lanes is not None:
+            self.lanes.check_integrity(self.running, {r for r in self.running
+                                                      if r._state == DECODE})

@@ -18,7 +18,7 @@ on a slot-limited one) for a perf model that prices passes
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from turnstile.core.slots import server_slot
 from turnstile.sim.request import SimRequest
@@ -156,6 +156,21 @@ class Lanes:
         """The passes of a step of the decoders and ``tokens`` prompt tokens of ``req``."""
         return equal_split_passes([*self._decoders(), (self.of[req], tokens)],
                                   self.ubatch_tokens)
+
+    def check_integrity(self, running: Iterable[SimRequest],
+                        decoding: Iterable[SimRequest]) -> None:
+        """Between steps: every running request holds a busy slot of its own and nothing else
+        does, the decoders' bits are their slots, and no prompt chunk is left over (tests)."""
+        running = set(running)
+        assert set(self.of) == running, (set(self.of) ^ running)
+        slots = list(self.of.values())
+        assert len(set(slots)) == len(slots), slots
+        assert {lane.id for lane in self.lanes if lane.busy} == set(slots)
+        mask = 0
+        for req in decoding:
+            mask |= 1 << self.of[req]
+        assert mask == self.decoding, (bin(mask), bin(self.decoding))
+        assert not self.chunks, self.chunks
 
     def _decoders(self) -> list[tuple[int, int]]:
         mask = self.decoding
