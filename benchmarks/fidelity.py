@@ -9,6 +9,12 @@ median and P90 relative error of per-turn TTFT, per-turn E2E latency and workflo
 
     .venv/bin/python benchmarks/fidelity.py --out benchmarks/results/fidelity-llamacpp
 
+The quiet-host protocol (each engine on a core of its own, the replay on another; on 2 cores,
+one engine at half the rates, ``docs/calibration.md`` §2):
+
+    .venv/bin/python benchmarks/fidelity.py --out /tmp/fid --engines 1 --pin-cores \
+        --sessions 12 --rates 0.1,0.25,0.5 --noise-floor
+
 The engine is profiled again right before each rate's replay (``profile_rate<r>.json``; with
 ``--profile-once`` one ``profile.json``). Writes ``fidelity.md``, ``fidelity.json``,
 ``fidelity_pairs.json`` and ``fidelity_scatter.png`` to ``--out``. About 8 minutes with the

@@ -85,6 +85,7 @@ class StepModel:
 
     knees: tuple[float, ...] = ()
     thresholds: tuple[float, ...] = ()
+    tiles: tuple[float, ...] = ()
     passes: bool = False
     by_slot: bool = False
 
@@ -97,6 +98,9 @@ MODELS = {
     # what ``turnstile profile`` fits on llama.cpp
     "passes by slot + knee or FA-tile threshold": StepModel(
         SMALL_CHUNK_KNEES, (LLAMACPP_FA_TILE_Q,), passes=True, by_slot=True),
+    "passes by slot + knee, threshold or FA tiles": StepModel(
+        SMALL_CHUNK_KNEES, (LLAMACPP_FA_TILE_Q,), (LLAMACPP_FA_TILE_Q,), passes=True,
+        by_slot=True),
 }
 
 
@@ -109,7 +113,8 @@ def fitted(profile: Path, model: StepModel, host_contention: float | None = None
     split = {"ubatch_tokens": LLAMACPP_UBATCH, "ubatch_split": "equal",
              "one_token_pass": True} if model.passes else {}
     perf = fit_profile(samples, relative=True, small_chunk_knees=model.knees,
-                       small_chunk_thresholds=model.thresholds, meta=meta, **split)
+                       small_chunk_thresholds=model.thresholds,
+                       small_chunk_tiles=model.tiles, meta=meta, **split)
     perf.slot_passes = model.by_slot
     if host_contention is None:
         host_contention = doc["coefficients"].get("host_contention_per_engine", 0.0)
@@ -123,11 +128,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-contention", type=float, default=None,
                     help="slowdown per co-running engine for the forward-pass model (default: "
                     "each profile's measured value, 0 in runs from before it was measured)")
+    ap.add_argument("--trace", type=Path, default=None,
+                    help="the trace the run replayed (default: the run's own path, else the "
+                    "trace of that name in ../shared/traces)")
     args = ap.parse_args(argv)
     doc = json.loads((args.run / "fidelity.json").read_text())
     setup = doc["setup"]
     scale = TraceScale(**setup["scale"])
-    workflows = load_trace(setup["trace"], subset=setup["subset"]).workflows
+    trace = args.trace or Path(setup["trace"])
+    if not trace.exists():  # a run from another machine: the same trace in ../shared here
+        trace = Path(__file__).resolve().parents[2] / "shared" / "traces" / trace.name
+    workflows = load_trace(trace, subset=setup["subset"]).workflows
     sessions = select_sessions(workflows, doc["sessions"], scale, seed=0)
     engine = SimEngineSpec(**doc["engine"])
     models = MODELS
@@ -157,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 pooled[name][m] += [abs(p - r) / r for r, p in err["pairs"][m] if r > 0]
             out.setdefault(name, {})[f"{rate:g}"] = {m: err[m]["median"] for m in
                                                       ("ttft", "e2e", "flow")}
-            below = " (below)" if perf.small_chunk_rule == "below" else ""
+            below = f" ({perf.small_chunk_rule})" if perf.small_chunk_rule != "knee" else ""
             print(f"| {name} | {rate:g} | {100 * err['ttft']['median']:.1f}% "
                   f"| {100 * err['e2e']['median']:.1f}% | {100 * err['flow']['median']:.1f}% "
                   f"| {perf.small_chunk_tokens:g}{below} |")

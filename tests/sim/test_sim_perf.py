@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from turnstile.core.registry import UnknownNameError
-from turnstile.sim.fitted_perf import FittedPerf, fit_profile, forward_passes, nnls
+from turnstile.sim.fitted_perf import FittedPerf, fit_profile, forward_passes, nnls, tile_pairs
 from turnstile.sim.perf import PerfModel
 from turnstile.sim.roofline_perf import (
     RooflinePerf,
@@ -163,7 +163,7 @@ def test_fitted_step_time_and_profile_round_trip(tmp_path) -> None:
     path = tmp_path / "p.json"
     f.to_profile(path)
     doc = json.loads(path.read_text())
-    assert doc["format"] == "turnstile-profile" and doc["version"] == 1
+    assert doc["format"] == "turnstile-profile" and doc["version"] == 2
     assert doc["engine"] == "llama.cpp" and doc["measured_at"].startswith("2026")
     g = FittedPerf.from_profile(path)
     assert g.coefficients == f.coefficients
@@ -180,7 +180,7 @@ def test_fitted_step_time_and_profile_round_trip(tmp_path) -> None:
     ("doc", "match"),
     [
         ({"format": "other", "version": 1}, "not a turnstile-profile"),
-        ({"format": "turnstile-profile", "version": 2, "coefficients": {"b0_s": 1}}, "version 2"),
+        ({"format": "turnstile-profile", "version": 3, "coefficients": {"b0_s": 1}}, "version 3"),
         ({"format": "turnstile-profile", "version": 1, "coefficients": {}}, "b0_s"),
         (
             {"format": "turnstile-profile", "version": 1, "coefficients": {"b0_s": -1.0}},
@@ -291,3 +291,69 @@ def test_fitted_profile_keeps_its_host_contention(tmp_path):
     assert back.scaled(2.0).host_contention == 0.07  # a factor per co-runner, not a time
     with pytest.raises(ValueError, match="host_contention"):
         FittedPerf(0.01, host_contention=-0.1)
+
+
+def _tiles_by_hand(p: int, c: int, tile: int) -> int:
+    """Pairs a tiled kernel computes, tile by tile: every query tile padded to ``tile`` rows,
+    every KV tile that one of its rows may see (causal: position ``c + i`` sees ``0..c + i``)."""
+    pairs = 0
+    for q0 in range(0, p, tile):
+        rows = range(c + q0, c + min(q0 + tile, p))
+        for k0 in range(0, c + p, tile):
+            if any(k0 <= r for r in rows):  # some row sees a key of this tile
+                pairs += tile * tile
+    return pairs
+
+
+@pytest.mark.parametrize(("p", "c"), [(1, 0), (64, 0), (65, 0), (64, 800), (65, 800), (128, 768),
+                                       (100, 1), (500, 1023), (2048, 64), (63, 5)])
+def test_tile_pairs_count_the_tiles_a_tiled_kernel_computes(p: int, c: int) -> None:
+    causal = p * c + p * (p + 1) / 2
+    assert tile_pairs(p, causal, 64) == _tiles_by_hand(p, c, 64)
+    assert tile_pairs(p, causal, 16) == _tiles_by_hand(p, c, 16)
+
+
+def test_the_tiles_rule_prices_65_query_tokens_as_two_tiles(tmp_path) -> None:
+    """From 64 query tokens on, attention costs ``b4`` per pair of the tiles computed: 65 new
+    tokens over 800 cached cost a whole tile more than 64; under 64 it is ``b4 + b5`` per causal
+    pair, as with the threshold."""
+    f = FittedPerf(0.007, 1.2e-3, 1.4e-3, 3e-6, 5e-7, b5=7e-7, small_chunk_tokens=64.0,
+                   small_chunk_rule="tiles")
+    base = 0.007 + 3e-6 * 800
+
+    def pairs(p: int) -> float:
+        return p * 800 + p * (p + 1) / 2
+
+    assert f.step_time(64, 0, 800, pairs(64)) == pytest.approx(
+        base + 1.2e-3 * 64 + 5e-7 * 14 * 4096)
+    assert f.step_time(65, 0, 800, pairs(65)) == pytest.approx(
+        base + 1.2e-3 * 65 + 5e-7 * 2 * 14 * 4096)  # twice the tiles of 64
+    assert f.step_time(63, 0, 800, pairs(63)) == pytest.approx(
+        base + 1.2e-3 * 63 + (5e-7 + 7e-7) * pairs(63))
+    f.to_profile(tmp_path / "p.json")
+    back = FittedPerf.from_profile(tmp_path / "p.json")
+    assert back.small_chunk_rule == "tiles"
+    assert back.step_time(65, 2, 900, pairs(65)) == f.step_time(65, 2, 900, pairs(65))
+    with pytest.raises(ValueError, match="tile"):
+        FittedPerf(0.007, small_chunk_rule="tiles", small_chunk_tokens=0.0)
+
+
+def test_fit_finds_the_tiles_of_an_engine_that_computes_them() -> None:
+    """Samples from an engine with a tiled kernel from 64 query tokens on: the tiles candidate
+    fits them to their noise, which neither a knee nor the threshold does."""
+    truth = FittedPerf(0.007, 1.2e-3, 1.4e-3, 3e-6, 5e-7, b5=7e-7, small_chunk_tokens=64.0,
+                       small_chunk_rule="tiles")
+    rng = random.Random(3)
+    samples = []
+    for c in (0, 256, 500, 800, 1100, 1400):
+        for p in (1, 2, 4, 8, 16, 40, 63, 64, 65, 80, 100, 128, 200, 256, 500):
+            feats = (p, 0, c, p * c + p * (p + 1) / 2)
+            samples.append((feats, truth.step_time(*feats) * (1 + rng.gauss(0, 0.005))))
+    fit = fit_profile(samples, relative=True, small_chunk_knees=(4, 16, 64),
+                      small_chunk_thresholds=(64,), small_chunk_tiles=(64,))
+    assert (fit.small_chunk_rule, fit.small_chunk_tokens) == ("tiles", 64.0)
+    assert fit.b4 == pytest.approx(5e-7, rel=0.05) and fit.b5 == pytest.approx(7e-7, rel=0.05)
+    assert fit.meta["fit"]["median_abs_rel_err"] < 0.01
+    below = fit_profile(samples, relative=True, small_chunk_knees=(4, 16, 64),
+                        small_chunk_thresholds=(64,))
+    assert below.meta["fit"]["median_abs_rel_err"] > 2 * fit.meta["fit"]["median_abs_rel_err"]

@@ -138,8 +138,10 @@ def profile_cmd(
         _out.print(f"forward passes of ≤{perf.ubatch_tokens or '∞'} tokens "
                    f"({perf.ubatch_split} split), one-token pass {one}")
     if perf.b5:
-        _out.print(f"b5 s/small-chunk attn pair {perf.b5:.3g} (knee {perf.small_chunk_tokens:g} "
-                   "prefill tokens)")
+        k = f"{perf.small_chunk_tokens:g}"
+        how = {"knee": f"knee {k} prefill tokens", "below": f"below {k} prefill tokens",
+               "tiles": f"below {k} prefill tokens, {k}×{k} attention tiles from {k} on"}
+        _out.print(f"b5 s/small-chunk attn pair {perf.b5:.3g} ({how[perf.small_chunk_rule]})")
     hc = perf.meta.get("host_contention")
     if hc:
         probes = ", ".join(f"{k} ×{v['ratio']:.2f}" for k, v in hc["probes"].items())

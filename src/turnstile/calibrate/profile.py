@@ -60,7 +60,8 @@ VLLM_BATCH = 8192
 #: (see :class:`~turnstile.sim.fitted_perf.FittedPerf`)
 SMALL_CHUNK_KNEES = (4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
 #: the query tokens from which llama.cpp's CPU flash attention runs its tiled kernel
-#: (``GGML_FA_TILE_Q`` in ggml-cpu): the threshold tried for the small-chunk term on llama.cpp
+#: (``GGML_FA_TILE_Q`` in ggml-cpu, its tiles 64 × 64): the threshold and the tile tried for the
+#: small-chunk term on llama.cpp
 LLAMACPP_FA_TILE_Q = 64.0
 
 
@@ -322,6 +323,7 @@ def profile_engine(
         one_token_pass=llama,
         small_chunk_knees=SMALL_CHUNK_KNEES if small_chunk else (),
         small_chunk_thresholds=(LLAMACPP_FA_TILE_Q,) if small_chunk and llama else (),
+        small_chunk_tiles=(LLAMACPP_FA_TILE_Q,) if small_chunk and llama else (),
         kv_bytes_per_token=kv_bytes_per_token,
         engine=info.kind,
         model=info.model,

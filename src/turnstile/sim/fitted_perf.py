@@ -23,13 +23,19 @@ import numpy as np
 from turnstile.sim.perf import FEATURES
 
 PROFILE_FORMAT = "turnstile-profile"
-PROFILE_VERSION = 1
+#: version 2 added the ``tiles`` small-chunk rule; a build that reads only version 1 refuses it
+#: instead of pricing its attention by another rule
+PROFILE_VERSION = 2
+#: the versions this build reads
+PROFILE_VERSIONS_READ = (1, 2)
 
 #: how the small-chunk attention term fades with the step's prefill tokens ``p`` (knee or
 #: threshold ``k``): ``knee``, smoothly, ``k / (k + p)``; ``below``, at once: all of it while
 #: ``p < k``, none from ``k`` on (llama.cpp's CPU flash attention switches to a tiled kernel for
-#: 64 query tokens or more: ``GGML_FA_TILE_Q``)
-SMALL_CHUNK_RULES = ("knee", "below")
+#: 64 query tokens or more: ``GGML_FA_TILE_Q``); ``tiles``, as ``below``, and from ``k`` on the
+#: attention is priced by the ``k × k`` tiles the tiled kernel computes (:func:`tile_pairs`)
+#: instead of by the causal pairs
+SMALL_CHUNK_RULES = ("knee", "below", "tiles")
 
 #: how an engine cuts one iteration's tokens into forward passes of at most ``ubatch_tokens``:
 #: ``simple``, in batch order (llama.cpp with one unified KV buffer, ``--kv-unified``);
@@ -72,6 +78,31 @@ def forward_passes(
     elif tail:
         multi += 1
     return multi, one
+
+
+def tile_pairs(prefill_tokens: float, attn_pairs: float, tile: int) -> float:
+    """The attention pairs a tiled flash-attention kernel computes for a chunk of ``p =
+    prefill_tokens`` query tokens whose causal pairs are ``attn_pairs`` (so after ``c =
+    (attn_pairs − p(p+1)/2) / p`` computed tokens), with query and KV tiles of ``tile`` tokens:
+    a query tile is padded to ``tile`` rows and reads every KV tile its last row reaches
+    (wholly masked tiles are skipped), so it computes ``tile² · Σ_j ⌈(c + min(tile·(j+1), p)) /
+    tile⌉`` pairs, ``j`` over the ``⌈p / tile⌉`` query tiles. llama.cpp's CPU kernel
+    (``ggml_compute_forward_flash_attn_ext_tiled``, 64 × 64 tiles) runs 65 query tokens as two
+    full tiles: about as long as 128, a third longer than 64 (measured on the test model).
+
+    A step with several prompt chunks is taken as one chunk with the mean context (the perf
+    interface gets the step's sums); micro-batches of a multiple of ``tile`` tokens cut no tile.
+    """
+    p = prefill_tokens
+    if p <= 0:
+        return 0.0
+    c = (attn_pairs - p * (p + 1) / 2) / p
+    if c < 0:
+        c = 0.0
+    q_tiles = math.ceil(p / tile - 1e-9)
+    kv_tiles = ((q_tiles - 1) * math.ceil(c / tile - 1e-9) + q_tiles * (q_tiles - 1) / 2
+                + math.ceil((c + p) / tile - 1e-9))
+    return float(tile * tile) * kv_tiles
 
 
 @dataclass(slots=True)
@@ -129,6 +160,7 @@ class FittedPerf:
     #: the simulator applies it among the engines of one group (see ``sim.cluster``)
     host_contention: float = 0.0
     _passes: bool = field(default=False, init=False, repr=False, compare=False)
+    _tiles: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -144,7 +176,11 @@ class FittedPerf:
                              f"got {self.host_contention}")
         if self.ubatch_tokens < 0 or self.ubatch_tokens == 1:
             raise ValueError(f"ubatch_tokens must be 0 (uncut) or >= 2, got {self.ubatch_tokens}")
+        if self.small_chunk_rule == "tiles" and self.small_chunk_tokens < 1:
+            raise ValueError(f"the tiles rule needs a tile of >= 1 tokens, "
+                             f"got {self.small_chunk_tokens}")
         self._passes = bool(self.ubatch_tokens) or self.b0_one is not None
+        self._tiles = self.small_chunk_rule == "tiles"
 
     @property
     def coefficients(self) -> tuple[float, float, float, float, float]:
@@ -184,6 +220,14 @@ class FittedPerf:
             fixed = self.b0 * multi + (self.b0 if self.b0_one is None else self.b0_one) * one
         else:
             fixed = self.b0
+        if self._tiles:
+            k = self.small_chunk_tokens
+            if prefill_tokens < k:
+                attn = (self.b4 + self.b5) * prefill_attn_tokens2
+            else:
+                attn = self.b4 * tile_pairs(prefill_tokens, prefill_attn_tokens2, int(k))
+            return (fixed + self.b1 * prefill_tokens + self.b2 * decode_seqs
+                    + self.b3 * kv_read_tokens + attn)
         t = (
             fixed
             + self.b1 * prefill_tokens
@@ -236,10 +280,10 @@ class FittedPerf:
             raise ValueError(f"{p}: not JSON ({exc})") from None
         if not isinstance(doc, dict) or doc.get("format") != PROFILE_FORMAT:
             raise ValueError(f"{p}: not a {PROFILE_FORMAT} file (missing 'format' header)")
-        if doc.get("version") != PROFILE_VERSION:
+        if doc.get("version") not in PROFILE_VERSIONS_READ:
             raise ValueError(
                 f"{p}: {PROFILE_FORMAT} version {doc.get('version')!r} is not supported "
-                f"(this build reads version {PROFILE_VERSION})"
+                f"(this build reads versions {', '.join(map(str, PROFILE_VERSIONS_READ))})"
             )
         c = doc.get("coefficients", {})
         keys = (
@@ -256,6 +300,7 @@ class FittedPerf:
             raise ValueError(f"{p}: coefficients must be finite and non-negative, got {b}")
         b5 = float(c.get("b5_s_per_small_chunk_attn_pair", 0.0))
         knee = float(c.get("small_chunk_tokens", 0.0))
+        rule = str(c.get("small_chunk_rule", "knee"))
         if b5 < 0 or knee < 0 or not (math.isfinite(b5) and math.isfinite(knee)):
             raise ValueError(f"{p}: the small-chunk term must be finite and non-negative")
         b0_one = c.get("b0_one_token_pass_s")
@@ -267,7 +312,7 @@ class FittedPerf:
                 *b,
                 b5=b5 if knee > 0 else 0.0,
                 small_chunk_tokens=knee,
-                small_chunk_rule=str(c.get("small_chunk_rule", "knee")),
+                small_chunk_rule=rule,
                 b0_one=None if b0_one is None else float(b0_one),
                 ubatch_tokens=int(passes.get("ubatch_tokens", 0)),
                 ubatch_split=str(passes.get("split", "simple")),
@@ -323,12 +368,19 @@ def _nnls_scaled(x: np.ndarray, y: np.ndarray, wgt: np.ndarray) -> np.ndarray:
     return nnls(a / scale, y * wgt) / scale
 
 
-def _small_chunk_column(x: np.ndarray, k: float, rule: str) -> np.ndarray:
-    """The small-chunk term's column for knee or threshold ``k`` (``x``: the fit's rows, the
-    prefill tokens in column 1 and the attention pairs in column 4)."""
+def _with_small_chunk(x: np.ndarray, k: float, rule: str) -> np.ndarray:
+    """The fit's rows ``x`` (the prefill tokens in column 1, the attention pairs in column 4)
+    with the small-chunk term's column for knee, threshold or tile ``k`` added; with the
+    ``tiles`` rule the attention column of the rows from ``k`` prefill tokens on counts tiles
+    (:func:`tile_pairs`)."""
+    p, attn = x[:, 1], x[:, 4]
     if rule == "knee":
-        return x[:, 4] * k / (k + x[:, 1])
-    return np.where(x[:, 1] < k, x[:, 4], 0.0)
+        return np.column_stack([x, attn * k / (k + p)])
+    small = np.where(p < k, attn, 0.0)
+    if rule == "tiles":
+        x = x.copy()
+        x[:, 4] = [a if n < k else tile_pairs(n, a, int(k)) for n, a in zip(p, attn, strict=True)]
+    return np.column_stack([x, small])
 
 
 def fit_profile(
@@ -342,6 +394,7 @@ def fit_profile(
     meta: dict[str, Any] | None = None,
     small_chunk_knees: Sequence[float] = (),
     small_chunk_thresholds: Sequence[float] = (),
+    small_chunk_tiles: Sequence[float] = (),
     ubatch_tokens: int = 0,
     ubatch_split: str = "simple",
     one_token_pass: bool = False,
@@ -353,7 +406,9 @@ def fit_profile(
     the smallest weighted error is kept, or none when no knee beats the model without it by 2%
     (empty: no such term). ``small_chunk_thresholds`` are candidates for the same term with the
     ``below`` rule (column ``attn2`` where ``prefill < k``), tried after the knees in the same
-    way (each kept only if it beats the best so far by 2%), whichever their rule.
+    way (each kept only if it beats the best so far by 2%), whichever their rule;
+    ``small_chunk_tiles`` for the ``tiles`` rule (the same column, and the attention from ``k``
+    prefill tokens on counted in ``k × k`` tiles), tried last, kept on the same terms.
 
     ``ubatch_tokens`` and ``ubatch_split`` say how the engine cuts a step into forward passes
     (:func:`forward_passes`): ``b0`` is then fitted per pass. With ``one_token_pass`` a pass of
@@ -405,16 +460,17 @@ def fit_profile(
     rule = "knee"
     candidates = [(k, "knee") for k in small_chunk_knees]
     candidates += [(k, "below") for k in small_chunk_thresholds]
+    candidates += [(k, "tiles") for k in small_chunk_tiles]
     for k, r in candidates:
-        if k <= 0:
-            raise ValueError(f"small-chunk knees and thresholds must be > 0, got {k}")
-        xk = np.column_stack([x, _small_chunk_column(x, k, r)])
+        if k <= 0 or (r == "tiles" and k < 1):
+            raise ValueError(f"small-chunk knees, thresholds and tiles must be > 0, got {k}")
+        xk = _with_small_chunk(x, k, r)
         ck = _nnls_scaled(xk, y, wgt)
         sse_k = float((((xk @ ck) - y) * wgt) ** 2 @ np.ones_like(y))
         if ck[-1] > 0 and sse_k < 0.98**2 * sse:
             coef, sse, knee, rule = ck, sse_k, float(k), r
     if knee:
-        x = np.column_stack([x, _small_chunk_column(x, knee, rule)])
+        x = _with_small_chunk(x, knee, rule)
     pred = x @ coef
     resid = y - pred
     ss_tot = float(((y - y.mean()) ** 2).sum())
