@@ -225,3 +225,36 @@ def test_prefill_leaps_price_their_passes_by_slot(monkeypatch):
     assert timeline(True) == stepped
     if compiled_build() is None:
         assert any(ran), "no prefill leap ran"
+
+
+def test_lanes_hand_the_step_its_prompt_chunks_when_there_are_several():
+    lanes = Lanes(4, UB)
+    a, b = req(0, "a"), req(1, "b")
+    lanes.admit(a)
+    lanes.admit(b)
+    lanes.chunk(a, 30, 500)
+    assert lanes.step_passes() == (1, 0)
+    assert lanes.step_prompts() is None  # one chunk: the step's sums say it exactly
+    lanes.chunk(a, 30, 530)
+    lanes.chunk(b, 40, 0)
+    lanes.step_passes()
+    assert lanes.step_prompts() == [(30, 530), (40, 0)]
+    assert lanes.step_prompts() is None  # taken
+
+
+def test_an_engine_prices_two_small_appends_in_one_step_each_by_its_kernel():
+    """Two sessions' 40-token prompts admitted in one step of a threshold model: both pay
+    ``b5`` (each is under 64 query tokens), as llama.cpp's kernel choice per sequence does."""
+    perf = FittedPerf(0.008, 1e-3, 2e-3, 0.0, 5e-7, b5=7e-7, small_chunk_tokens=64.0,
+                      small_chunk_rule="below", ubatch_tokens=UB, ubatch_split="equal")
+    perf.slot_passes = True
+    eng = EngineModel("e", EngineConfig(num_gpu_blocks=4096, block_size=16, max_num_seqs=4,
+                                        max_batched_tokens=2048), perf)
+    eng.submit(SimRequest(0, "a", 40, 5), 0.0)
+    eng.submit(SimRequest(1, "b", 40, 5), 0.0)
+    o = eng.step(0.0)
+    eng.check_integrity()
+    pairs = 40 * 41 / 2
+    # slots 3 and 2, one pass over {2, 3}
+    assert o.duration_s == pytest.approx(0.008 + 1e-3 * 80 + (5e-7 + 7e-7) * 2 * pairs,
+                                         rel=1e-12)

@@ -8,9 +8,18 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from turnstile.core.registry import UnknownNameError
-from turnstile.sim.fitted_perf import FittedPerf, fit_profile, forward_passes, nnls, tile_pairs
+from turnstile.sim.fitted_perf import (
+    FittedPerf,
+    chunk_tile_pairs,
+    fit_profile,
+    forward_passes,
+    nnls,
+    tile_pairs,
+)
 from turnstile.sim.perf import PerfModel
 from turnstile.sim.roofline_perf import (
     RooflinePerf,
@@ -357,3 +366,39 @@ def test_fit_finds_the_tiles_of_an_engine_that_computes_them() -> None:
     below = fit_profile(samples, relative=True, small_chunk_knees=(4, 16, 64),
                         small_chunk_thresholds=(64,))
     assert below.meta["fit"]["median_abs_rel_err"] > 2 * fit.meta["fit"]["median_abs_rel_err"]
+
+
+@pytest.mark.parametrize("rule", ["below", "tiles"])
+def test_a_threshold_prices_each_prompt_chunk_by_its_own_kernel(rule: str) -> None:
+    """Two 40-token appends in one step: each runs the small-chunk kernel (40 query tokens),
+    though the step computes 80 prompt tokens. Priced from the sums, the step would count no
+    ``b5`` (80 >= 64) and, with ``tiles``, the tiles of one 80-token chunk."""
+    f = FittedPerf(0.007, 1.2e-3, 1.4e-3, 3e-6, 5e-7, b5=7e-7, small_chunk_tokens=64.0,
+                   small_chunk_rule=rule)
+
+    def pairs(n: int, c: int) -> float:
+        return n * c + n * (n + 1) / 2
+
+    two = [(40, 1000), (40, 600)]
+    attn = pairs(40, 1000) + pairs(40, 600)
+    rest = 0.007 + 1.2e-3 * 80 + 3e-6 * 1600
+    assert f.step_time(80, 0, 1600, attn, None, two) == pytest.approx(
+        rest + (5e-7 + 7e-7) * attn, rel=1e-12)
+    assert f.step_time(80, 0, 1600, attn) < f.step_time(80, 0, 1600, attn, None, two) - 0.01
+    # a chunk from the threshold on runs the large kernel: tiles or causal pairs, without b5
+    big = [(100, 1000), (10, 0)]
+    large = chunk_tile_pairs(100, 1000, 64) if rule == "tiles" else pairs(100, 1000)
+    assert f.step_time(110, 0, 1000, pairs(100, 1000) + pairs(10, 0), None, big) == (
+        pytest.approx(0.007 + 1.2e-3 * 110 + 3e-6 * 1000 + 5e-7 * large
+                      + (5e-7 + 7e-7) * pairs(10, 0), rel=1e-12))
+
+
+@given(n=st.integers(1, 700), c=st.integers(0, 3000),
+       rule=st.sampled_from(["below", "tiles"]))
+def test_one_chunk_is_priced_alike_from_the_sums_and_chunk_by_chunk(n: int, c: int,
+                                                                     rule: str) -> None:
+    f = FittedPerf(0.007, 1.2e-3, 1.4e-3, 3e-6, 5e-7, b5=7e-7, small_chunk_tokens=64.0,
+                   small_chunk_rule=rule)
+    attn = n * c + n * (n + 1) / 2
+    assert f.step_time(n, 2, c + 900, attn, None, [(n, c)]) == pytest.approx(
+        f.step_time(n, 2, c + 900, attn), rel=1e-12)

@@ -127,7 +127,7 @@ class BatchScheduler:
                 budget -= chunk
                 self.computed(req, c, chunk)
                 if lanes is not None:
-                    lanes.chunk(req, chunk)
+                    lanes.chunk(req, chunk, c)
                 if req.num_computed == req._target:
                     done_prefill.append(req)
                 else:
@@ -174,7 +174,7 @@ class BatchScheduler:
                 self.running[req] = None
                 if lanes is not None:
                     lanes.admit(req, pool.slot_of(req))
-                    lanes.chunk(req, chunk)
+                    lanes.chunk(req, chunk, c)
                 if req.num_computed == req._target:
                     done_prefill.append(req)
                 else:

@@ -90,18 +90,23 @@ def tile_pairs(prefill_tokens: float, attn_pairs: float, tile: int) -> float:
     (``ggml_compute_forward_flash_attn_ext_tiled``, 64 × 64 tiles) runs 65 query tokens as two
     full tiles: about as long as 128, a third longer than 64 (measured on the test model).
 
-    A step with several prompt chunks is taken as one chunk with the mean context (the perf
-    interface gets the step's sums); micro-batches of a multiple of ``tile`` tokens cut no tile.
+    Taken as one chunk: a step with several is priced chunk by chunk where the engine model
+    says what they are (:meth:`FittedPerf.step_time`'s ``prompts``, :func:`chunk_tile_pairs`);
+    micro-batches of a multiple of ``tile`` tokens cut no tile.
     """
     p = prefill_tokens
     if p <= 0:
         return 0.0
     c = (attn_pairs - p * (p + 1) / 2) / p
-    if c < 0:
-        c = 0.0
-    q_tiles = math.ceil(p / tile - 1e-9)
-    kv_tiles = ((q_tiles - 1) * math.ceil(c / tile - 1e-9) + q_tiles * (q_tiles - 1) / 2
-                + math.ceil((c + p) / tile - 1e-9))
+    return chunk_tile_pairs(p, c if c > 0 else 0.0, tile)
+
+
+def chunk_tile_pairs(tokens: float, context: float, tile: int) -> float:
+    """The attention pairs the tiled kernel computes for ``tokens`` query tokens after
+    ``context`` computed ones (see :func:`tile_pairs`)."""
+    q_tiles = math.ceil(tokens / tile - 1e-9)
+    kv_tiles = ((q_tiles - 1) * math.ceil(context / tile - 1e-9) + q_tiles * (q_tiles - 1) / 2
+                + math.ceil((context + tokens) / tile - 1e-9))
     return float(tile * tile) * kv_tiles
 
 
@@ -161,6 +166,7 @@ class FittedPerf:
     host_contention: float = 0.0
     _passes: bool = field(default=False, init=False, repr=False, compare=False)
     _tiles: bool = field(default=False, init=False, repr=False, compare=False)
+    _per_chunk: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -181,6 +187,9 @@ class FittedPerf:
                              f"got {self.small_chunk_tokens}")
         self._passes = bool(self.ubatch_tokens) or self.b0_one is not None
         self._tiles = self.small_chunk_rule == "tiles"
+        # a threshold picks a kernel per sequence, so a step's chunks are priced one by one
+        self._per_chunk = self._tiles or (self.small_chunk_rule == "below" and self.b5 > 0
+                                          and self.small_chunk_tokens > 0)
 
     @property
     def coefficients(self) -> tuple[float, float, float, float, float]:
@@ -211,6 +220,7 @@ class FittedPerf:
         kv_read_tokens: int,
         prefill_attn_tokens2: float = 0.0,
         passes: tuple[int, int] | None = None,
+        prompts: Sequence[tuple[int, int]] | None = None,
     ) -> float:
         if passes is not None or self._passes:
             if passes is None:
@@ -220,6 +230,9 @@ class FittedPerf:
             fixed = self.b0 * multi + (self.b0 if self.b0_one is None else self.b0_one) * one
         else:
             fixed = self.b0
+        if prompts is not None and self._per_chunk:
+            return (fixed + self.b1 * prefill_tokens + self.b2 * decode_seqs
+                    + self.b3 * kv_read_tokens + self._chunk_attention(prompts))
         if self._tiles:
             k = self.small_chunk_tokens
             if prefill_tokens < k:
@@ -241,6 +254,23 @@ class FittedPerf:
                 t += self.b5 * prefill_attn_tokens2 * k / (k + prefill_tokens)
             elif prefill_tokens < k:
                 t += self.b5 * prefill_attn_tokens2
+        return t
+
+    def _chunk_attention(self, prompts: Sequence[tuple[int, int]]) -> float:
+        """The attention time of a step's prompt chunks ``(n, c)``, each by the kernel its own
+        ``n`` query tokens pick (the threshold rules): all its pairs at ``b4 + b5`` under the
+        threshold, from it on at ``b4``, counted in tiles with the ``tiles`` rule."""
+        k = self.small_chunk_tokens
+        small = self.b4 + self.b5
+        tile = int(k) if self._tiles else 0
+        t = 0.0
+        for n, c in prompts:
+            if n < k:
+                t += small * (n * c + n * (n + 1) / 2)
+            elif tile:
+                t += self.b4 * chunk_tile_pairs(n, c, tile)
+            else:
+                t += self.b4 * (n * c + n * (n + 1) / 2)
         return t
 
     # -- profile files -------------------------------------------------------------------------

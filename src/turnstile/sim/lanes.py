@@ -89,7 +89,7 @@ class Lanes:
     session is restored; else the least recently used idle slot). On a slot-limited one the slot
     pool has chosen and :meth:`admit` is told."""
 
-    __slots__ = ("chunks", "decoding", "lanes", "n", "of", "tick", "ubatch_tokens")
+    __slots__ = ("chunks", "decoding", "lanes", "n", "of", "prompts", "tick", "ubatch_tokens")
 
     def __init__(self, n: int, ubatch_tokens: int) -> None:
         if n < 1:
@@ -103,6 +103,8 @@ class Lanes:
         self.tick = 0
         self.decoding = 0
         self.chunks: list[tuple[int, int]] = []
+        #: the step's prompt chunks as ``(tokens, tokens computed before them)``
+        self.prompts: list[tuple[int, int]] = []
 
     def choose(self, req: SimRequest) -> int:
         """The idle slot the server gives ``req`` (see the class docstring)."""
@@ -123,9 +125,11 @@ class Lanes:
         self.of[req] = slot
         return slot
 
-    def chunk(self, req: SimRequest, tokens: int) -> None:
-        """``req`` computes ``tokens`` prompt tokens in the step being scheduled."""
+    def chunk(self, req: SimRequest, tokens: int, context: int = 0) -> None:
+        """``req`` computes ``tokens`` prompt tokens after ``context`` computed ones in the step
+        being scheduled."""
         self.chunks.append((self.of[req], tokens))
+        self.prompts.append((tokens, context))
 
     def start_decoding(self, req: SimRequest) -> None:
         self.decoding |= 1 << self.of[req]
@@ -147,6 +151,15 @@ class Lanes:
             seqs += sorted(self.chunks)
             self.chunks.clear()
         return equal_split_passes(seqs, self.ubatch_tokens)
+
+    def step_prompts(self) -> list[tuple[int, int]] | None:
+        """The prompt chunks of the step just scheduled, ``(tokens, context)`` each, when there
+        are two or more (one is told exactly by the step's sums); clears them."""
+        prompts = self.prompts
+        if not prompts:
+            return None
+        self.prompts = []
+        return prompts if len(prompts) > 1 else None
 
     def decode_passes(self) -> tuple[int, int]:
         """The passes of a step of the decoders alone."""
@@ -171,6 +184,7 @@ class Lanes:
             mask |= 1 << self.of[req]
         assert mask == self.decoding, (bin(mask), bin(self.decoding))
         assert not self.chunks, self.chunks
+        assert not self.prompts, self.prompts
 
     def _decoders(self) -> list[tuple[int, int]]:
         mask = self.decoding

@@ -18,7 +18,10 @@ An engine that cuts an iteration into several forward passes by where its sequen
 (llama.cpp's micro-batches over runs of consecutive slots) is priced from one more argument,
 ``passes``: ``(passes of two or more tokens, passes of one token)``, which the engine model
 counts (:mod:`turnstile.sim.lanes`) and passes only to a model whose ``lane_ubatch`` attribute
-is set; other models never receive it.
+is set; other models never receive it. The same engine model also gives such a model the
+step's prompt chunks, ``prompts``: ``(n, c)`` for each, when there are two or more (the sums
+cannot say which kernel each chunk's attention runs: llama.cpp's CPU flash attention picks it
+by a sequence's query tokens in the pass).
 
 Implementations of :class:`PerfModel`:
 
@@ -31,6 +34,7 @@ Implementations of :class:`PerfModel`:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 #: the step's features, in the order :meth:`PerfModel.step_time` takes them
@@ -59,4 +63,5 @@ class PerfModel(Protocol):
         kv_read_tokens: int,
         prefill_attn_tokens2: float = 0.0,
         passes: tuple[int, int] | None = None,
+        prompts: Sequence[tuple[int, int]] | None = None,
     ) -> float: ...

@@ -11,6 +11,7 @@ source); :func:`load_gpu` and :func:`load_model` read them by name, case-insensi
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -305,6 +306,7 @@ class RooflinePerf:
         kv_read_tokens: int,
         prefill_attn_tokens2: float = 0.0,
         passes: tuple[int, int] | None = None,  # never given: no ``lane_ubatch``
+        prompts: Sequence[tuple[int, int]] | None = None,  # never given, as ``passes``
     ) -> float:
         tokens = prefill_tokens + decode_seqs
         compute = self._flop_s * tokens + self._attn_s * (kv_read_tokens + prefill_attn_tokens2)

@@ -110,7 +110,7 @@ class StepExecutor(LeapLoops):
             dur = self.perf.step_time(prefill_tokens, n_dec, s.kv_sum + n_dec + ctx_read, attn2)
         else:
             dur = self.perf.step_time(prefill_tokens, n_dec, s.kv_sum + n_dec + ctx_read, attn2,
-                                      lanes.step_passes())
+                                      lanes.step_passes(), lanes.step_prompts())
         if reload_blocks:
             dur += reload_blocks * self.reload_s_per_block
         if self.slowdown != 1.0:

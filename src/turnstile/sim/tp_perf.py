@@ -235,6 +235,7 @@ class TpRooflinePerf(RooflinePerf):
         kv_read_tokens: int,
         prefill_attn_tokens2: float = 0.0,
         passes: tuple[int, int] | None = None,  # never given: no ``lane_ubatch``
+        prompts: Sequence[tuple[int, int]] | None = None,  # never given, as ``passes``
     ) -> float:
         # the parent's roofline and overheads (its linear all-reduce term is zeroed above)
         t = RooflinePerf.step_time(
