@@ -15,6 +15,10 @@ one engine at half the rates, ``docs/calibration.md`` §2):
     .venv/bin/python benchmarks/fidelity.py --out /tmp/fid --engines 1 --pin-cores \
         --sessions 12 --rates 0.1,0.25,0.5 --noise-floor
 
+``--loads 0.2,0.45,0.9`` instead of ``--rates`` offers those fractions of the capacity the
+simulator estimates from the first profile (:func:`turnstile.calibrate.fidelity.rates_for_loads`),
+so a host whose engines compute slower gets lower rates and the same load.
+
 The engine is profiled again right before each rate's replay (``profile_rate<r>.json``; with
 ``--profile-once`` one ``profile.json``). Writes ``fidelity.md``, ``fidelity.json``,
 ``fidelity_pairs.json`` and ``fidelity_scatter.png`` to ``--out``. About 8 minutes with the
@@ -37,7 +41,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from turnstile.calibrate.fidelity import SimEngineSpec, TraceScale, run_fidelity, select_sessions
+from turnstile.calibrate.fidelity import (
+    SimEngineSpec,
+    TraceScale,
+    rates_for_loads,
+    run_fidelity,
+    select_sessions,
+)
 from turnstile.calibrate.fidelity_report import write_report
 from turnstile.calibrate.profile import LLAMACPP_BATCH, profile_engine
 from turnstile.engines.llama_server import LlamaServerProcess, pin_engines, require_llama_server
@@ -78,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--sessions", type=int, default=12)
     ap.add_argument("--rates", default="0.1,0.3,1.0", help="sessions/s, comma-separated")
+    ap.add_argument("--loads", default=None,
+                    help="instead of --rates: fractions of the engines' capacity as the "
+                    "simulator estimates it from the first profile (e.g. 0.2,0.45,0.9), so "
+                    "the rates load a slow host's engines as much as a fast one's")
     ap.add_argument("--token-div", type=float, default=32.0)
     ap.add_argument("--output-div", type=float, default=8.0)
     ap.add_argument("--tool-div", type=float, default=10.0)
@@ -112,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    loads = [float(x) for x in args.loads.split(",") if x.strip()] if args.loads else []
     heads, kv_heads, ffn = 4, 2, 2 * args.hidden
     spec = tiny_spec(args.hidden, args.layers, ffn, heads, kv_heads)
     scale = TraceScale(token_div=args.token_div, output_div=args.output_div,
@@ -145,9 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             with _bar(console) as bar:
                 profiles: dict[str, dict[str, object]] = {}
 
-                def measure(rate: float | None) -> FittedPerf:
-                    """Profile now (the first engine, or all of them)."""
-                    name = "profile.json" if rate is None else f"profile_rate{rate:g}.json"
+                def measure(name: str) -> FittedPerf:
+                    """Profile now (the first engine, or all of them) into ``out / name``."""
                     task = bar.add_task("profile", total=None)
                     prof = profile_engine(
                         urls if args.profile_all else urls[:1], out=out / name,
@@ -178,17 +192,6 @@ def main(argv: list[str] | None = None) -> int:
                     profiles[name]["host_contention"] = perf.meta.get("host_contention")
                     return perf
 
-                fitted: FittedPerf | Callable[[float], FittedPerf]
-                if args.profile is not None:
-                    fitted = FittedPerf.from_profile(args.profile)
-                elif args.profile_each_rate:
-                    fitted = measure
-                else:
-                    fitted = measure(None)
-                perfs: dict[str, PerfModel | Callable[[float], PerfModel]] = {
-                    "fitted": fitted,
-                    f"roofline ({args.roofline_gpu})": RooflinePerf(args.roofline_gpu, spec),
-                }
                 engine = SimEngineSpec(
                     kv_tokens=args.ctx,
                     max_num_seqs=args.n_parallel,
@@ -199,6 +202,39 @@ def main(argv: list[str] | None = None) -> int:
                     # llama.cpp reuses any common token prefix, not whole blocks
                     block_size=1,
                 )
+                first: FittedPerf | None = None
+                if args.profile is not None:
+                    first = FittedPerf.from_profile(args.profile)
+                elif loads or not args.profile_each_rate:
+                    first = measure("profile.json")
+                if loads:
+                    assert first is not None
+                    rates = rates_for_loads(loads, sessions, engine, first, args.engines)
+                    console.print(f"loads {args.loads} of the estimated capacity: rates "
+                                  f"{', '.join(f'{r:g}' for r in rates)} sessions/s")
+
+                def per_rate(rate: float) -> FittedPerf:
+                    """The profile measured right before ``rate``'s replay: the one just
+                    taken for the loads, for the first rate; a new one for the others."""
+                    nonlocal first
+                    name = f"profile_rate{rate:g}.json"
+                    if first is not None and args.profile is None:
+                        perf, first = first, None
+                        os.replace(out / "profile.json", out / name)
+                        profiles[name] = profiles.pop("profile.json")
+                        return perf
+                    return measure(name)
+
+                fitted: FittedPerf | Callable[[float], FittedPerf]
+                if args.profile is not None or not args.profile_each_rate:
+                    assert first is not None
+                    fitted = first
+                else:
+                    fitted = per_rate
+                perfs: dict[str, PerfModel | Callable[[float], PerfModel]] = {
+                    "fitted": fitted,
+                    f"roofline ({args.roofline_gpu})": RooflinePerf(args.roofline_gpu, spec),
+                }
                 total_turns = sum(len(w.turns) for w in sessions) * len(rates)
                 total_turns *= 2 if args.noise_floor else 1
                 task = bar.add_task("replay", total=total_turns)
@@ -219,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads, "model": spec.name, "batch": LLAMACPP_BATCH,
         "trace": str(args.trace), "subset": args.subset, "scale": dataclasses.asdict(scale),
         "arrivals": "sessions superimposed on Poisson arrivals (seeded)",
+        "loads": loads or None, "rates": rates,
         "loadavg_before": load0, "loadavg_after": os.getloadavg(),
         "pin_cores": args.pin_cores, "pinned_cpus": pinned, "cpus_allowed": allowed,
         "cpus": os.cpu_count(), "machine": platform.machine(),
@@ -228,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     report["profiles"] = profiles
     md = write_report(out, report, f"Simulator vs llama.cpp ({args.engines}x {spec.name}, CPU)")
     print(md)
-    console.print(f"wrote {out}/fidelity.md, fidelity.json, fidelity_scatter.png, profile.json")
+    console.print(f"wrote {out}/fidelity.md, fidelity.json, fidelity_scatter.png and the profiles")
     return 0
 
 

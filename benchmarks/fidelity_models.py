@@ -11,8 +11,11 @@ profile samples, each simulating the run's workflows, each compared with the sam
   requests (:mod:`turnstile.sim.lanes`: a run of consecutive slots is one pass);
 * ``passes by slot + knee or FA-tile threshold``: the small-chunk term may instead stop at once
   at 64 prefill tokens, where llama.cpp's CPU flash attention turns to its tiled kernel; the fit
-  keeps whichever of the knees and the threshold fits the samples best. This is what
-  ``turnstile profile`` fits on llama.cpp.
+  keeps whichever of the knees and the threshold fits the samples best;
+* ``passes by slot + knee, threshold or FA tiles``: the fit may also count the attention of a
+  chunk of 64 tokens or more in 64 x 64 tiles, as that kernel computes it
+  (:func:`turnstile.sim.fitted_perf.tile_pairs`); a step's chunks are priced one by one. This is
+  what ``turnstile profile`` fits on llama.cpp.
 
 Nothing is replayed again, so the host's load cannot favour either model: only the model differs.
 The forward-pass models run with the profile's measured host contention (the engines slow each

@@ -14,6 +14,7 @@ from turnstile.calibrate.fidelity import (
     SimEngineSpec,
     TraceScale,
     on_poisson,
+    rates_for_loads,
     scale_workflow,
     select_sessions,
     simulate,
@@ -206,3 +207,22 @@ def test_simulated_engines_are_independent_without_host_contention() -> None:
     lone = {wfs[0].id: 0}
     assert (simulate(wfs[:1], lone, spec, replace(PERF, host_contention=0.5)).flow
             == simulate(wfs[:1], lone, spec, PERF).flow)
+
+
+def test_rates_for_loads_follow_the_engines_speed_and_count() -> None:
+    """The same loads give rates in proportion to the loads, to the number of engines, and
+    inversely to how slow the engine computes (compute-bound here: 6-turn agents on one
+    engine), so a protocol given as loads offers a slow host's engines the same load."""
+    s = TraceScale(token_div=32, output_div=8, tool_div=10, max_context=1536, max_turns=12)
+    sessions = [w for w in (scale_workflow(agent(f"a{i}"), s) for i in range(6)) if w]
+    spec = SimEngineSpec(kv_tokens=8192, max_num_seqs=4, max_batched_tokens=2048, block_size=1)
+    low, high = rates_for_loads([0.2, 0.8], sessions, spec, PERF)
+    assert 0 < low < high and high / low == pytest.approx(4.0, rel=0.01)
+    two = rates_for_loads([0.8], sessions, spec, PERF, engines=2)[0]
+    assert two == pytest.approx(2 * high, rel=0.01)
+    slow = rates_for_loads([0.8], sessions, spec, PERF.scaled(2.0))[0]
+    assert slow < high and slow == pytest.approx(high / 2, rel=0.05)
+    with pytest.raises(ValueError, match="positive"):
+        rates_for_loads([0.5, 0.0], sessions, spec, PERF)
+    with pytest.raises(ValueError, match="positive"):
+        rates_for_loads([], sessions, spec, PERF)

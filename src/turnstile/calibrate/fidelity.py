@@ -160,6 +160,21 @@ class SimEngineSpec:
         )
 
 
+def rates_for_loads(loads: Sequence[float], sessions: Sequence[Workflow], engine: SimEngineSpec,
+                    perf: PerfModel, engines: int = 1) -> list[float]:
+    """Arrival rates (sessions/s) that offer ``loads`` (fractions of the capacity
+    :func:`turnstile.bench.runner.capacity_rate` estimates for ``engines`` such engines with
+    ``perf``). An absolute rate loads a slow host's engines more than a fast one's (0.5
+    sessions/s is past saturation on an engine 1.7x slower): the same loads keep a protocol's
+    rates at the same point of the engines' curve on any host."""
+    from turnstile.bench.runner import capacity_rate
+
+    if not loads or any(x <= 0 for x in loads):
+        raise ValueError(f"loads must be positive fractions of capacity, got {list(loads)}")
+    capacity = capacity_rate(sessions, [replace(engine.group(perf), count=max(engines, 1))])
+    return [float(f"{x * capacity:.3g}") for x in loads]
+
+
 def simulate(
     workflows: Sequence[Workflow],
     assignment: Mapping[str, int],
