@@ -218,19 +218,17 @@ def main(argv: list[str] | None = None) -> int:
                     taken for the loads, for the first rate; a new one for the others."""
                     nonlocal first
                     name = f"profile_rate{rate:g}.json"
-                    if first is not None and args.profile is None:
-                        perf, first = first, None
-                        os.replace(out / "profile.json", out / name)
-                        profiles[name] = profiles.pop("profile.json")
-                        return perf
-                    return measure(name)
+                    if first is None:
+                        return measure(name)
+                    perf, first = first, None
+                    os.replace(out / "profile.json", out / name)
+                    profiles[name] = profiles.pop("profile.json")
+                    return perf
 
-                fitted: FittedPerf | Callable[[float], FittedPerf]
+                fitted: FittedPerf | Callable[[float], FittedPerf] = per_rate
                 if args.profile is not None or not args.profile_each_rate:
                     assert first is not None
                     fitted = first
-                else:
-                    fitted = per_rate
                 perfs: dict[str, PerfModel | Callable[[float], PerfModel]] = {
                     "fitted": fitted,
                     f"roofline ({args.roofline_gpu})": RooflinePerf(args.roofline_gpu, spec),

@@ -172,6 +172,7 @@ def rates_for_loads(loads: Sequence[float], sessions: Sequence[Workflow], engine
     if not loads or any(x <= 0 for x in loads):
         raise ValueError(f"loads must be positive fractions of capacity, got {list(loads)}")
     capacity = capacity_rate(sessions, [replace(engine.group(perf), count=max(engines, 1))])
+    # three significant digits: a rate names its profile file (profile_rate<r>.json)
     return [float(f"{x * capacity:.3g}") for x in loads]
 
 
