@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -34,9 +33,8 @@ from rich.progress import Progress
 from turnstile.calibrate.client import stream_completion
 from turnstile.calibrate.features import attn_pairs
 from turnstile.calibrate.profile import LLAMACPP_FA_TILE_Q, LLAMACPP_UBATCH, SMALL_CHUNK_KNEES
-from turnstile.engines.llama_server import LlamaServerProcess, pin_engines, require_llama_server
-from turnstile.engines.tiny_model import write_tiny_gguf
-from turnstile.sim.fitted_perf import fit_profile
+from turnstile.engines.llama_server import pinned_test_engine, require_llama_server
+from turnstile.sim.profile_fit import fit_profile
 
 CONTEXTS = (256, 400, 500, 640, 768, 900, 1024, 1100, 1300, 1500)
 APPENDS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 36, 40, 48, 56, 63, 64, 65,
@@ -120,13 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     appends = [int(x) for x in args.appends.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    with tempfile.TemporaryDirectory(prefix="turnstile-grid-") as tmp:
-        model = write_tiny_gguf(Path(tmp) / "model.gguf", hidden=768, layers=8, ffn=1536,
-                                heads=4, kv_heads=2)
-        with LlamaServerProcess(model, n_parallel=4, ctx=8192, threads=1) as server:
-            pinned = pin_engines([server]) if args.pin else {}
-            with Progress(console=console, transient=True) as progress:
-                rows = measure(server.base_url, contexts, appends, args.repeats, progress)
+    with pinned_test_engine(args.pin) as (server, pinned), Progress(console=console,
+                                                                   transient=True) as progress:
+        rows = measure(server.base_url, contexts, appends, args.repeats, progress)
     report = analyse(rows)
     report["setup"] = {"contexts": contexts, "appends": appends, "repeats": args.repeats,
                        "pinned_cpus": pinned, "wall_s": round(time.time() - t0, 1),

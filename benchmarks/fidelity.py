@@ -20,8 +20,11 @@ simulator estimates from the first profile (:func:`turnstile.calibrate.fidelity.
 so a host whose engines compute slower gets lower rates and the same load.
 
 The engine is profiled again right before each rate's replay (``profile_rate<r>.json``; with
-``--profile-once`` one ``profile.json``). Writes ``fidelity.md``, ``fidelity.json``,
-``fidelity_pairs.json`` and ``fidelity_scatter.png`` to ``--out``. About 8 minutes with the
+``--profile-once`` one ``profile.json``). Before each rate's replay and after the last, the
+same 400-token prefill is timed 8 times (``--steadiness``): ``fidelity.md`` says whether the
+host was quiet, its speed the same at every check (:mod:`turnstile.calibrate.steadiness`).
+Writes ``fidelity.md``, ``fidelity.json``, ``fidelity_pairs.json`` and
+``fidelity_scatter.png`` to ``--out``. About 8 minutes with the
 defaults and ``--noise-floor``. Needs the llama-server binary (``make engine``) and
 ``../shared/traces``.
 """
@@ -50,6 +53,7 @@ from turnstile.calibrate.fidelity import (
 )
 from turnstile.calibrate.fidelity_report import write_report
 from turnstile.calibrate.profile import LLAMACPP_BATCH, profile_engine
+from turnstile.calibrate.steadiness import Steadiness, measure_steadiness, steadiness_verdict
 from turnstile.engines.llama_server import LlamaServerProcess, pin_engines, require_llama_server
 from turnstile.engines.tiny_model import tiny_vocab, write_tiny_gguf
 from turnstile.sim.fitted_perf import FittedPerf
@@ -118,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--noise-floor", action="store_true",
                     help="replay each rate twice; report the second real run's error against "
                     "the first (run-to-run noise of the real system)")
+    ap.add_argument("--steadiness", type=int, default=8, metavar="N",
+                    help="before each rate's replay and after the last, time the same "
+                    "400-token prefill N times on the first engine: whether the host was "
+                    "quiet (turnstile.calibrate.steadiness; 0: skip)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -138,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     allowed = sorted(os.sched_getaffinity(0))
     pinned: dict[str, list[int]] = {}
+    checks: list[Steadiness] = []
 
     with tempfile.TemporaryDirectory(prefix="turnstile-fidelity-") as tmp:
         model = write_tiny_gguf(Path(tmp) / "model.gguf", hidden=args.hidden,
@@ -188,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                     console.print(f"{name}: {fit['samples']} samples, median |rel err| "
                                   f"{100 * fit['median_abs_rel_err']:.1f}%, "
                                   f"b={tuple(f'{c:.3g}' for c in perf.coefficients)}, "
+                                  f"cold step {1e3 * perf.cold_step_s:.1f} ms, "
                                   f"host contention {100 * perf.host_contention:.1f}%")
                     profiles[name]["host_contention"] = perf.meta.get("host_contention")
                     return perf
@@ -225,10 +235,22 @@ def main(argv: list[str] | None = None) -> int:
                     profiles[name] = profiles.pop("profile.json")
                     return perf
 
-                fitted: FittedPerf | Callable[[float], FittedPerf] = per_rate
-                if args.profile is not None or not args.profile_each_rate:
-                    assert first is not None
-                    fitted = first
+                def check(label: str) -> None:
+                    """Is the host as fast and as steady as at the other checks?"""
+                    if args.steadiness:
+                        c = measure_steadiness(urls[0], label, repeats=args.steadiness,
+                                               seed=args.seed + 7_000_000 + 1000 * len(checks))
+                        checks.append(c)
+                        console.print(f"steadiness {label}: {c.prompt_tokens}-token prefill "
+                                      f"{1e3 * c.median_s:.0f} ms ±{100 * c.cv:.1f}%")
+
+                fixed = first if args.profile is not None or not args.profile_each_rate else None
+
+                def fitted(rate: float) -> FittedPerf:
+                    perf = per_rate(rate) if fixed is None else fixed
+                    check(f"before {rate:g}/s")
+                    return perf
+
                 perfs: dict[str, PerfModel | Callable[[float], PerfModel]] = {
                     "fitted": fitted,
                     f"roofline ({args.roofline_gpu})": RooflinePerf(args.roofline_gpu, spec),
@@ -244,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"rate {r:g}/s: {len(run.turns)} turns in {run.wall_s:.0f} s"
                         + (f", {len(run.errors)} errors" if run.errors else "")),
                 )
+                check("after")
         finally:
             for s in servers:
                 s.stop()
@@ -261,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
     }
     report["profiles"] = profiles
+    if checks:
+        quiet, verdict = steadiness_verdict(checks)
+        report["steadiness"] = {"checks": [c.to_dict() for c in checks], "quiet": quiet,
+                                "verdict": verdict}
     md = write_report(out, report, f"Simulator vs llama.cpp ({args.engines}x {spec.name}, CPU)")
     print(md)
     console.print(f"wrote {out}/fidelity.md, fidelity.json, fidelity_scatter.png and the profiles")

@@ -14,8 +14,11 @@ profile samples, each simulating the run's workflows, each compared with the sam
   keeps whichever of the knees and the threshold fits the samples best;
 * ``passes by slot + knee, threshold or FA tiles``: the fit may also count the attention of a
   chunk of 64 tokens or more in 64 x 64 tiles, as that kernel computes it
-  (:func:`turnstile.sim.fitted_perf.tile_pairs`); a step's chunks are priced one by one. This is
-  what ``turnstile profile`` fits on llama.cpp.
+  (:func:`turnstile.sim.fitted_perf.tile_pairs`); a step's chunks are priced one by one;
+* ``+ cold steps``: a step that starts a turn after an idle spell or a large prompt chunk pays
+  ``cold_step_s`` more (:data:`turnstile.sim.fitted_perf.WARM_STEPS`), fitted from the warm
+  appends of profiles that have them (runs from before measure none: there it is the model
+  above). This is what ``turnstile profile`` fits on llama.cpp.
 
 Nothing is replayed again, so the host's load cannot favour either model: only the model differs.
 The forward-pass models run with the profile's measured host contention (the engines slow each
@@ -48,10 +51,12 @@ from turnstile.calibrate.fidelity import (
     simulate,
 )
 from turnstile.calibrate.fidelity_report import Observed, compare
+from turnstile.calibrate.probes import cold_flags
 from turnstile.calibrate.profile import LLAMACPP_FA_TILE_Q, LLAMACPP_UBATCH, SMALL_CHUNK_KNEES
 from turnstile.calibrate.replay import assign_round_robin
-from turnstile.sim.fitted_perf import FittedPerf, fit_profile
+from turnstile.sim.fitted_perf import FittedPerf
 from turnstile.sim.perf import FEATURES
+from turnstile.sim.profile_fit import fit_profile
 from turnstile.traces import load_trace
 
 
@@ -91,6 +96,7 @@ class StepModel:
     tiles: tuple[float, ...] = ()
     passes: bool = False
     by_slot: bool = False
+    cold: bool = False
 
 
 MODELS = {
@@ -98,12 +104,15 @@ MODELS = {
     "linear + small-chunk term": StepModel(SMALL_CHUNK_KNEES),
     "forward passes + small-chunk term": StepModel(SMALL_CHUNK_KNEES, passes=True),
     "passes by slot + small-chunk term": StepModel(SMALL_CHUNK_KNEES, passes=True, by_slot=True),
-    # what ``turnstile profile`` fits on llama.cpp
     "passes by slot + knee or FA-tile threshold": StepModel(
         SMALL_CHUNK_KNEES, (LLAMACPP_FA_TILE_Q,), passes=True, by_slot=True),
     "passes by slot + knee, threshold or FA tiles": StepModel(
         SMALL_CHUNK_KNEES, (LLAMACPP_FA_TILE_Q,), (LLAMACPP_FA_TILE_Q,), passes=True,
         by_slot=True),
+    # what ``turnstile profile`` fits on llama.cpp
+    "+ cold steps": StepModel(
+        SMALL_CHUNK_KNEES, (LLAMACPP_FA_TILE_Q,), (LLAMACPP_FA_TILE_Q,), passes=True,
+        by_slot=True, cold=True),
 }
 
 
@@ -112,12 +121,13 @@ def fitted(profile: Path, model: StepModel, host_contention: float | None = None
     contention (or ``host_contention`` when given: runs from before it was measured)."""
     doc = json.loads(profile.read_text())
     samples = [([s[f] for f in FEATURES], s["step_s"]) for s in doc["meta"]["samples"]]
+    cold = cold_flags([s["kind"] for s in doc["meta"]["samples"]]) if model.cold else None
     meta = {"request_overhead_s": doc["meta"].get("request_overhead_s", 0.0)}
     split = {"ubatch_tokens": LLAMACPP_UBATCH, "ubatch_split": "equal",
              "one_token_pass": True} if model.passes else {}
     perf = fit_profile(samples, relative=True, small_chunk_knees=model.knees,
                        small_chunk_thresholds=model.thresholds,
-                       small_chunk_tiles=model.tiles, meta=meta, **split)
+                       small_chunk_tiles=model.tiles, cold=cold, meta=meta, **split)
     perf.slot_passes = model.by_slot
     if host_contention is None:
         host_contention = doc["coefficients"].get("host_contention_per_engine", 0.0)
@@ -172,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             out.setdefault(name, {})[f"{rate:g}"] = {m: err[m]["median"] for m in
                                                       ("ttft", "e2e", "flow")}
             below = f" ({perf.small_chunk_rule})" if perf.small_chunk_rule != "knee" else ""
+            if perf.cold_step_s:
+                below += f", cold {1e3 * perf.cold_step_s:.1f} ms"
             print(f"| {name} | {rate:g} | {100 * err['ttft']['median']:.1f}% "
                   f"| {100 * err['e2e']['median']:.1f}% | {100 * err['flow']['median']:.1f}% "
                   f"| {perf.small_chunk_tokens:g}{below} |")

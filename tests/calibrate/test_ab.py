@@ -33,7 +33,8 @@ from turnstile.calibrate.fidelity import TraceScale
 from turnstile.gateway.config import load_config
 from turnstile.gateway.protocol import cached_tokens
 from turnstile.gateway.service import Gateway
-from turnstile.sim.fitted_perf import FittedPerf, fit_profile
+from turnstile.sim.fitted_perf import FittedPerf
+from turnstile.sim.profile_fit import fit_profile
 from turnstile.workload.model import ToolCall, Turn, Workflow
 
 SCALE = TraceScale(max_output=16, tool_div=20.0, max_tool_s=0.5, max_context=600, max_turns=6)

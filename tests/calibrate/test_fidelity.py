@@ -148,6 +148,10 @@ def test_plan_for_fits_the_engine() -> None:
     assert p.decode_batches == [1, 2, 3, 4]
     assert all(k < 4 for k, _ in p.mixed)  # a slot stays free for the newcomer
     assert all(a + b <= 2048 for a, b in p.cache_hits)
+    # the smallest cache hits again right after a 16-token generation, with room for it
+    assert {s for _, s in p.warm_appends} == {1, 4, 16}
+    assert all(a + 4 + 16 + b <= 2048 for a, b in p.warm_appends)
+    assert {a for a, _ in p.warm_appends} == {a for a, _ in p.cache_hits}
     big = plan_for(max_context=8192, max_seqs=256, chunk=8192)
     assert big.decode_batches[-1] == 256 and 64 in big.decode_batches
     q = plan_for(max_context=1024, max_seqs=4, chunk=512, quick=True)

@@ -27,7 +27,8 @@ from turnstile.calibrate.features import (
     prefill_sample,
 )
 from turnstile.sim.engine import EngineConfig, EngineModel, SimRequest
-from turnstile.sim.fitted_perf import FittedPerf, fit_profile
+from turnstile.sim.fitted_perf import FittedPerf
+from turnstile.sim.profile_fit import fit_profile
 
 TRUTH = FittedPerf(b0=0.004, b1=2.0e-4, b2=1.5e-3, b3=4.0e-6, b4=3.0e-8, engine="truth")
 CHUNK = 512

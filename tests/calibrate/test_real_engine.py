@@ -19,6 +19,7 @@ from turnstile.calibrate.cli import register
 from turnstile.calibrate.fidelity import SimEngineSpec, TraceScale, simulate
 from turnstile.calibrate.fidelity_report import compare, observe
 from turnstile.calibrate.replay import assign_round_robin, replay_workflows
+from turnstile.calibrate.steadiness import measure_steadiness, steadiness_verdict
 from turnstile.engines.llama_server import LlamaServerProcess
 from turnstile.engines.tiny_model import write_tiny_gguf
 from turnstile.sim.fitted_perf import FittedPerf
@@ -83,7 +84,8 @@ def test_profile_file_is_valid_and_predicts_positive_times(profile_path: Path) -
     assert meta["engine_kind"] == "llama.cpp" and meta["n_parallel"] == N_PARALLEL
     assert meta["sample_count"] >= 8 and meta["fit"]["samples"] == meta["sample_count"]
     assert {"rmse_s", "r2", "median_abs_rel_err"} <= set(meta["fit"])
-    assert {"prefill", "cache_hit", "decode", "mixed"} <= set(meta["fit"]["by_kind"])
+    assert {"prefill", "cache_hit", "warm_append", "decode", "mixed"} <= set(
+        meta["fit"]["by_kind"])
     assert doc["measured_at"] and meta["chunk_tokens"] == 2048
     assert len(meta["samples"]) == meta["sample_count"]
     perf = FittedPerf.from_profile(profile_path)
@@ -93,6 +95,13 @@ def test_profile_file_is_valid_and_predicts_positive_times(profile_path: Path) -
     assert doc["forward_passes"] == {"ubatch_tokens": 512, "split": "equal"}
     assert (perf.ubatch_tokens, perf.ubatch_split) == (512, "equal")
     assert meta["fit"]["one_token_pass_samples"] >= 1 and perf.b0_one is not None
+    # a warm append follows a 16-token turn at once: the engine computes its 4 new tokens and
+    # the turn's last one (sampled, never fed back), the rest of its prompt a cache hit
+    warm = [m for m in meta["samples"] if m["kind"] == "warm_append"]
+    assert warm and all(m["prefill_tokens"] == 5 and not m["cold"] for m in warm)
+    assert all(m["cached"] == m["prefix"] + 4 + 16 - 1 for m in warm)
+    assert meta["fit"]["cold_samples"] >= 1 and perf.cold_step_s >= 0
+    assert doc["coefficients"]["cold_step_s"] == perf.cold_step_s
     # a mixed step is timed by the newcomer's prompt_ms, the decoders' gap kept beside it
     mixed = [m for m in meta["samples"] if m["kind"] == "mixed"]
     assert mixed and all(m["decoder_gap_s"] > 0 for m in mixed)
@@ -140,3 +149,12 @@ def test_replay_and_simulation_line_up(server: LlamaServerProcess, profile_path:
     # loose: timings on a shared CPU; this checks the plumbing, benchmarks/fidelity.py the error
     assert err["e2e"]["median"] < 3.0
     assert TraceScale().max_context > 0
+
+
+def test_steadiness_times_the_same_fresh_prefill(server: LlamaServerProcess) -> None:
+    check = measure_steadiness(server.base_url, "now", prompt_tokens=96, repeats=3, seed=123)
+    assert check.label == "now" and check.prompt_tokens == 96 and len(check.times_s) == 3
+    # computed from scratch each time: a cached repeat would take a small fraction of the first
+    assert min(check.times_s) > 0.3 * max(check.times_s)
+    quiet, line = steadiness_verdict([check], cv_max=1.0, drift_max=1.0)
+    assert quiet and "96-token prefill, 3x per check" in line

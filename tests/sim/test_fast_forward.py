@@ -98,6 +98,25 @@ def test_a_fitted_perf_model_is_unchanged_too():
     assert_same(request_trace(150, seed=9), "eager", groups)
 
 
+@pytest.mark.parametrize("spec", ["eager", "cvar"])
+def test_cold_steps_are_stepped_and_unchanged_by_fast_forward(spec):
+    """With ``cold_step_s`` the iterations after a large chunk or a pause cost more: a leap
+    does not start over them, and the rest is leapt over as before."""
+    perf = FittedPerf(b0=0.004, b1=2e-5, b2=1e-4, b3=3e-8, b4=1e-10, cold_step_s=0.003)
+    groups = [EngineGroup(**H100, count=2, perf=perf, max_num_seqs=8)]
+    wfs = synth.generate(synth.DEFAULT_SPEC, 25, seed=3, arrivals=0.1)
+    off, on = assert_same(wfs, spec, groups)
+    assert on.events < off.events
+    plain = [EngineGroup(**H100, count=2, perf=FittedPerf(b0=0.004, b1=2e-5, b2=1e-4, b3=3e-8,
+                                                          b4=1e-10), max_num_seqs=8)]
+    _, t_cold = run(wfs, spec, groups, True)
+    _, t_warm = run(wfs, spec, plain, True)
+
+    first = (min(wfs, key=lambda w: w.arrival_s).id, 0)  # the engine's first step: cold
+    (s0, f0, _), (s1, f1, _) = t_cold[first], t_warm[first]
+    assert s0 == s1 and f0 - f1 >= 0.003 - 1e-12
+
+
 def engine() -> EngineModel:
     """Six requests of different lengths queued at 0 on one H100 engine."""
     eng = EngineModel("e", EngineConfig(num_gpu_blocks=400, max_num_seqs=8),

@@ -447,3 +447,27 @@ def test_shared_hash_blocks_keep_the_books(reqs, cpu_blocks: int, ratio: int) ->
     s = eng.stats()
     assert s["finished"] == len(reqs)
     assert s["prompt_tokens"] == s["hit_tokens"] + s["prefilled_tokens"]
+
+
+def test_a_prompt_after_an_idle_spell_or_a_large_chunk_pays_the_cold_step() -> None:
+    """``FittedPerf.cold_step_s``: a CPU engine's caches go cold while it idles and while it
+    computes a large chunk; a few small steps in a row warm them again."""
+    perf = FittedPerf(0.001, 1e-6, engine="test", cold_step_s=0.004)
+    eng = EngineModel("e0", EngineConfig(num_gpu_blocks=1000), perf)
+    a, t = one(eng, "a", "s1", 100, 5, 0.0)
+    assert a.first_token_s == pytest.approx(0.001 + 100e-6 + 0.004)  # the engine's first step
+    # the decodes right after the large chunk run cold too, until three small steps in a row
+    assert t - a.first_token_s == pytest.approx(4 * 0.001 + 3 * 0.004)
+    # right after four small steps (the decodes): warm
+    b, t2 = one(eng, "b", "s2", 2, 3, t + 0.01)
+    assert b.first_token_s - (t + 0.01) == pytest.approx(0.001 + 2e-6)
+    # after a pause longer than WARM_GAP_S: cold
+    c, t3 = one(eng, "c", "s3", 2, 1, t2 + 0.5)
+    assert c.first_token_s - (t2 + 0.5) == pytest.approx(0.001 + 2e-6 + 0.004)
+    # right after one small step (c's prefill, one token out): not yet warm again
+    d, _ = one(eng, "d", "s4", 2, 1, t3)
+    assert d.first_token_s - t3 == pytest.approx(0.001 + 2e-6 + 0.004)
+    # the same engine without the term: every step as before
+    plain = EngineModel("e1", EngineConfig(num_gpu_blocks=1000), flat_perf(0.0))
+    e, _ = one(plain, "e", "s1", 100, 5, 0.0)
+    assert e.first_token_s == pytest.approx(0.001 + 100e-6)

@@ -15,12 +15,11 @@ from turnstile.core.registry import UnknownNameError
 from turnstile.sim.fitted_perf import (
     FittedPerf,
     chunk_tile_pairs,
-    fit_profile,
     forward_passes,
-    nnls,
     tile_pairs,
 )
 from turnstile.sim.perf import PerfModel
+from turnstile.sim.profile_fit import fit_profile, nnls
 from turnstile.sim.roofline_perf import (
     RooflinePerf,
     gpu_names,
@@ -172,7 +171,7 @@ def test_fitted_step_time_and_profile_round_trip(tmp_path) -> None:
     path = tmp_path / "p.json"
     f.to_profile(path)
     doc = json.loads(path.read_text())
-    assert doc["format"] == "turnstile-profile" and doc["version"] == 2
+    assert doc["format"] == "turnstile-profile" and doc["version"] == 3
     assert doc["engine"] == "llama.cpp" and doc["measured_at"].startswith("2026")
     g = FittedPerf.from_profile(path)
     assert g.coefficients == f.coefficients
@@ -189,7 +188,7 @@ def test_fitted_step_time_and_profile_round_trip(tmp_path) -> None:
     ("doc", "match"),
     [
         ({"format": "other", "version": 1}, "not a turnstile-profile"),
-        ({"format": "turnstile-profile", "version": 3, "coefficients": {"b0_s": 1}}, "version 3"),
+        ({"format": "turnstile-profile", "version": 4, "coefficients": {"b0_s": 1}}, "version 4"),
         ({"format": "turnstile-profile", "version": 1, "coefficients": {}}, "b0_s"),
         (
             {"format": "turnstile-profile", "version": 1, "coefficients": {"b0_s": -1.0}},
@@ -300,6 +299,43 @@ def test_fitted_profile_keeps_its_host_contention(tmp_path):
     assert back.scaled(2.0).host_contention == 0.07  # a factor per co-runner, not a time
     with pytest.raises(ValueError, match="host_contention"):
         FittedPerf(0.01, host_contention=-0.1)
+
+
+def test_fitted_profile_keeps_its_cold_step_and_scales_it(tmp_path):
+    perf = FittedPerf(0.01, 1e-4, cold_step_s=0.005)
+    perf.to_profile(tmp_path / "p.json")
+    back = FittedPerf.from_profile(tmp_path / "p.json")
+    assert back.cold_step_s == 0.005
+    assert back.scaled(2.0).cold_step_s == pytest.approx(0.01)  # a time, unlike contention
+    with pytest.raises(ValueError, match="cold_step_s"):
+        FittedPerf(0.01, cold_step_s=-0.001)
+
+
+def test_fit_recovers_the_cold_step_from_warm_and_cold_appends() -> None:
+    """The same appends timed cold (right after a prefill) and warm (right after decodes): the
+    fit puts their difference in ``cold_step_s``, not in ``b0``; without warm samples the
+    term stays out."""
+    truth = FittedPerf(0.002, 1.5e-3, 2e-3, 2e-6, 5e-7, cold_step_s=0.006)
+    samples, cold = [], []
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 4, 16, 40, 100, 400):
+        for c in (0, 300, 800, 1500):
+            feats = (n, 0, c + n, n * c + n * (n + 1) / 2)
+            for is_cold in (True, False):
+                t = truth.step_time(*feats) + (truth.cold_step_s if is_cold else 0.0)
+                samples.append((feats, t * (1 + 0.01 * rng.standard_normal())))
+                cold.append(is_cold)
+    for k in (1, 2, 4):
+        samples.append(((0, k, 600 * k, 0.0), truth.step_time(0, k, 600 * k)))
+        cold.append(False)
+    fit = fit_profile(samples, relative=True, cold=cold)
+    assert fit.cold_step_s == pytest.approx(0.006, rel=0.1)
+    assert fit.b0 == pytest.approx(0.002, rel=0.2)
+    assert fit.meta["fit"]["cold_samples"] == sum(cold)
+    # every sample cold: nothing tells the term from b0
+    assert fit_profile(samples, relative=True, cold=[True] * len(samples)).cold_step_s == 0.0
+    with pytest.raises(ValueError, match="flags"):
+        fit_profile(samples, cold=[True])
 
 
 def _tiles_by_hand(p: int, c: int, tile: int) -> int:

@@ -142,6 +142,9 @@ def profile_cmd(
         how = {"knee": f"knee {k} prefill tokens", "below": f"below {k} prefill tokens",
                "tiles": f"below {k} prefill tokens, {k}×{k} attention tiles from {k} on"}
         _out.print(f"b5 s/small-chunk attn pair {perf.b5:.3g} ({how[perf.small_chunk_rule]})")
+    if fit.get("cold_samples"):
+        _out.print(f"cold step +{1e3 * perf.cold_step_s:.2f} ms (a prompt after an idle spell "
+                   "or a large chunk; appends after a generation run warm)")
     hc = perf.meta.get("host_contention")
     if hc:
         probes = ", ".join(f"{k} ×{v['ratio']:.2f}" for k, v in hc["probes"].items())

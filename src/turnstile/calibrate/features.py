@@ -72,7 +72,7 @@ class StepFeatures:
         )
 
 
-#: ``(features, seconds per step)``, what :func:`turnstile.sim.fitted_perf.fit_profile` takes
+#: ``(features, seconds per step)``, what :func:`turnstile.sim.profile_fit.fit_profile` takes
 Sample = tuple[tuple[float, float, float, float], float]
 
 

@@ -219,6 +219,8 @@ def write_report(out: Path, report: Mapping[str, Any], title: str) -> str:
     import json
 
     md = render_markdown(report["rows"])
+    if report.get("steadiness"):  # whether the host was quiet enough to judge the model
+        md += "\n" + report["steadiness"]["verdict"] + "\n"
     (out / "fidelity.md").write_text(md)
     (out / "fidelity.json").write_text(json.dumps(strip_pairs(report), indent=2, default=str))
     (out / "fidelity_pairs.json").write_text(json.dumps(

@@ -8,6 +8,10 @@ streamed tokens; each probe returns a :class:`Measurement`, one ``(features, ste
   ``timings.prompt_ms`` when the engine reports it, else the TTFT;
 * **cache hit**: a prefix is computed once, then the prefix plus a new suffix is sent; the
   engine's reported hit (``cached_tokens`` / ``cache_n``) sets the features;
+* **warm append**: as an agent's next turn, right after a turn's generation the prompt plus
+  the generated tokens plus a new suffix is sent: the same work as a cache hit, with the
+  engine's caches warm from the decodes instead of cold from a prefill
+  (:data:`~turnstile.sim.fitted_perf.WARM_STEPS`);
 * **decode**: ``k`` concurrent streams over a shared (cached) prefix of a given context; the
   step time is the token inter-arrival time while all ``k`` decode;
 * **mixed**: ``k`` streams decoding while a new prompt arrives; the decoders' gap that ends with
@@ -40,18 +44,36 @@ from turnstile.calibrate.features import (
     prefill_sample,
 )
 
-__all__ = ["EngineProber", "Measurement"]
+__all__ = ["COLD_KINDS", "EngineProber", "Measurement", "cold_flags"]
+
+#: the probes whose step runs with the engine's caches cold: a prompt right after a prefill or
+#: a single decode; the others follow runs of small steps
+COLD_KINDS = ("prefill", "cache_hit")
+
+
+def cold_flags(kinds: Sequence[str]) -> list[bool] | None:
+    """Which of the samples of these kinds ran cold, for the fit's cold-step term; None
+    without warm appends, whose contrast with the cache hits alone measures it (else the
+    term would fit whatever else tells the kinds apart)."""
+    if "warm_append" not in kinds:
+        return None
+    return [k in COLD_KINDS for k in kinds]
 
 
 @dataclass
 class Measurement:
     """One sample with where it came from."""
 
-    kind: str  # prefill | cache_hit | decode | mixed
+    kind: str  # prefill | cache_hit | warm_append | decode | mixed
     features: tuple[float, float, float, float]
     step_s: float
     steps: int = 1
     note: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cold(self) -> bool:
+        """Whether the step ran with the engine's caches cold (:data:`COLD_KINDS`)."""
+        return self.kind in COLD_KINDS
 
     def sample(self) -> Sample:
         return self.features, self.step_s
@@ -118,6 +140,10 @@ class EngineProber:
         prefix = self._prefix(cached_prefix) if cached_prefix else []
         return self._send(prefix + self.tokens.take(new_tokens), 2).ttft_s
 
+    def prompt_time(self, n: int) -> float:
+        """The engine's time to compute ``n`` fresh tokens from scratch (one token out)."""
+        return self._prompt_time(self._send(self.tokens.take(n), 1))
+
     def _slot(self, i: int | None) -> dict[str, Any] | None:
         """llama.cpp's ``id_slot`` for the ``i``-th concurrent stream (see the module docstring);
         None elsewhere, or when the engine has fewer slots."""
@@ -168,6 +194,26 @@ class EngineProber:
         steps = max(1, round(secs / step))
         note = {"prefix": prefix_len, "suffix": suffix, "cached": cached}
         return Measurement("cache_hit", feats, step, steps, note)
+
+    def warm_append(self, prefix_len: int, suffix: int, probe: int,
+                    gen: int = 16) -> Measurement | None:
+        """A turn of ``gen`` tokens over a cached ``prefix_len``-token prefix, then at once its
+        prompt and output plus ``suffix`` new tokens (None when the engine does not return the
+        generated ids, without which the next prompt would miss its cache)."""
+        head = self._prefix(prefix_len) + self.tokens.take(4)
+        # llama.cpp returns the generated ids on its own endpoint only
+        turn = stream_completion(
+            self.info.url, head, gen, api="llamacpp" if self.info.kind == "llama.cpp" else "openai",
+            model=self.info.model, return_ids=True, timeout=self.timeout)
+        if not turn.output_ids:
+            return None
+        prompt = head + list(turn.output_ids) + self.tokens.take(suffix)
+        res = self._send(prompt, probe)
+        cached = self._cached(res, len(prompt) - suffix - 1)
+        secs = self._prompt_time(res)
+        feats, step = prefill_sample(res.prompt_tokens, cached, self.chunk, secs)
+        note = {"prefix": prefix_len, "suffix": suffix, "gen": gen, "cached": cached}
+        return Measurement("warm_append", feats, step, max(1, round(secs / step)), note)
 
     def _streams(self, prompts: Sequence[list[int]], max_tokens: int) -> list[StreamResult]:
         with ThreadPoolExecutor(max_workers=len(prompts)) as pool:

@@ -1,16 +1,17 @@
 """Profile a real engine through its HTTP API and fit the simulator's performance model to it.
 
 :func:`profile_engine` sweeps batch composition (a :class:`ProfilePlan`: cold prefills, cache
-hits, ``k = 1..N`` decoding streams, decoders plus a newcomer) with the probes of
-:mod:`turnstile.calibrate.probes`, which send token-id prompts (exact lengths, exact prefixes)
-and time the streamed tokens.
+hits, the same appends right after a generation, ``k = 1..N`` decoding streams, decoders plus a
+newcomer) with the probes of :mod:`turnstile.calibrate.probes`, which send token-id prompts
+(exact lengths, exact prefixes) and time the streamed tokens.
 
 Each measurement becomes a ``(features, step_time)`` sample (:mod:`turnstile.calibrate.features`)
-and :func:`turnstile.sim.fitted_perf.fit_profile` fits ``b0..b4`` to them (relative least squares by
-default: step times span three orders of magnitude), and the small-chunk attention term ``b5``
-with its knee where it fits better. On llama.cpp ``b0`` is fitted per forward pass (its server
-cuts a step into micro-batches of ``-ub`` tokens, per slot unless ``--kv-unified``) and a
-one-token pass gets its own fixed cost ``b0_one`` (see
+and :func:`turnstile.sim.profile_fit.fit_profile` fits ``b0..b4`` to them (relative least
+squares by default: step times span three orders of magnitude), the small-chunk attention term
+``b5`` with its knee where it fits better, and the extra cost of a step whose caches are cold
+(``cold_step_s``: the cache hits against the warm appends). On llama.cpp ``b0`` is fitted per
+forward pass (its server cuts a step into micro-batches of ``-ub`` tokens, per slot unless
+``--kv-unified``) and a one-token pass gets its own fixed cost ``b0_one`` (see
 :class:`~turnstile.sim.fitted_perf.FittedPerf`). :func:`write_profile` stores the result as a
 ``turnstile-profile`` file with its provenance: engine kind, model, slots, when, the samples and
 the fit's residuals.
@@ -28,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from statistics import median
@@ -38,9 +39,10 @@ import numpy as np
 
 from turnstile.calibrate.client import EngineInfo, EngineRequestError, discover
 from turnstile.calibrate.contention import measure_host_contention
-from turnstile.calibrate.probes import EngineProber, Measurement
-from turnstile.sim.fitted_perf import FittedPerf, fit_profile
+from turnstile.calibrate.probes import EngineProber, Measurement, cold_flags
+from turnstile.sim.fitted_perf import FittedPerf
 from turnstile.sim.perf import FEATURES
+from turnstile.sim.profile_fit import fit_profile
 
 __all__ = [
     "ProfilePlan",
@@ -87,11 +89,15 @@ class ProfilePlan:
     probe_tokens: int = 2
     #: each measurement this many times
     repeats: int = 1
+    #: (cached prefix, new suffix) pairs sent right after a generation: the cache hits' work
+    #: with the caches warm (:meth:`~turnstile.calibrate.probes.EngineProber.warm_append`)
+    warm_appends: list[tuple[int, int]] = field(default_factory=list)
 
     def count(self) -> int:
         per = (
             len(self.prefill_lengths)
             + len(self.cache_hits)
+            + len(self.warm_appends)
             + len(self.decode_batches) * len(self.decode_contexts)
             + len(self.mixed)
         )
@@ -126,6 +132,7 @@ def plan_for(
     # and real turns are almost never such a multiple
     if quick:
         hits = [(ctx // 2, 4), (ctx // 2, 60)]
+        warm = [(ctx // 2, 4)]
         contexts = [64, min(ctx, ctx // 2 + 8)]
     else:
         # agent turns mostly append a few tokens to a cached context: sample small suffixes
@@ -134,6 +141,10 @@ def plan_for(
             for s in (4, 16, 40, 100, 250, 500)
         ]
         hits = [(p, s) for p, s in hits if p + s <= ctx]
+        # the small appends again right after a generation, as agents send them: their caches
+        # warm (the prefix, 4 new tokens and 16 generated, then the suffix)
+        warm = [(p, s) for p in (ctx // 4, ctx // 2, (ctx * 4) // 5) for s in (1, 4, 16)
+                if p + s + 24 <= ctx]
         # decode prompts are a cached prefix + 8 tokens: reuse the cache-hit prefixes
         contexts = [64, min(ctx, ctx // 2 + 8), min(ctx, (ctx * 4) // 5 + 8)]
     if max_seqs <= 8:
@@ -153,6 +164,7 @@ def plan_for(
         mixed=mixed,
         decode_tokens=gen,
         repeats=repeats,
+        warm_appends=warm,
     )
 
 
@@ -264,6 +276,9 @@ def profile_engine(
                 keep(partial(prober.prefill, n, plan.probe_tokens), f"prefill {n}")
             for p, s in plan.cache_hits:
                 keep(partial(prober.cache_hit, p, s, plan.probe_tokens), f"cache hit {p}+{s}")
+            for p, s in plan.warm_appends:
+                keep(partial(prober.warm_append, p, s, plan.probe_tokens),
+                     f"warm append {p}+{s}")
             for c in plan.decode_contexts:
                 for k in plan.decode_batches:
                     keep(partial(prober.decode, k, c, plan.decode_tokens), f"decode {k}x{c}")
@@ -324,6 +339,7 @@ def profile_engine(
         small_chunk_knees=SMALL_CHUNK_KNEES if small_chunk else (),
         small_chunk_thresholds=(LLAMACPP_FA_TILE_Q,) if small_chunk and llama else (),
         small_chunk_tiles=(LLAMACPP_FA_TILE_Q,) if small_chunk and llama else (),
+        cold=cold_flags([m.kind for m in ms]),
         kv_bytes_per_token=kv_bytes_per_token,
         engine=info.kind,
         model=info.model,
@@ -339,7 +355,8 @@ def profile_engine(
             "kind": m.kind,
             **{f: round(v, 3) for f, v in zip(FEATURES, m.features, strict=True)},
             "step_s": m.step_s,
-            "pred_s": perf.step_time(*m.features),  # type: ignore[arg-type]
+            "pred_s": _predicted(perf, m),
+            "cold": m.cold,
             "steps": m.steps,
             **m.note,
         }
@@ -367,11 +384,17 @@ def _combine(group: Sequence[Measurement]) -> Measurement:
     )
 
 
+def _predicted(perf: FittedPerf, m: Measurement) -> float:
+    """The model's time for the step a measurement timed, cold or warm as it ran."""
+    t = perf.step_time(*m.features)  # type: ignore[arg-type]
+    return t + perf.cold_step_s if m.cold else t
+
+
 def _residuals_by_kind(perf: FittedPerf, ms: Sequence[Measurement]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for kind in sorted({m.kind for m in ms}):
         errs = [
-            abs(perf.step_time(*m.features) - m.step_s) / m.step_s  # type: ignore[arg-type]
+            abs(_predicted(perf, m) - m.step_s) / m.step_s
             for m in ms
             if m.kind == kind and m.step_s > 0
         ]

@@ -17,7 +17,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 
@@ -30,6 +31,7 @@ __all__ = [
     "free_port",
     "physical_cores",
     "pin_engines",
+    "pinned_test_engine",
     "require_llama_server",
 ]
 
@@ -94,6 +96,21 @@ def pin_engines(servers: Sequence[LlamaServerProcess]) -> dict[str, list[int]]:
         server.pin([cpu])
     os.sched_setaffinity(0, rest)
     return {"engines": engines, "driver": rest}
+
+
+@contextmanager
+def pinned_test_engine(pin: bool = True) -> Iterator[tuple[LlamaServerProcess, dict]]:
+    """One engine of the calibration benchmarks' model (a random-weight 768×8 F16 GGUF,
+    ``-np 4 -c 8192 -t 1``: steps of 10-50 ms on a CPU), pinned to a core of its own and the
+    caller to another (:func:`pin_engines`; ``pin=False``: where the OS puts them). Yields the
+    server and the pinning."""
+    from turnstile.engines.tiny_model import write_tiny_gguf  # gguf only where a model is made
+
+    with tempfile.TemporaryDirectory(prefix="turnstile-engine-") as tmp:
+        model = write_tiny_gguf(Path(tmp) / "model.gguf", hidden=768, layers=8, ffn=1536,
+                                heads=4, kv_heads=2)
+        with LlamaServerProcess(model, n_parallel=4, ctx=8192, threads=1) as server:
+            yield server, (pin_engines([server]) if pin else {})
 
 
 def _is_executable(path: Path) -> bool:

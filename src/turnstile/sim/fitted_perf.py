@@ -4,30 +4,28 @@
 :class:`~turnstile.sim.perf.PerfModel`) as ``b0 + b1·prefill + b2·decode + b3·kv_read +
 b4·attn2``, plus an optional small-chunk attention term ``b5`` and, for engines that run one
 iteration as several forward passes (llama.cpp's micro-batches), a fixed cost per pass
-(:func:`forward_passes`); :func:`fit_profile` fits it with non-negative least squares
-(:func:`nnls`) and :meth:`FittedPerf.to_profile` / :meth:`FittedPerf.from_profile` store it as a
-``turnstile-profile`` JSON file.
+(:func:`forward_passes`); :func:`turnstile.sim.profile_fit.fit_profile` fits it by
+non-negative least squares and :meth:`FittedPerf.to_profile` / :meth:`FittedPerf.from_profile`
+store it as a ``turnstile-profile`` JSON file.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from turnstile.sim.perf import FEATURES
 
 PROFILE_FORMAT = "turnstile-profile"
-#: version 2 added the ``tiles`` small-chunk rule; a build that reads only version 1 refuses it
-#: instead of pricing its attention by another rule
-PROFILE_VERSION = 2
+#: version 2 added the ``tiles`` small-chunk rule, version 3 the cold-step cost; a build that
+#: reads only older versions refuses a newer file instead of pricing its steps by another model
+PROFILE_VERSION = 3
 #: the versions this build reads
-PROFILE_VERSIONS_READ = (1, 2)
+PROFILE_VERSIONS_READ = (1, 2, 3)
 
 #: how the small-chunk attention term fades with the step's prefill tokens ``p`` (knee or
 #: threshold ``k``): ``knee``, smoothly, ``k / (k + p)``; ``below``, at once: all of it while
@@ -42,6 +40,18 @@ SMALL_CHUNK_RULES = ("knee", "below", "tiles")
 #: ``equal``, the same number of tokens from every sequence in a pass (llama.cpp ``-np N``
 #: without ``--kv-unified``: one KV stream per slot)
 UBATCH_SPLITS = ("simple", "equal")
+
+#: A CPU engine keeps its weights in the last-level cache while it steps on small batches one
+#: after another, and loses them when it idles or computes a large prompt chunk (llama.cpp on a
+#: shared VM: a 1-token append right after a turn's decodes takes 4.5 ms, 11-12 ms after a
+#: 0.15 s pause or right after an 800-token prefill, 8.6 ms after two decodes; ``docs/
+#: calibration.md`` §1). A step runs *warm* after :data:`WARM_STEPS` iterations in a row of
+#: fewer than :data:`WARM_MAX_PREFILL` prompt tokens each, none after a pause of more than
+#: :data:`WARM_GAP_S`; any other step pays :attr:`FittedPerf.cold_step_s` more (the decodes
+#: right after a cold append too: 5.8 ms a token over the next seven, against 4.5 warm).
+WARM_GAP_S = 0.1
+WARM_STEPS = 3
+WARM_MAX_PREFILL = 64
 
 
 def forward_passes(
@@ -164,6 +174,10 @@ class FittedPerf:
     #: machine); 0.05 = 5% per co-running engine. Measured by ``turnstile profile --neighbour``;
     #: the simulator applies it among the engines of one group (see ``sim.cluster``)
     host_contention: float = 0.0
+    #: extra seconds of a step that starts with the engine's caches cold (:data:`WARM_STEPS`;
+    #: 0: every step warm, the model before it was measured). Fitted by ``turnstile profile``
+    #: from appends sent right after a generation against the same appends after a prefill
+    cold_step_s: float = 0.0
     _passes: bool = field(default=False, init=False, repr=False, compare=False)
     _tiles: bool = field(default=False, init=False, repr=False, compare=False)
     _per_chunk: bool = field(default=False, init=False, repr=False, compare=False)
@@ -177,6 +191,8 @@ class FittedPerf:
         if self.ubatch_split not in UBATCH_SPLITS:
             raise ValueError(f"ubatch_split must be one of {UBATCH_SPLITS}, "
                              f"got {self.ubatch_split!r}")
+        if not (self.cold_step_s >= 0 and math.isfinite(self.cold_step_s)):
+            raise ValueError(f"cold_step_s must be finite and >= 0, got {self.cold_step_s}")
         if not (self.host_contention >= 0 and math.isfinite(self.host_contention)):
             raise ValueError(f"host_contention must be finite and >= 0, "
                              f"got {self.host_contention}")
@@ -203,6 +219,7 @@ class FittedPerf:
         return replace(self, b0=self.b0 * factor, b1=self.b1 * factor, b2=self.b2 * factor,
                        b3=self.b3 * factor, b4=self.b4 * factor, b5=self.b5 * factor,
                        b0_one=None if self.b0_one is None else self.b0_one * factor,
+                       cold_step_s=self.cold_step_s * factor,
                        meta={**self.meta, "scaled": factor})
 
     @property
@@ -294,6 +311,7 @@ class FittedPerf:
                 "small_chunk_rule": self.small_chunk_rule,
                 "b0_one_token_pass_s": self.b0_one,
                 "host_contention_per_engine": self.host_contention,
+                "cold_step_s": self.cold_step_s,
             },
             "forward_passes": {"ubatch_tokens": self.ubatch_tokens, "split": self.ubatch_split},
             "kv_bytes_per_token": self.kv_bytes_per_token,
@@ -347,6 +365,7 @@ class FittedPerf:
                 ubatch_tokens=int(passes.get("ubatch_tokens", 0)),
                 ubatch_split=str(passes.get("split", "simple")),
                 host_contention=float(c.get("host_contention_per_engine", 0.0)),
+                cold_step_s=float(c.get("cold_step_s", 0.0)),
                 kv_bytes_per_token=float(doc.get("kv_bytes_per_token", 0.0)),
                 engine=str(doc.get("engine", "")),
                 model=str(doc.get("model", "")),
@@ -355,176 +374,3 @@ class FittedPerf:
             )
         except ValueError as exc:
             raise ValueError(f"{p}: {exc}") from None
-
-
-Sample = tuple[Sequence[float], float]
-
-
-def nnls(a: np.ndarray, b: np.ndarray, tol: float | None = None) -> np.ndarray:
-    """Non-negative least squares ``min ||a x − b||, x ≥ 0`` (Lawson–Hanson active set)."""
-    a = np.asarray(a, dtype=float)
-    b = np.asarray(b, dtype=float)
-    m, n = a.shape
-    if tol is None:
-        tol = 10.0 * np.finfo(float).eps * np.linalg.norm(a, 1) * max(m, n)
-    passive = np.zeros(n, dtype=bool)
-    x = np.zeros(n)
-    w = a.T @ (b - a @ x)
-    for _ in range(3 * n + 10):
-        if passive.all() or w[~passive].max() <= tol:
-            break
-        j = int(np.argmax(np.where(passive, -np.inf, w)))
-        passive[j] = True
-        while True:
-            s = np.zeros(n)
-            s[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
-            if s[passive].min() > 0:
-                break
-            neg = passive & (s <= 0)
-            alpha = np.min(x[neg] / (x[neg] - s[neg]))
-            x = x + alpha * (s - x)
-            passive &= x > tol
-            x[~passive] = 0.0
-        x = s
-        w = a.T @ (b - a @ x)
-    return x
-
-
-def _nnls_scaled(x: np.ndarray, y: np.ndarray, wgt: np.ndarray) -> np.ndarray:
-    """Weighted NNLS with columns scaled to unit norm (features span ten orders of magnitude)."""
-    a = x * wgt[:, None]
-    scale = np.linalg.norm(a, axis=0)
-    scale[scale == 0] = 1.0
-    return nnls(a / scale, y * wgt) / scale
-
-
-def _with_small_chunk(x: np.ndarray, k: float, rule: str) -> np.ndarray:
-    """The fit's rows ``x`` (the prefill tokens in column 1, the attention pairs in column 4)
-    with the small-chunk term's column for knee, threshold or tile ``k`` added; with the
-    ``tiles`` rule the attention column of the rows from ``k`` prefill tokens on counts tiles
-    (:func:`tile_pairs`)."""
-    p, attn = x[:, 1], x[:, 4]
-    if rule == "knee":
-        return np.column_stack([x, attn * k / (k + p)])
-    small = np.where(p < k, attn, 0.0)
-    if rule == "tiles":
-        x = x.copy()
-        x[:, 4] = [a if n < k else tile_pairs(n, a, int(k)) for n, a in zip(p, attn, strict=True)]
-    return np.column_stack([x, small])
-
-
-def fit_profile(
-    samples: Iterable[Sample],
-    *,
-    relative: bool = False,
-    kv_bytes_per_token: float = 0.0,
-    engine: str = "",
-    model: str = "",
-    measured_at: str = "",
-    meta: dict[str, Any] | None = None,
-    small_chunk_knees: Sequence[float] = (),
-    small_chunk_thresholds: Sequence[float] = (),
-    small_chunk_tiles: Sequence[float] = (),
-    ubatch_tokens: int = 0,
-    ubatch_split: str = "simple",
-    one_token_pass: bool = False,
-) -> FittedPerf:
-    """Fit :class:`FittedPerf` to measured ``(features, step_time_s)`` samples.
-
-    ``small_chunk_knees``: candidate knees ``k`` of the small-chunk attention term; each is
-    fitted (its column ``attn2·k/(k + prefill)`` beside the linear ones) and the knee with
-    the smallest weighted error is kept, or none when no knee beats the model without it by 2%
-    (empty: no such term). ``small_chunk_thresholds`` are candidates for the same term with the
-    ``below`` rule (column ``attn2`` where ``prefill < k``), tried after the knees in the same
-    way (each kept only if it beats the best so far by 2%), whichever their rule;
-    ``small_chunk_tiles`` for the ``tiles`` rule (the same column, and the attention from ``k``
-    prefill tokens on counted in ``k × k`` tiles), tried last, kept on the same terms.
-
-    ``ubatch_tokens`` and ``ubatch_split`` say how the engine cuts a step into forward passes
-    (:func:`forward_passes`): ``b0`` is then fitted per pass. With ``one_token_pass`` a pass of
-    one token gets its own fixed cost ``b0_one`` (kept only when some sample has such a pass).
-
-    ``features`` is ``(prefill_tokens, decode_seqs, kv_read_tokens[, prefill_attn_tokens2])``.
-    Coefficients are constrained non-negative (a negative per-token cost would make bigger
-    batches faster). Columns are scaled before solving, so features of very different
-    magnitudes (attention pairs ~1e8 vs decode seqs ~10) are fitted equally well. With
-    ``relative`` each sample is weighted by ``1 / step_time`` (minimises relative error, which
-    is what TTFT fidelity cares about when step times span orders of magnitude).
-    """
-    passes = bool(ubatch_tokens) or one_token_pass
-    rows: list[list[float]] = []
-    ones: list[float] = []
-    ys: list[float] = []
-    for feats, y in samples:
-        f = [float(v) for v in feats]
-        if len(f) == 3:
-            f.append(0.0)
-        if len(f) != 4:
-            raise ValueError(f"a sample needs 3 or 4 features {FEATURES}, got {len(f)}")
-        if passes:
-            multi, one = forward_passes(f[0], f[1], ubatch_tokens, ubatch_split)
-            if not one_token_pass:
-                multi, one = multi + one, 0
-        else:
-            multi, one = 1, 0
-        rows.append([float(multi), *f])
-        ones.append(float(one))
-        ys.append(float(y))
-    if len(rows) < 2:
-        raise ValueError(f"need at least 2 samples to fit, got {len(rows)}")
-    x = np.asarray(rows)
-    y = np.asarray(ys)
-    # the one-token pass column only where some sample has such a pass (else b0_one is b0)
-    with_one = one_token_pass and any(ones)
-    if with_one:
-        x = np.column_stack([x, np.asarray(ones)])
-    if relative:
-        if (y <= 0).any():
-            raise ValueError("relative=True needs positive step times")
-        wgt = 1.0 / y
-    else:
-        wgt = np.ones_like(y)
-    coef = _nnls_scaled(x, y, wgt)
-    sse = float((((x @ coef) - y) * wgt) ** 2 @ np.ones_like(y))
-    knee = 0.0
-    rule = "knee"
-    candidates = [(k, "knee") for k in small_chunk_knees]
-    candidates += [(k, "below") for k in small_chunk_thresholds]
-    candidates += [(k, "tiles") for k in small_chunk_tiles]
-    for k, r in candidates:
-        if k <= 0 or (r == "tiles" and k < 1):
-            raise ValueError(f"small-chunk knees, thresholds and tiles must be > 0, got {k}")
-        xk = _with_small_chunk(x, k, r)
-        ck = _nnls_scaled(xk, y, wgt)
-        sse_k = float((((xk @ ck) - y) * wgt) ** 2 @ np.ones_like(y))
-        if ck[-1] > 0 and sse_k < 0.98**2 * sse:
-            coef, sse, knee, rule = ck, sse_k, float(k), r
-    if knee:
-        x = _with_small_chunk(x, knee, rule)
-    pred = x @ coef
-    resid = y - pred
-    ss_tot = float(((y - y.mean()) ** 2).sum())
-    stats = {
-        "samples": len(ys),
-        "rmse_s": float(np.sqrt((resid**2).mean())),
-        "median_abs_rel_err": float(np.median(np.abs(resid) / np.maximum(np.abs(y), 1e-12))),
-        "r2": 1.0 - float((resid**2).sum()) / ss_tot if ss_tot > 0 else 1.0,
-        "relative": relative,
-        "small_chunk_tokens": knee,
-        "small_chunk_rule": rule,
-        "one_token_pass_samples": int(sum(1 for o in ones if o)),
-    }
-    return FittedPerf(
-        *(float(c) for c in coef[:5]),
-        b5=float(coef[-1]) if knee else 0.0,
-        small_chunk_tokens=knee,
-        small_chunk_rule=rule,
-        b0_one=float(coef[5]) if with_one else None,
-        ubatch_tokens=ubatch_tokens,
-        ubatch_split=ubatch_split,
-        kv_bytes_per_token=kv_bytes_per_token,
-        engine=engine,
-        model=model,
-        measured_at=measured_at,
-        meta={**(meta or {}), "fit": stats},
-    )

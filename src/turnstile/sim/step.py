@@ -14,6 +14,7 @@ import heapq
 
 from turnstile.sim.batch_scheduler import BatchScheduler
 from turnstile.sim.block_pool import BlockPool
+from turnstile.sim.fitted_perf import WARM_GAP_S, WARM_MAX_PREFILL, WARM_STEPS
 from turnstile.sim.leap_loop import EPS, NO_PLAN, LeapLoops, LeapPlan, LeapResult
 from turnstile.sim.leap_sums import LeapSums, first_at_or_after
 from turnstile.sim.perf import PerfModel
@@ -58,6 +59,14 @@ class StepExecutor(LeapLoops):
         self._sums: LeapSums | None = None
         self.lazy_end = 0.0
         self._lazy_until = _NEVER
+        #: what a step costs more with the engine's caches cold (``FittedPerf.cold_step_s``; 0
+        #: for models without the term), and what decides it: the engine's last outcome (its
+        #: ``end_s`` and ``iterations`` as leaps extended them), whether its first iteration
+        #: computed a large prompt chunk, and the small iterations in a row before it
+        self._cold_s = float(getattr(self.perf, "cold_step_s", 0.0) or 0.0)
+        self._prev_out: StepOutcome | None = None
+        self._prev_big = False
+        self._warm_steps = 0
         self.decode_tokens = 0
         self.iterations = 0
         self.busy_s = 0.0
@@ -113,6 +122,11 @@ class StepExecutor(LeapLoops):
                                       lanes.step_passes(), lanes.step_prompts())
         if reload_blocks:
             dur += reload_blocks * self.reload_s_per_block
+        if self._cold_s:  # after an idle spell or a large chunk the caches are cold
+            self._warm_steps = self._warm_run(now)
+            self._prev_big = prefill_tokens >= WARM_MAX_PREFILL
+            if self._warm_steps < WARM_STEPS:
+                dur += self._cold_s
         if self.slowdown != 1.0:
             dur *= self.slowdown
         end = now + dur
@@ -133,7 +147,9 @@ class StepExecutor(LeapLoops):
         s.it = it + 1
         self.iterations += 1
         self.busy_s += dur
-        return StepOutcome(dur, started, first_token, finished, end_s=end)
+        out = StepOutcome(dur, started, first_token, finished, end_s=end)
+        self._prev_out = out
+        return out
 
     def decodes_only(self, now: float) -> bool:
         """Whether the iteration at ``now`` is a pure decode iteration with nothing to admit
@@ -152,9 +168,12 @@ class StepExecutor(LeapLoops):
         ``now`` (the caller asked already); then the first iteration is the leap's first,
         without the step's bookkeeping, and ``duration_s`` is summed from the first iteration on
         instead of first + the rest (the driver reads ``end_s``, summed as stepping would)."""
-        if decodes_only and now < until:
+        if decodes_only and now < until and not self._cooling(now):
             out = StepOutcome(0.0, _NONE, _NONE, [], end_s=now, iterations=0)
             self._cut_out = None
+            if self._cold_s:
+                self._warm_steps, self._prev_big = self._warm_run(now), False
+            self._prev_out = out
             plan = self._plan(self.sched.n_dec, False)
             if self._run_or_defer(out, plan, until, horizon):
                 return out
@@ -180,7 +199,7 @@ class StepExecutor(LeapLoops):
         s = self.sched
         n_dec = s.n_dec
         self._cut_out = None
-        if out.finished or out.first_token or not out.busy:
+        if out.finished or out.first_token or not out.busy or self._cooling(out.end_s):
             return
         pool = self.pool
         if s.prefilling and not (n_dec and self._prefills_stalled()):
@@ -331,6 +350,20 @@ class StepExecutor(LeapLoops):
         if out.started:
             out.started = []
         return self._run_or_defer(out, self._cut_plan, until, horizon)
+
+    def _cooling(self, now: float) -> bool:
+        """Whether an iteration at ``now`` runs cold: then it is stepped, not leapt over (a
+        leap prices every iteration alike)."""
+        return bool(self._cold_s) and self._warm_run(now) < WARM_STEPS
+
+    def _warm_run(self, now: float) -> int:
+        """Small iterations (under ``WARM_MAX_PREFILL`` prompt tokens) the engine ran in a row
+        right before ``now``, none after a pause of more than ``WARM_GAP_S``: the last outcome's
+        first iteration, unless it was large, and its leap's decodes, after the run before."""
+        prev = self._prev_out
+        if prev is None or now - prev.end_s > WARM_GAP_S:
+            return 0
+        return (0 if self._prev_big else self._warm_steps + 1) + prev.iterations - 1
 
     def _idle(self, now: float) -> StepOutcome:
         """Requests wait, nothing can run: KV is held by pinned sessions. Wait for a pin."""
