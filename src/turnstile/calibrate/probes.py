@@ -166,13 +166,20 @@ class EngineProber:
             return max(0, res.prompt_tokens - int(res.timings["prompt_n"]))
         return expect
 
-    def prefill(self, n: int, probe: int) -> Measurement:
-        res = self._send(self.tokens.take(n), probe)
-        cached = self._cached(res, 0)
+    def _prompt_measurement(self, kind: str, res: StreamResult, expect_cached: int,
+                            note: dict[str, Any]) -> Measurement:
+        """A lone prompt's processing, ``res``, as one sample of ``kind`` (mean over its
+        chunks); its cached tokens as the engine reports them (``expect_cached`` where it
+        does not) join ``note``."""
+        cached = self._cached(res, expect_cached)
         secs = self._prompt_time(res)
         feats, step = prefill_sample(res.prompt_tokens, cached, self.chunk, secs)
-        steps = max(1, round(secs / step))
-        return Measurement("prefill", feats, step, steps, {"prompt": n, "cached": cached})
+        return Measurement(kind, feats, step, max(1, round(secs / step)),
+                           {**note, "cached": cached})
+
+    def prefill(self, n: int, probe: int) -> Measurement:
+        res = self._send(self.tokens.take(n), probe)
+        return self._prompt_measurement("prefill", res, 0, {"prompt": n})
 
     def _prefix(self, n: int) -> list[int]:
         """A prefix of ``n`` tokens, computed (and so cached) once and reused."""
@@ -188,12 +195,8 @@ class EngineProber:
         res = self._send(prefix + self.tokens.take(suffix), probe)
         # without a reported hit assume the prefix's full KV blocks hit (vLLM caches blocks)
         block = int(self.info.extra.get("block_size", 1) or 1)
-        cached = self._cached(res, prefix_len // block * block)
-        secs = self._prompt_time(res)
-        feats, step = prefill_sample(res.prompt_tokens, cached, self.chunk, secs)
-        steps = max(1, round(secs / step))
-        note = {"prefix": prefix_len, "suffix": suffix, "cached": cached}
-        return Measurement("cache_hit", feats, step, steps, note)
+        return self._prompt_measurement("cache_hit", res, prefix_len // block * block,
+                                        {"prefix": prefix_len, "suffix": suffix})
 
     def warm_append(self, prefix_len: int, suffix: int, probe: int,
                     gen: int = 16) -> Measurement | None:
@@ -209,11 +212,8 @@ class EngineProber:
             return None
         prompt = head + list(turn.output_ids) + self.tokens.take(suffix)
         res = self._send(prompt, probe)
-        cached = self._cached(res, len(prompt) - suffix - 1)
-        secs = self._prompt_time(res)
-        feats, step = prefill_sample(res.prompt_tokens, cached, self.chunk, secs)
-        note = {"prefix": prefix_len, "suffix": suffix, "gen": gen, "cached": cached}
-        return Measurement("warm_append", feats, step, max(1, round(secs / step)), note)
+        return self._prompt_measurement("warm_append", res, len(prompt) - suffix - 1,
+                                        {"prefix": prefix_len, "suffix": suffix, "gen": gen})
 
     def _streams(self, prompts: Sequence[list[int]], max_tokens: int) -> list[StreamResult]:
         with ThreadPoolExecutor(max_workers=len(prompts)) as pool:

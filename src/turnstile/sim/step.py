@@ -63,7 +63,7 @@ class StepExecutor(LeapLoops):
         #: for models without the term), and what decides it: the engine's last outcome (its
         #: ``end_s`` and ``iterations`` as leaps extended them), whether its first iteration
         #: computed a large prompt chunk, and the small iterations in a row before it
-        self._cold_s = float(getattr(self.perf, "cold_step_s", 0.0) or 0.0)
+        self._cold_s = float(getattr(self.perf, "cold_step_s", 0.0))
         self._prev_out: StepOutcome | None = None
         self._prev_big = False
         self._warm_steps = 0
