@@ -44,6 +44,7 @@ from turnstile.gateway.driving import ReleaseDriver
 from turnstile.gateway.durability import Durability, OffsetClock
 from turnstile.gateway.estimate import TokenEstimator
 from turnstile.gateway.health import HealthMonitor
+from turnstile.gateway.logs import quiet_probe_logs
 from turnstile.gateway.metrics import GatewayMetrics
 from turnstile.gateway.protocol import (
     CHAT_PATH,
@@ -57,7 +58,7 @@ from turnstile.gateway.recorder import SessionRecorder
 from turnstile.gateway.recovery import Recovery
 from turnstile.gateway.relay import Relay, RetryableFailure
 from turnstile.gateway.replicas import ReplicaSync
-from turnstile.gateway.resolve import SessionResolver
+from turnstile.gateway.resolve import SessionResolver, one_turn
 from turnstile.gateway.sessions import PendingTurn, Session, SessionTable, sweep_period_s
 from turnstile.gateway.shared import RedisState
 from turnstile.gateway.signals import engine_loads, tool_returns
@@ -129,6 +130,8 @@ class Gateway:
         self.recorder: SessionRecorder | None = None
         self.started = False
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: requests accepted and not READY yet (counted by admission from their acceptance)
+        self.admitting = 0
 
     # ================================================================== lifecycle
     @property
@@ -145,11 +148,21 @@ class Gateway:
 
     @property
     def queued(self) -> int:
-        return self.scheduler.held_turns + self.table.queued
+        """Turns accepted and not yet released to an engine: held by the release policy, or
+        still being admitted (session lookup, tokenizing, queued behind their session's
+        running turn) — what ``max_held`` bounds."""
+        return self.scheduler.held_turns + self.admitting
+
+    @property
+    def inflight(self) -> int:
+        """Requests accepted and not answered yet (``queued`` plus turns on engines): what
+        ``max_inflight`` bounds."""
+        return self.queued + self.scheduler.view.released_turns
 
     async def start(self) -> None:
         if self.started:
             return
+        quiet_probe_logs()
         self.driver.bind_loop(asyncio.get_running_loop())
         await asyncio.gather(*(a.start() for a in self.adapters.values()),
                              return_exceptions=True)
@@ -247,45 +260,66 @@ class Gateway:
                 return out
         else:
             rid = uuid.uuid4().hex
-        if self.queued >= self.config.max_held:
-            self.metrics.rejected.inc()
-            raise GatewayError(429, f"the gateway holds {self.queued} turns (max_held="
-                               f"{self.config.max_held}); retry later", type_="rate_limit_error",
-                               code="queue_full", headers=[(b"retry-after", b"1")])
-        session, derived = await self.resolver.session(req, rid)
-        body = req.body
-        p = PendingTurn(rid, session, req.path, body, req.stream)
-        if derived is not None:
-            p.reply_text, p.reply_args = [], []
-            p.conversation = (derived.chain, derived.root)
-        p.engine_hint = req.engine_hint
-        if req.stream:
-            opts = body.get("stream_options")
-            p.client_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
-            if not p.client_usage:
-                p.body = {**body, "stream_options": {**(opts if isinstance(opts, dict) else {}),
-                                                     "include_usage": True}}
-        self.by_request[rid] = p
+        self._admit()
+        self.admitting += 1  # counted from here: a burst cannot pass the check all at once
+        admitting = True
         try:
-            await self.table.acquire(p)
-            turn, p.prompt_chars = await self.estimator.estimate(p.path, p.body,
-                                                                 session.context_tokens)
-            self._ready(p, turn)
-            if self.durable is None or not self.durable.backend.shared:
-                return await self._run(p)
-            # another replica serves it if this one dies (written in the next batch, not
-            # waited for: until then its client's retry is what serves it elsewhere)
-            self.durable.accepted(p)
-            out = await self._run(p)
-            if out.events is None:
-                # marked answered before the answer goes out: a replica that dies now leaves
-                # nothing for another to run again
-                await self.durable.backend.flush()
-            return out
-        except BaseException:
-            if p.state == PENDING and p.rec is None:  # never became READY
-                self._forget(p)
-            raise
+            session, derived = await self.resolver.session(req, rid)
+            body = req.body
+            p = PendingTurn(rid, session, req.path, body, req.stream)
+            if derived is not None:
+                p.reply_text, p.reply_args = [], []
+                p.conversation = (derived.chain, derived.root)
+                if derived.new and one_turn(body):
+                    # no tools, no earlier reply: nothing follows; the session closes with its
+                    # turn (a follow-up finds it again through its keys and starts afresh)
+                    session.ephemeral = True
+            p.engine_hint = req.engine_hint
+            if req.stream:
+                opts = body.get("stream_options")
+                p.client_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+                if not p.client_usage:
+                    p.body = {**body, "stream_options": {
+                        **(opts if isinstance(opts, dict) else {}), "include_usage": True}}
+            self.by_request[rid] = p
+            try:
+                await self.table.acquire(p)
+                turn, p.prompt_chars = await self.estimator.estimate(p.path, p.body,
+                                                                     session.context_tokens)
+                self.admitting -= 1
+                admitting = False
+                self._ready(p, turn)
+                if self.durable is None or not self.durable.backend.shared:
+                    return await self._run(p)
+                # another replica serves it if this one dies (written in the next batch, not
+                # waited for: until then its client's retry is what serves it elsewhere)
+                self.durable.accepted(p)
+                out = await self._run(p)
+                if out.events is None:
+                    # marked answered before the answer goes out: a replica that dies now
+                    # leaves nothing for another to run again
+                    await self.durable.backend.flush()
+                return out
+            except BaseException:
+                if p.state == PENDING and p.rec is None:  # never became READY
+                    self._forget(p)
+                raise
+        finally:
+            if admitting:
+                self.admitting -= 1
+
+    def _admit(self) -> None:
+        """429 with ``Retry-After`` past ``max_held`` (or ``max_inflight``)."""
+        cfg = self.config
+        if self.queued >= cfg.max_held:
+            what = f"holds {self.queued} turns (max_held={cfg.max_held})"
+        elif cfg.max_inflight and self.inflight >= cfg.max_inflight:
+            what = f"serves {self.inflight} requests (max_inflight={cfg.max_inflight})"
+        else:
+            return
+        self.metrics.rejected.inc()
+        raise GatewayError(429, f"the gateway {what}; retry later", type_="rate_limit_error",
+                           code="queue_full", headers=[(b"retry-after", b"1")])
 
     async def _tokenize(self, text: str) -> int | None:
         for eid, a in self.adapters.items():
