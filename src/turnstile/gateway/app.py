@@ -2,7 +2,7 @@
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (OpenAI schemas, streamed
 as SSE or not, bodies passed through), ``GET /v1/models``, ``GET /health`` (liveness),
-``GET /ready`` (readiness, :mod:`.readiness`), ``GET /metrics`` (Prometheus; behind the token
+``GET /ready`` (readiness, :mod:`.overload`), ``GET /metrics`` (Prometheus; behind the token
 too with ``auth_admin``). Any other path is a 404 in OpenAI's error shape, whatever the method.
 
 Written against ASGI directly rather than a framework: the request path is a handful of dict
@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from turnstile.gateway.config import GatewayConfig
+from turnstile.gateway.overload import readiness
 from turnstile.gateway.protocol import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -37,7 +38,6 @@ from turnstile.gateway.protocol import (
     TurnRequest,
     error_body,
 )
-from turnstile.gateway.readiness import readiness
 from turnstile.gateway.service import Gateway
 
 __all__ = ["GatewayApp", "create_app"]

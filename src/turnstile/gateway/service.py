@@ -46,6 +46,7 @@ from turnstile.gateway.estimate import TokenEstimator
 from turnstile.gateway.health import HealthMonitor
 from turnstile.gateway.logs import quiet_probe_logs
 from turnstile.gateway.metrics import GatewayMetrics
+from turnstile.gateway.overload import shed
 from turnstile.gateway.protocol import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -148,15 +149,12 @@ class Gateway:
 
     @property
     def queued(self) -> int:
-        """Turns accepted and not yet released to an engine: held by the release policy, or
-        still being admitted (session lookup, tokenizing, queued behind their session's
-        running turn) — what ``max_held`` bounds."""
+        """Accepted, not released: held, or being admitted (``max_held``, :mod:`.overload`)."""
         return self.scheduler.held_turns + self.admitting
 
     @property
     def inflight(self) -> int:
-        """Requests accepted and not answered yet (``queued`` plus turns on engines): what
-        ``max_inflight`` bounds."""
+        """Accepted, not answered: ``queued`` plus turns on engines (``max_inflight``)."""
         return self.queued + self.scheduler.view.released_turns
 
     async def start(self) -> None:
@@ -260,66 +258,53 @@ class Gateway:
                 return out
         else:
             rid = uuid.uuid4().hex
-        self._admit()
-        self.admitting += 1  # counted from here: a burst cannot pass the check all at once
-        admitting = True
+        shed(self)  # 429 past max_held / max_inflight
+        self.admitting += 1  # counted from acceptance: a burst cannot all pass the check
         try:
             session, derived = await self.resolver.session(req, rid)
-            body = req.body
-            p = PendingTurn(rid, session, req.path, body, req.stream)
-            if derived is not None:
-                p.reply_text, p.reply_args = [], []
-                p.conversation = (derived.chain, derived.root)
-                if derived.new and one_turn(body):
-                    # no tools, no earlier reply: nothing follows; the session closes with its
-                    # turn (a follow-up finds it again through its keys and starts afresh)
-                    session.ephemeral = True
-            p.engine_hint = req.engine_hint
-            if req.stream:
-                opts = body.get("stream_options")
-                p.client_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
-                if not p.client_usage:
-                    p.body = {**body, "stream_options": {
-                        **(opts if isinstance(opts, dict) else {}), "include_usage": True}}
-            self.by_request[rid] = p
-            try:
-                await self.table.acquire(p)
-                turn, p.prompt_chars = await self.estimator.estimate(p.path, p.body,
-                                                                     session.context_tokens)
-                self.admitting -= 1
-                admitting = False
-                self._ready(p, turn)
-                if self.durable is None or not self.durable.backend.shared:
-                    return await self._run(p)
-                # another replica serves it if this one dies (written in the next batch, not
-                # waited for: until then its client's retry is what serves it elsewhere)
-                self.durable.accepted(p)
-                out = await self._run(p)
-                if out.events is None:
-                    # marked answered before the answer goes out: a replica that dies now
-                    # leaves nothing for another to run again
-                    await self.durable.backend.flush()
-                return out
-            except BaseException:
-                if p.state == PENDING and p.rec is None:  # never became READY
-                    self._forget(p)
-                raise
-        finally:
-            if admitting:
-                self.admitting -= 1
-
-    def _admit(self) -> None:
-        """429 with ``Retry-After`` past ``max_held`` (or ``max_inflight``)."""
-        cfg = self.config
-        if self.queued >= cfg.max_held:
-            what = f"holds {self.queued} turns (max_held={cfg.max_held})"
-        elif cfg.max_inflight and self.inflight >= cfg.max_inflight:
-            what = f"serves {self.inflight} requests (max_inflight={cfg.max_inflight})"
-        else:
-            return
-        self.metrics.rejected.inc()
-        raise GatewayError(429, f"the gateway {what}; retry later", type_="rate_limit_error",
-                           code="queue_full", headers=[(b"retry-after", b"1")])
+        except BaseException:
+            self.admitting -= 1
+            raise
+        body = req.body
+        p = PendingTurn(rid, session, req.path, body, req.stream)
+        if derived is not None:
+            p.reply_text, p.reply_args = [], []
+            p.conversation = (derived.chain, derived.root)
+            if derived.new and one_turn(body):
+                # no tools, no earlier reply: nothing follows; the session closes with its
+                # turn (a follow-up finds it again through its keys and starts afresh)
+                session.ephemeral = True
+        p.engine_hint = req.engine_hint
+        if req.stream:
+            opts = body.get("stream_options")
+            p.client_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+            if not p.client_usage:
+                p.body = {**body, "stream_options": {**(opts if isinstance(opts, dict) else {}),
+                                                     "include_usage": True}}
+        self.by_request[rid] = p
+        try:
+            await self.table.acquire(p)
+            turn, p.prompt_chars = await self.estimator.estimate(p.path, p.body,
+                                                                 session.context_tokens)
+            self.admitting -= 1
+            self._ready(p, turn)
+            if self.durable is None or not self.durable.backend.shared:
+                return await self._run(p)
+            # another replica serves it if this one dies (written in the next batch, not
+            # waited for: until then its client's retry is what serves it elsewhere)
+            self.durable.accepted(p)
+            out = await self._run(p)
+            if out.events is None:
+                # marked answered before the answer goes out: a replica that dies now leaves
+                # nothing for another to run again
+                await self.durable.backend.flush()
+            return out
+        except BaseException:
+            if p.state == PENDING and p.rec is None:  # never became READY
+                if p.turn is None:
+                    self.admitting -= 1
+                self._forget(p)
+            raise
 
     async def _tokenize(self, text: str) -> int | None:
         for eid, a in self.adapters.items():

@@ -1,4 +1,14 @@
-"""``/ready``: whether this gateway should be sent new traffic, with the reason when not.
+"""Overload: shedding new requests (429) and ``/ready``.
+
+**Admission** (:func:`shed`): a request counts from the moment it is accepted — while its
+session is looked up, its prompt tokenized, it waits behind its session's running turn, or is
+held by the release policy (``Gateway.admitting`` + held turns = ``Gateway.queued``) — so a
+burst cannot pass the check all at once before any of it is held. Past ``max_held`` such turns
+(or ``max_inflight`` accepted, unanswered requests, turns on engines included) a new request
+gets 429 with ``Retry-After: 1``, before anything is read from the state or an engine.
+
+**Readiness** (:func:`readiness`): whether this gateway should be sent new traffic, with the
+reason when not.
 
 Liveness (``/health``) says the process answers and some engine is up; readiness also turns
 unhealthy (503 with the reasons as JSON) when
@@ -13,17 +23,56 @@ unhealthy (503 with the reasons as JSON) when
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from turnstile.core.scheduler import Scheduler
 from turnstile.core.state import TurnState
+from turnstile.gateway.config import GatewayConfig
+from turnstile.gateway.driving import ReleaseDriver
+from turnstile.gateway.durability import Durability, OffsetClock
+from turnstile.gateway.metrics import GatewayMetrics
+from turnstile.gateway.protocol import GatewayError
 
-if TYPE_CHECKING:
-    from turnstile.gateway.service import Gateway
-
-__all__ = ["oldest_hold_s", "readiness"]
+__all__ = ["OverloadHost", "oldest_hold_s", "readiness", "shed"]
 
 
-def oldest_hold_s(gw: Gateway, now_s: float) -> float:
+class OverloadHost(Protocol):
+    """What shedding and readiness read from the service."""
+
+    config: GatewayConfig
+    scheduler: Scheduler
+    metrics: GatewayMetrics
+    driver: ReleaseDriver
+    clock: OffsetClock
+    durable: Durability | None
+    started: bool
+
+    @property
+    def queued(self) -> int: ...
+
+    @property
+    def inflight(self) -> int: ...
+
+    @property
+    def engine_up(self) -> dict[str, bool]: ...
+
+
+def shed(gw: OverloadHost) -> None:
+    """Raise the 429 (with ``Retry-After``) when the gateway is past ``max_held`` or
+    ``max_inflight``."""
+    cfg = gw.config
+    if gw.queued >= cfg.max_held:
+        what = f"holds {gw.queued} turns (max_held={cfg.max_held})"
+    elif cfg.max_inflight and gw.inflight >= cfg.max_inflight:
+        what = f"serves {gw.inflight} requests (max_inflight={cfg.max_inflight})"
+    else:
+        return
+    gw.metrics.rejected.inc()
+    raise GatewayError(429, f"the gateway {what}; retry later", type_="rate_limit_error",
+                       code="queue_full", headers=[(b"retry-after", b"1")])
+
+
+def oldest_hold_s(gw: OverloadHost, now_s: float) -> float:
     """How long the oldest turn held by the release policy has waited (0 when none is held).
 
     Read from the service's own held turns (O(turns in flight), on probes only). The scheduler
@@ -38,7 +87,7 @@ def oldest_hold_s(gw: Gateway, now_s: float) -> float:
     return max(now_s - oldest, 0.0)
 
 
-async def _state_error(gw: Gateway) -> str | None:
+async def _state_error(gw: OverloadHost) -> str | None:
     durable = gw.durable
     if durable is None:
         return None
@@ -52,7 +101,7 @@ async def _state_error(gw: Gateway) -> str | None:
     return None
 
 
-async def readiness(gw: Gateway) -> tuple[bool, dict[str, Any]]:
+async def readiness(gw: OverloadHost) -> tuple[bool, dict[str, Any]]:
     """(ready, the JSON body ``/ready`` answers)."""
     cfg = gw.config
     reasons: list[str] = []
