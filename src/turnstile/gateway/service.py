@@ -155,7 +155,8 @@ class Gateway:
     @property
     def inflight(self) -> int:
         """Accepted, not answered: ``queued`` plus turns on engines (``max_inflight``)."""
-        return self.queued + self.scheduler.view.released_turns
+        sched = self.scheduler  # this replica's own turns on engines, not its peers'
+        return self.queued + sum(sched.own_load(e)[0] for e in sched.view.ids)
 
     async def start(self) -> None:
         if self.started:
