@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -47,6 +49,9 @@ log = logging.getLogger("turnstile.gateway")
 #: nesting deeper than this is refused (what the gateway and the engine re-encode stays far
 #: from Python's recursion limit)
 _MAX_DEPTH = 64
+#: a session id taken from the body's ``user`` is echoed in a response header: anything but
+#: printable ASCII (control characters would break the response) is replaced by its hash
+_HEADER_SAFE = re.compile(r"[\x21-\x7e]{1,256}")
 _GET_ROUTES = frozenset(("/health", "/ready", "/metrics", "/v1/models"))
 
 Scope = MutableMapping[str, Any]
@@ -295,7 +300,7 @@ class GatewayApp:
         if session_id is None:
             user = body.get("user")
             if isinstance(user, str) and user:
-                session_id = user
+                session_id = user if _HEADER_SAFE.fullmatch(user) else _hashed("user-", user)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise GatewayError(400, "'stream' must be a boolean", code="invalid_value")
@@ -349,6 +354,11 @@ def _validate(path: str, body: dict[str, Any]) -> None:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise GatewayError(400, "'stream_options' must be an object", code="invalid_value")
+
+
+def _hashed(prefix: str, text: str) -> str:
+    return prefix + hashlib.blake2b(text.encode("utf-8", "surrogatepass"),
+                                    digest_size=12).hexdigest()
 
 
 def _depth(doc: Any) -> int:
