@@ -8,9 +8,11 @@ whose engines admit queued turns by the policy's priority, two at a time.
 from __future__ import annotations
 
 import heapq
+import inspect
 import itertools
 import math
 import random
+import typing
 
 import pytest
 
@@ -213,6 +215,59 @@ def test_every_registered_policy_implements_every_declared_hook(kind):
         assert isinstance(policy, interface), name
         for hook in hooks:
             assert callable(getattr(policy, hook, None)), f"{kind} policy {name!r} lacks {hook}"
+
+
+def _hook_signature_problems(interface: type, policy: object) -> list[str]:
+    """How ``policy``'s hooks differ from ``interface``'s: the same parameters (names, kinds,
+    order) and the same resolved parameter and return types; extra parameters need defaults."""
+    problems = []
+    for hook, declared in vars(interface).items():
+        if hook.startswith("_") or not callable(declared) or hook == "__len__":
+            continue
+        impl = getattr(type(policy), hook)
+        want = list(inspect.signature(declared).parameters.values())
+        got = list(inspect.signature(impl).parameters.values())
+        extra = got[len(want):]
+        shape = [(p.name, p.kind) for p in got[: len(want)]]
+        if shape != [(p.name, p.kind) for p in want] or any(
+            p.default is inspect.Parameter.empty for p in extra
+        ):
+            problems.append(f"{hook}{inspect.signature(impl)} != {inspect.signature(declared)}")
+            continue
+        want_types = typing.get_type_hints(declared)
+        got_types = typing.get_type_hints(impl)
+        for arg, t in want_types.items():
+            if got_types.get(arg) != t:
+                problems.append(f"{hook}: {arg} is {got_types.get(arg)}, declared {t}")
+    return problems
+
+
+@pytest.mark.parametrize("kind", sorted(_INTERFACES))
+def test_every_registered_policy_matches_the_declared_signatures(kind):
+    """Each hook takes the declared parameters with the declared types (what mypy checks on the
+    registrations, checked here on the objects the registries build)."""
+    interface = _INTERFACES[kind]
+    for name in _REGISTRIES[kind].names():
+        policy = _REGISTRIES[kind].create(name)
+        assert _hook_signature_problems(interface, policy) == [], f"{kind} policy {name!r}"
+        assert type(policy).name == name
+
+
+def test_the_signature_check_catches_a_mismatch():
+    class Bad:
+        name = "bad"
+
+        def priority(self, turn: TurnRecord, now: float) -> float:  # engine missing
+            return 0.0
+
+    class BadType:
+        name = "bad"
+
+        def priority(self, turn: TurnRecord, engine: EngineLoad, now: float) -> int:
+            return 0
+
+    assert _hook_signature_problems(AdmissionPolicy, Bad())
+    assert _hook_signature_problems(AdmissionPolicy, BadType())
 
 
 @pytest.mark.parametrize("release", RELEASE.names())

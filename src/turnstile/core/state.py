@@ -18,7 +18,7 @@ _T = TypeVar("_T")
 try:  # installed with mypy, where ``make compiled`` builds (see docs/benchmarks-sim-speed.md)
     from mypy_extensions import mypyc_attr
 except ImportError:  # the plain-Python install: the decorator only informs mypyc
-    def mypyc_attr(  # type: ignore[misc]
+    def mypyc_attr(
         *attrs: str, **kwattrs: object
     ) -> Callable[[_T], _T]:
         return lambda cls: cls

@@ -8,6 +8,7 @@ kinds left out take their defaults. ``--policies`` takes several specs separated
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from turnstile.core.interfaces import (
     AdmissionPolicy,
@@ -15,6 +16,7 @@ from turnstile.core.interfaces import (
     RetentionPolicy,
     RoutingPolicy,
 )
+from turnstile.core.registry import Registry
 
 # importing the modules registers their policies
 from turnstile.policies import (  # noqa: F401
@@ -30,7 +32,9 @@ from turnstile.policies import (  # noqa: F401
 from turnstile.policies.base import ADMISSION, RELEASE, RETENTION, ROUTING
 
 DEFAULTS = {"release": "eager", "routing": "kv-affinity", "admission": "fcfs", "retention": "lru"}
-_BY_KIND = {"release": RELEASE, "routing": ROUTING, "admission": ADMISSION, "retention": RETENTION}
+_BY_KIND: dict[str, Registry[Any]] = {
+    "release": RELEASE, "routing": ROUTING, "admission": ADMISSION, "retention": RETENTION,
+}
 
 
 @dataclass
