@@ -121,7 +121,7 @@ def fit_profile(
     rows: list[list[float]] = []
     ones: list[float] = []
     ys: list[float] = []
-    for feats, y in samples:
+    for feats, step_s in samples:
         f = [float(v) for v in feats]
         if len(f) == 3:
             f.append(0.0)
@@ -135,7 +135,7 @@ def fit_profile(
             multi, one = 1, 0
         rows.append([float(multi), *f])
         ones.append(float(one))
-        ys.append(float(y))
+        ys.append(float(step_s))
     if len(rows) < 2:
         raise ValueError(f"need at least 2 samples to fit, got {len(rows)}")
     x = np.asarray(rows)
@@ -187,8 +187,9 @@ def fit_profile(
         "one_token_pass_samples": int(sum(1 for o in ones if o)),
         "cold_samples": int(sum(map(bool, cold))) if with_cold and cold is not None else 0,
     }
+    b0, b1, b2, b3, b4 = (float(c) for c in coef[:5])
     return FittedPerf(
-        *(float(c) for c in coef[:5]),
+        b0, b1, b2, b3, b4,
         b5=float(coef[-1]) if knee else 0.0,
         small_chunk_tokens=knee,
         small_chunk_rule=rule,
