@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 
@@ -24,7 +24,8 @@ class ServerThread:
     """
 
     def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0,
-                 lifespan: str = "auto", log_level: str = "warning") -> None:
+                 lifespan: Literal["auto", "on", "off"] = "auto",
+                 log_level: str = "warning") -> None:
         self.app = app
         # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets (else Nagle and
         # delayed ACKs add ~40 ms to every response written in two parts)
