@@ -282,3 +282,20 @@ def test_a_release_policy_orders_admission_only_when_it_declares_so(release):
         assert type(ps.admission) is type(declared)
     # a spec that names an admission policy always gets it
     assert PolicySet.from_spec(f"{release}+tiered-aging").admission.name == "tiered-aging"
+
+
+def test_from_spec_is_the_one_builder():
+    """Parameters per kind (a gateway's [policy.*] tables) and a prebuilt router (a rollout
+    ablation) go through the same ``PolicySet.from_spec``."""
+    ps = PolicySet.from_spec("plas", {"release": {"max_inflight_per_engine": 3}})
+    assert ps.release.max_inflight_per_engine == 3  # type: ignore[attr-defined]
+    assert ps.admission is ps.release  # PLAS still orders its own engine queues
+    ps = PolicySet.from_spec("plas", {"admission": {}})
+    assert ps.admission.name == "fcfs"  # admission parameters: the admission policy itself
+    router = ROUTING.create("least-loaded")
+    ps = PolicySet.from_spec("eager+least-loaded", router=router)
+    assert ps.routing is router and ps.spec == "eager+least-loaded"
+    with pytest.raises(ValueError, match="bad parameters for routing policy 'kv-affinity'"):
+        PolicySet.from_spec("eager", {"routing": {"nope": 1}})
+    with pytest.raises(ValueError, match="unknown policy kind 'planner'"):
+        PolicySet.from_spec("eager", {"planner": {}})

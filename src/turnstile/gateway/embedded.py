@@ -98,8 +98,9 @@ def start_gateway(engines: list[Any], *, policy: str = "eager", policies: Any = 
     ``backend``: a state backend object (else ``cfg['db']`` or none)."""
     from turnstile.gateway.adapters import EngineAdapter, make_adapter
     from turnstile.gateway.app import GatewayApp
-    from turnstile.gateway.config import EngineConfig, GatewayConfig, build_policies
+    from turnstile.gateway.config import EngineConfig, GatewayConfig
     from turnstile.gateway.service import Gateway
+    from turnstile.policies import PolicySet
 
     backend = cfg.pop("backend", None)
     cfg.setdefault("stats_interval_s", 0.0)
@@ -107,6 +108,6 @@ def start_gateway(engines: list[Any], *, policy: str = "eager", policies: Any = 
     adapters = [e if isinstance(e, EngineAdapter) else make_adapter(e, kind) for e in engines]
     config.engines = [EngineConfig(a.base_url, a.kind) for a in adapters]
     gw = Gateway(config, adapters=adapters, backend=backend,
-                 policies=policies or build_policies(policy, config.policy_params))
+                 policies=policies or PolicySet.from_spec(policy, config.policy_params))
     app = GatewayApp(gw)
     return GatewayServer(app, ServerThread(app, port=port).start())

@@ -39,7 +39,7 @@ from turnstile.gateway.affinity import (
     LocalKeyStore,
     last_user_text,
 )
-from turnstile.gateway.config import GatewayConfig, build_policies
+from turnstile.gateway.config import GatewayConfig
 from turnstile.gateway.driving import ReleaseDriver
 from turnstile.gateway.durability import Durability, OffsetClock
 from turnstile.gateway.estimate import TokenEstimator
@@ -98,7 +98,7 @@ class Gateway:
         self.adapters: dict[str, EngineAdapter] = {a.id: a for a in adapters}
         if len(self.adapters) != len(adapters):
             raise ValueError(f"engine ids must be unique: {[a.id for a in adapters]}")
-        self.policies = policies or build_policies(config.policy, config.policy_params)
+        self.policies = policies or PolicySet.from_spec(config.policy, config.policy_params)
         self.scheduler = Scheduler(
             self.policies,
             engine_loads(adapters, config.engines),

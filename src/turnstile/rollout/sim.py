@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turnstile.core.state import WorkflowRecord
-from turnstile.policies import ADMISSION, RELEASE, RETENTION, ROUTING, PolicySet, RoutingPolicy
+from turnstile.policies import ROUTING, PolicySet, RoutingPolicy
 from turnstile.rollout.workload import RolloutTrajectory
 from turnstile.sim.cluster import ClusterSim, EngineGroup
 from turnstile.sim.perf import PerfModel
@@ -158,10 +158,7 @@ def _tp_perf(gpu: str, model: str, tp: int) -> PerfModel:
 
 def _policies(routing: RoutingPolicy | str) -> PolicySet:
     router = ROUTING.create(routing) if isinstance(routing, str) else routing
-    return PolicySet(
-        release=RELEASE.create("eager"), routing=router, admission=ADMISSION.create("fcfs"),
-        retention=RETENTION.create("lru"), spec=f"eager+{router.name}",
-    )
+    return PolicySet.from_spec(f"eager+{router.name}", router=router)
 
 
 class RolloutCluster:
