@@ -81,6 +81,9 @@ def test_parse_prometheus_sums_label_sets_and_skips_comments() -> None:
     assert m["vllm:time_to_first_token_seconds_count"] == 100.0
     assert m["x"] == 5.0
     assert "nan_metric" not in m
+    # a malformed line ends the parse; what came before it is kept
+    m = parse_prometheus('a 1\nb{x="1" 2\nc 3\n')
+    assert m == {"a": 1.0}
 
 
 def test_split_sse_keeps_partial_events() -> None:

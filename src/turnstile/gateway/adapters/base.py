@@ -6,13 +6,14 @@ of adapter shares.
 from __future__ import annotations
 
 import json
+import logging
 import math
-import re
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from turnstile.core.actions import RetentionDecision
 from turnstile.gateway.http import (
@@ -35,6 +36,7 @@ __all__ = [
 ]
 
 JSON_HEADERS = {"content-type": "application/json"}
+log = logging.getLogger("turnstile.gateway")
 
 
 class UpstreamError(Exception):
@@ -102,30 +104,22 @@ class ForwardHints:
 
 
 # --------------------------------------------------------------------------- helpers
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-
-
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Prometheus text format → ``{metric name: value summed over label sets}``.
+    """Prometheus text format (parsed by prometheus-client) → ``{sample name: value summed over
+    label sets}``.
 
-    Histogram/summary series keep their suffixed names (``_bucket``, ``_sum``, ``_count``);
-    comments and unparsable lines are skipped.
+    Histogram/summary series keep their suffixed names (``_bucket``, ``_sum``, ``_count``),
+    counters theirs (``_total``); NaN samples are skipped. A malformed line ends the parse:
+    the samples before it are kept (an engine's stats are then partial, never an error).
     """
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        m = _SAMPLE.match(line)
-        if m is None:
-            continue
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        if math.isnan(value):
-            continue
-        name = m.group(1)
-        out[name] = out.get(name, 0.0) + value
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if not math.isnan(s.value):
+                    out[s.name] = out.get(s.name, 0.0) + s.value
+    except ValueError as e:
+        log.debug("malformed Prometheus text (%s); kept %d samples", e, len(out))
     return out
 
 
