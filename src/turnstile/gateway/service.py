@@ -15,7 +15,7 @@ Sessions come from ``x-session-id`` (or the body's ``user``), else from the conv
 after ``session_idle_s`` (their flow time is then recorded).
 
 Failures: an engine failing before anything was streamed to the client gets the turn re-routed
-by the one retry loop (:meth:`Gateway._serve`): the failed attempt is finished with 0 tokens and
+by the one retry loop (:meth:`Gateway.serve`): the failed attempt is finished with 0 tokens and
 the turn made READY again, so the routing policy, which now sees the engine down, picks another.
 After bytes were streamed the client gets an SSE error event. A client that goes away cancels the
 upstream request; a held turn whose client went away is finished without running when it is
@@ -114,7 +114,7 @@ class Gateway:
         self.sessions = self.table.sessions
         self.by_request: dict[str, PendingTurn] = {}
         self.health = HealthMonitor(self.adapters, self.scheduler, config, self.clock.now,
-                                    self._apply)
+                                    self.apply)
         self.driver = ReleaseDriver(self)
         self.relay = Relay(self.adapters, self, self.metrics, self.clock.now)
         self.recovery = Recovery(self)
@@ -217,7 +217,11 @@ class Gateway:
         if not task.cancelled() and task.exception() is not None:
             log.error("gateway task failed", exc_info=task.exception())
 
-    def _apply(self, actions: list[Action]) -> None:
+    # the service's public face to its helpers (driving, recovery, replicas, health: each
+    # declares what it uses as a Protocol): apply, make_ready, serve, run, spawn and the rest
+    def apply(self, actions: list[Action]) -> None:
+        """Carry out the scheduler's actions (releases wake held turns; retains go to the
+        engines)."""
         self.driver.apply(actions)
 
     def adopt(self, h: HeldTurnRow, session: SessionRow | None = None) -> None:
@@ -270,13 +274,13 @@ class Gateway:
             await self.table.acquire(p)
             turn, p.prompt_chars = await self.estimator.estimate(p.path, p.body,
                                                                  session.context_tokens)
-            self._ready(p, turn)
+            self.make_ready(p, turn)
             if self.durable is None or not self.durable.backend.shared:
-                return await self._run(p)
+                return await self.run(p)
             # another replica serves it if this one dies (written in the next batch, not
             # waited for: until then its client's retry is what serves it elsewhere)
             self.durable.accepted(p)
-            out = await self._run(p)
+            out = await self.run(p)
             if out.events is None:
                 # marked answered before the answer goes out: a replica that dies now leaves
                 # nothing for another to run again
@@ -293,7 +297,7 @@ class Gateway:
                 return await a.tokenize(text)
         return None
 
-    def _ready(self, p: PendingTurn, turn: Turn, ready_s: float | None = None) -> None:
+    def make_ready(self, p: PendingTurn, turn: Turn, ready_s: float | None = None) -> None:
         """The turn becomes READY in the scheduler (again, after a failed attempt)."""
         p.turn = turn
         s = p.session
@@ -313,11 +317,11 @@ class Gateway:
                                                  ready_s=ready_s, tool_returns=tool_returns(p.body))
         p.rec = rec
         self.driver.track(rec, p)
-        self._apply(actions)
+        self.apply(actions)
         if p.state == READY and self.durable is not None:
             self.durable.held(p, now)
 
-    async def _serve(self, p: PendingTurn) -> Outcome:
+    async def serve(self, p: PendingTurn) -> Outcome:
         """The one retry loop: wait for release, forward, and on a failure before anything
         reached the client re-ready the turn (the routing policy then sees the engine down),
         up to ``max_attempts``."""
@@ -332,17 +336,18 @@ class Gateway:
             except RetryableFailure as r:
                 self.metrics.turns_failed.labels(p.engine, "upstream").inc()
                 if attempt >= self.config.max_attempts:
-                    self._apply(self._turn_over(p))
+                    self.apply(self._turn_over(p))
                     raise GatewayError(r.status, f"engine failed: {r}",
                                        type_="upstream_error", code="engine_failed") from None
                 self.metrics.turns_rerouted.inc()
                 await asyncio.sleep(min(0.05 * attempt, 0.5))
                 assert p.turn is not None
-                self._ready(p, p.turn)
+                self.make_ready(p, p.turn)
 
-    async def _run(self, p: PendingTurn) -> Outcome:
+    async def run(self, p: PendingTurn) -> Outcome:
+        """:meth:`serve`, detaching the turn when its client goes away (cancellation)."""
         try:
-            return await self._serve(p)
+            return await self.serve(p)
         except asyncio.CancelledError:
             self._detach(p)
             raise
@@ -352,7 +357,7 @@ class Gateway:
         p.attached = False
         if p.state == PENDING:
             # between attempts (or never made READY): nothing in the scheduler to drop
-            self._apply(self._turn_over(p))
+            self.apply(self._turn_over(p))
         elif p.state == READY:
             self.metrics.turns_cancelled.labels("held").inc()
             if not p.keep_result and self.durable is not None:
@@ -362,7 +367,7 @@ class Gateway:
                 self.serve_detached(p)
             else:
                 self.metrics.turns_cancelled.labels("released").inc()
-                self._apply(self.drop_released(p))
+                self.apply(self.drop_released(p))
 
     def drop_released(self, p: PendingTurn) -> list[Action]:
         """A released turn nobody wants any more: finish it without running it."""
@@ -408,7 +413,7 @@ class Gateway:
         self.driver.untrack(rec)
         p.state = PENDING
         p.waker = None
-        self._apply(self.scheduler.turn_finished(self.clock.now(), rec.workflow_id, rec.index, 0))
+        self.apply(self.scheduler.turn_finished(self.clock.now(), rec.workflow_id, rec.index, 0))
 
     def turn_finished(self, p: PendingTurn, output_tokens: int | None, usage: dict[str, Any] | None,
                  *, cancelled: bool = False) -> None:
@@ -444,7 +449,7 @@ class Gateway:
                             "".join(p.reply_args or ()), last_user_text(p.body), p.engine,
                             s.context_tokens)
         actions.extend(self._turn_over(p))
-        self._apply(actions)
+        self.apply(actions)
 
     # ================================================================== turn over
     def _turn_over(self, p: PendingTurn) -> list[Action]:
@@ -501,5 +506,5 @@ class Gateway:
             if s.active is None and not s.waiters and now - s.last_active_s > idle:
                 actions.extend(self._close(s))
         if actions:
-            self._apply(actions)
+            self.apply(actions)
         self.recovery.expire(now - self.config.result_ttl_s)
