@@ -27,8 +27,8 @@ from turnstile.gateway.adapters import (
     parse_prometheus,
     split_sse,
 )
-from turnstile.gateway.http import ConnectFailed, FastHttpClient
 from turnstile.testing.fake_engine import chat_body, start_fake
+from turnstile.transport.fast import ConnectFailed, FastHttpClient
 
 pytestmark = pytest.mark.timeout(30)
 

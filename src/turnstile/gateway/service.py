@@ -63,11 +63,15 @@ from turnstile.gateway.shared import RedisState
 from turnstile.gateway.signals import engine_loads, tool_returns
 from turnstile.gateway.store import HeldTurnRow, SessionRow, StateBackend, Store
 from turnstile.policies import PolicySet
+from turnstile.transport.retry import RetryRule
 from turnstile.workload.model import Turn
 
 __all__ = ["CHAT_PATH", "COMPLETIONS_PATH", "Gateway", "GatewayError", "Outcome", "TurnRequest"]
 
 log = logging.getLogger("turnstile.gateway")
+#: the wait before a failed turn is made READY again (the one retry rule's backoff; the
+#: number of attempts is the config's max_attempts)
+_REROUTE = RetryRule(backoff_s=0.05, max_backoff_s=0.5)
 
 PENDING, READY, RELEASED, RUNNING, DONE = (TurnState.PENDING, TurnState.READY,
                                            TurnState.RELEASED, TurnState.RUNNING, TurnState.DONE)
@@ -340,7 +344,7 @@ class Gateway:
                     raise GatewayError(r.status, f"engine failed: {r}",
                                        type_="upstream_error", code="engine_failed") from None
                 self.metrics.turns_rerouted.inc()
-                await asyncio.sleep(min(0.05 * attempt, 0.5))
+                await asyncio.sleep(_REROUTE.delay_s(attempt))
                 assert p.turn is not None
                 self.make_ready(p, p.turn)
 

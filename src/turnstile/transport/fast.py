@@ -1,4 +1,5 @@
-"""A small HTTP/1.1 client for the forwarding hot path (asyncio streams, keep-alive pool).
+"""A small HTTP/1.1 client for the forwarding hot path (asyncio streams, keep-alive pool): the
+measured fast path behind :class:`~turnstile.transport.client.HttpTransport`.
 
 ``httpx`` costs ~1 ms of CPU per proxied request here (its connection pool scans every
 connection on each request), which alone would cap the gateway near 300 requests/s. aiohttp's
@@ -21,9 +22,9 @@ client gets 764/s) and costs 23 % more CPU per request, so this client stays. Th
 does only what forwarding to an engine on a trusted network needs: ``POST`` with a
 ``Content-Length`` body, responses framed by ``Content-Length``, chunked encoding or connection
 close, keep-alive reuse, connect/read timeouts. Control-plane calls (health, metrics, slots)
-keep using ``httpx``.
+go through the transport's ``httpx`` client.
 
-Failure taxonomy (what the adapter's retry rule needs):
+Failure taxonomy (what the retry rule, :mod:`turnstile.transport.retry`, needs):
 
 * :class:`ConnectFailed` — no connection; nothing was sent.
 * :class:`NothingReceived` — the request was written but the connection closed before any
@@ -75,14 +76,17 @@ class RawResponse:
     """A response whose body is read (or streamed) from a pooled connection."""
 
     __slots__ = ("_chunked", "_client", "_complete", "_conn", "_done", "_keep", "_length",
-                 "content_type", "status")
+                 "content_type", "headers", "status")
 
     def __init__(self, client: FastHttpClient, conn: _Conn, status: int, content_type: str,
-                 length: int | None, chunked: bool, keep: bool) -> None:
+                 length: int | None, chunked: bool, keep: bool,
+                 headers: dict[str, str] | None = None) -> None:
         self._client = client
         self._conn = conn
         self.status = status
         self.content_type = content_type
+        #: the response headers, names in lower case
+        self.headers = headers if headers is not None else {}
         self._length = length
         self._chunked = chunked
         self._keep = keep
@@ -263,10 +267,12 @@ class FastHttpClient:
         chunked = False
         keep = True
         ctype = "application/json"
+        hdrs: dict[str, str] = {}
         for line in lines[1:]:
             k, _, v = line.partition(b":")
             k = k.strip().lower()
             v = v.strip()
+            hdrs[k.decode("latin-1")] = v.decode("latin-1")
             if k == b"content-length":
                 length = int(v)
             elif k == b"transfer-encoding":
@@ -277,4 +283,4 @@ class FastHttpClient:
                 ctype = v.decode("latin-1")
         if chunked:
             length = None
-        return RawResponse(self, conn, status, ctype, length, chunked, keep)
+        return RawResponse(self, conn, status, ctype, length, chunked, keep, hdrs)
