@@ -28,6 +28,7 @@ import json
 import math
 import platform
 import random
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -37,9 +38,11 @@ import numpy as np
 
 from turnstile.core.clock import WallClock
 from turnstile.core.state import TurnRecord, TurnState, WorkflowRecord
+from turnstile.transport.client import HttpTransport
 from turnstile.workload.model import Turn, Workflow
 
-__all__ = ["ReplaySpec", "Replayer", "calibrate", "load_workflows", "run_replay", "synth_text"]
+__all__ = ["ReplaySpec", "Replayer", "calibrate", "load_workflows", "run_replay", "synth_text",
+           "target_transport"]
 
 _WORDS = ("alpha", "beta", "gamma", "delta", "lambda", "sigma", "omega", "kappa", "theta",
           "zeta", "vector", "tensor", "kernel", "buffer", "cache", "token", "thread", "socket",
@@ -84,7 +87,7 @@ def load_workflows(spec: ReplaySpec) -> tuple[list[Workflow], dict[str, Any]]:
     else:
         from turnstile.traces import load_trace
 
-        kw = {"subset": spec.subset} if spec.subset else {}
+        kw: dict[str, Any] = {"subset": spec.subset} if spec.subset else {}
         loaded = load_trace(spec.trace, **kw)
         if not loaded.workflows:
             raise ValueError(f"{spec.trace}: no workflows")
@@ -153,10 +156,10 @@ class Replayer:
     :meth:`agent` per workflow), keeping per-turn records, the targets' usage counters and, when
     the engine reports them, its per-request timings."""
 
-    def __init__(self, spec: ReplaySpec, client: httpx.AsyncClient, chars_per_token: float
+    def __init__(self, spec: ReplaySpec, transport: HttpTransport, chars_per_token: float
                  ) -> None:
         self.spec = spec
-        self.client = client
+        self.transport = transport
         self.chars_per_token = chars_per_token
         self.clock = WallClock()
         self.records: list[WorkflowRecord] = []
@@ -222,15 +225,16 @@ class Replayer:
         reply: list[str] = []
         usage: dict[str, Any] = {}
         try:
-            async with self.client.stream("POST", "/v1/chat/completions", json=body,
-                                          headers=headers) as resp:
-                if resp.status_code != 200:
-                    await resp.aread()
-                    self._error(f"HTTP {resp.status_code}")
+            resp = await self.transport.post("/v1/chat/completions", json.dumps(body).encode(),
+                                             headers)
+            async with resp:
+                if resp.status != 200:
+                    await resp.read()
+                    self._error(f"HTTP {resp.status}")
                     return False, "", {}
                 self._released(rec, resp.headers)
                 if spec.stream:
-                    async for line in resp.aiter_lines():
+                    async for line in resp.lines():
                         if not line.startswith("data: {"):
                             continue
                         obj = json.loads(line[6:])
@@ -248,12 +252,13 @@ class Replayer:
                         if isinstance(obj.get("timings"), dict):
                             self.engine_timings[(session, rec.index)] = obj["timings"]
                 else:
-                    obj = json.loads(await resp.aread())
+                    obj = json.loads(await resp.read())
                     usage = obj.get("usage") or {}
                     if isinstance(obj.get("timings"), dict):
                         self.engine_timings[(session, rec.index)] = obj["timings"]
                     reply.append(obj["choices"][0]["message"].get("content") or "")
-        except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        except (httpx.HTTPError, ConnectionError, TimeoutError, ValueError, KeyError,
+                IndexError) as e:
             self._error(type(e).__name__)
             return False, "", {}
         rec.finished_s = self.clock.now()
@@ -266,7 +271,7 @@ class Replayer:
         self.cached_tokens += int(details.get("cached_tokens") or 0)
         return True, "".join(reply), usage
 
-    def _released(self, rec: TurnRecord, headers: httpx.Headers) -> None:
+    def _released(self, rec: TurnRecord, headers: Mapping[str, str]) -> None:
         hold_ms = headers.get("x-turnstile-hold-ms")
         hold = float(hold_ms) / 1e3 if hold_ms else 0.0
         rec.released_s = rec.ready_s + hold
@@ -280,14 +285,25 @@ class Replayer:
         self.errors[kind] = self.errors.get(kind, 0) + 1
 
 
-async def calibrate(client: httpx.AsyncClient, model: str) -> float:
+def target_transport(target: str, *, api_key: str | None = None, timeout_s: float = 300.0,
+                     connections: int = 256) -> HttpTransport:
+    """The transport a replay talks to its target through (the gateway or an engine)."""
+    headers = {"content-type": "application/json"}
+    if api_key:
+        headers["authorization"] = f"Bearer {api_key}"
+    return HttpTransport(target, headers=headers, connect_timeout_s=5.0,
+                         read_timeout_s=timeout_s, control_timeout_s=timeout_s,
+                         max_keepalive=connections)
+
+
+async def calibrate(transport: HttpTransport, model: str) -> float:
     """Characters per token of the target's tokenizer, from one small request."""
     rng = random.Random(0)
     # short texts: an engine with small slots (a few hundred tokens) must still answer them
     texts = [synth_text(40, 4.0, rng), synth_text(120, 4.0, rng)]
     counts = []
     for text in texts:
-        r = await client.post("/v1/chat/completions", json={
+        r = await transport.post_json("/v1/chat/completions", {
             "model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1})
         r.raise_for_status()
         counts.append(int(r.json()["usage"]["prompt_tokens"]))
@@ -304,24 +320,25 @@ async def run_replay(spec: ReplaySpec, workflows: list[Workflow], trace_info: di
     from turnstile.bench.metrics import compute_metrics
     from turnstile.bench.report import write_results
 
-    headers = {"authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=len(workflows) + 4)
-    async with httpx.AsyncClient(base_url=spec.target, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(spec.timeout_s, connect=5.0)) as client:
+    transport = target_transport(spec.target, api_key=spec.api_key, timeout_s=spec.timeout_s,
+                                 connections=len(workflows) + 4)
+    try:
         health: dict[str, Any] = {}
         try:
-            r = await client.get("/health")
+            r = await transport.get("/health")
             if r.headers.get("content-type", "").startswith("application/json"):
                 health = r.json()
         except (httpx.HTTPError, ValueError):
             pass
         chars_per_token = spec.chars_per_token
         if chars_per_token is None:
-            chars_per_token = await calibrate(client, spec.model)
-        rep = Replayer(spec, client, chars_per_token)
+            chars_per_token = await calibrate(transport, spec.model)
+        rep = Replayer(spec, transport, chars_per_token)
         start = rep.clock.now()
         await asyncio.gather(*(rep.agent(wf) for wf in workflows))
         makespan = rep.clock.now() - start
+    finally:
+        await transport.aclose()
     label = spec.label or health.get("policy") or "direct"
     metrics = compute_metrics(
         rep.records,
