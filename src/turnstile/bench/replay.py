@@ -28,21 +28,21 @@ import json
 import math
 import platform
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import numpy as np
 
-from turnstile.core.clock import WallClock
+from turnstile.core.clock import Clock, WallClock
 from turnstile.core.state import TurnRecord, TurnState, WorkflowRecord
 from turnstile.transport.client import HttpTransport
 from turnstile.workload.model import Turn, Workflow
 
-__all__ = ["ReplaySpec", "Replayer", "calibrate", "load_workflows", "run_replay", "synth_text",
-           "target_transport"]
+__all__ = ["ReplaySession", "ReplaySpec", "Replayer", "calibrate", "load_workflows",
+           "play_workflow", "run_replay", "synth_text", "target_transport"]
 
 _WORDS = ("alpha", "beta", "gamma", "delta", "lambda", "sigma", "omega", "kappa", "theta",
           "zeta", "vector", "tensor", "kernel", "buffer", "cache", "token", "thread", "socket",
@@ -151,10 +151,94 @@ def plan_workflow(wf: Workflow, max_context: int, max_tokens: int,
     return _Plan(inputs, outputs, scale)
 
 
+class ReplaySession(Protocol):
+    """One workflow's conversation as the replayer plays it: what to send, how to send it."""
+
+    def turn(self, index: int) -> Turn | None:
+        """The turn to send next (None: the workflow is over)."""
+        ...
+
+    async def send(self, rec: TurnRecord) -> bool:
+        """Send ``rec.turn`` and wait for the whole reply, filling ``rec``'s times and output
+        (``finished_s`` on the replay's clock); False: it failed and the workflow stops."""
+        ...
+
+    def pause_s(self, index: int) -> float:
+        """The wait from turn ``index``'s end until the next turn is ready (its tool calls)."""
+        ...
+
+
+async def play_workflow(wf: Workflow, open_session: Callable[[Workflow], ReplaySession],
+                        clock: Clock, records: list[WorkflowRecord]) -> None:
+    """The one closed loop: at ``wf.arrival_s`` (on ``clock``) open the session, then send each
+    turn when it is ready and wait for its reply; the pause after a reply is the session's."""
+    delay = wf.arrival_s - clock.now()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    session = open_session(wf)
+    rec_wf = WorkflowRecord(wf.id, clock.now(), wf.tenant, None)
+    records.append(rec_wf)
+    i = 0
+    while (turn := session.turn(i)) is not None:
+        rec = TurnRecord(rec_wf, i, turn)
+        rec_wf.turns.append(rec)
+        if not await session.send(rec):
+            return  # the workflow stops at a failed turn (it stays unfinished)
+        wait = rec.finished_s + session.pause_s(i) - clock.now()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        i += 1
+    if rec_wf.turns:
+        rec_wf.finished_s = max(t.finished_s for t in rec_wf.turns)
+
+
+class _ChatSession:
+    """A workflow as OpenAI chat messages: synthesized text, the engine's real replies."""
+
+    def __init__(self, rep: Replayer, wf: Workflow) -> None:
+        spec = rep.spec
+        self.rep = rep
+        self.wf = wf
+        self.plan = plan_workflow(wf, spec.max_context, spec.max_tokens, spec.max_turns)
+        rep.scales.append(self.plan.scale)
+        self.rng = random.Random(f"{spec.seed}:{wf.id}")
+        self.messages: list[dict[str, str]] = []
+        self.context = 0
+
+    def turn(self, index: int) -> Turn | None:
+        if index >= len(self.plan.inputs):
+            return None
+        return Turn(input_tokens=self.plan.inputs[index], output_tokens=self.plan.outputs[index],
+                    context_tokens=self.context)
+
+    async def send(self, rec: TurnRecord) -> bool:
+        rep = self.rep
+        text = synth_text(rec.turn.input_tokens, rep.chars_per_token, self.rng)
+        if rec.index == 0:
+            text = f"session {self.wf.id}\n{text}"
+        self.messages.append({"role": "user", "content": text})
+        ok, reply, usage = await rep.send(rec, self.wf.id, self.messages, rec.turn.output_tokens)
+        if not ok:
+            return False
+        self.messages.append({"role": "assistant", "content": reply})
+        prompt = int(usage.get("prompt_tokens", 0))
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        # new this turn: what the prompt adds to the previous prompt and reply
+        rep.recomputed_tokens += max(0, (prompt - cached) - max(0, prompt - self.context))
+        self.context = prompt + rec.output_tokens
+        return True
+
+    def pause_s(self, index: int) -> float:
+        if index + 1 >= len(self.plan.inputs):
+            return 0.0
+        return self.wf.turns[index].tool_duration_s * self.rep.spec.time_scale
+
+
 class Replayer:
     """Plays workflows as closed-loop agents against an OpenAI-compatible target (one
-    :meth:`agent` per workflow), keeping per-turn records, the targets' usage counters and, when
-    the engine reports them, its per-request timings."""
+    :meth:`agent` per workflow, :func:`play_workflow` with chat sessions), keeping per-turn
+    records, the targets' usage counters and, when the engine reports them, its per-request
+    timings."""
 
     def __init__(self, spec: ReplaySpec, transport: HttpTransport, chars_per_token: float
                  ) -> None:
@@ -177,39 +261,7 @@ class Replayer:
         self.engine_timings: dict[tuple[str, int], dict[str, Any]] = {}
 
     async def agent(self, wf: Workflow) -> None:
-        spec = self.spec
-        delay = wf.arrival_s - self.clock.now()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        plan = plan_workflow(wf, spec.max_context, spec.max_tokens, spec.max_turns)
-        self.scales.append(plan.scale)
-        rec_wf = WorkflowRecord(wf.id, self.clock.now(), wf.tenant, None)
-        self.records.append(rec_wf)
-        rng = random.Random(f"{spec.seed}:{wf.id}")
-        messages: list[dict[str, str]] = []
-        context = 0
-        for i, (n_in, n_out) in enumerate(zip(plan.inputs, plan.outputs, strict=True)):
-            text = synth_text(n_in, self.chars_per_token, rng)
-            if i == 0:
-                text = f"session {wf.id}\n{text}"
-            messages.append({"role": "user", "content": text})
-            turn = Turn(input_tokens=n_in, output_tokens=n_out, context_tokens=context)
-            rec = TurnRecord(rec_wf, i, turn)
-            rec_wf.turns.append(rec)
-            ok, reply, usage = await self.send(rec, wf.id, messages, n_out)
-            if not ok:
-                return  # the workflow stops at a failed turn (it stays unfinished)
-            messages.append({"role": "assistant", "content": reply})
-            prompt = int(usage.get("prompt_tokens", 0))
-            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-            # new this turn: what the prompt adds to the previous prompt and reply
-            self.recomputed_tokens += max(0, (prompt - cached) - max(0, prompt - context))
-            context = prompt + rec.output_tokens
-            if i + 1 < len(plan.inputs):
-                tool_s = wf.turns[i].tool_duration_s * spec.time_scale
-                if tool_s > 0:
-                    await asyncio.sleep(tool_s)
-        rec_wf.finished_s = max(t.finished_s for t in rec_wf.turns)
+        await play_workflow(wf, lambda w: _ChatSession(self, w), self.clock, self.records)
 
     async def send(self, rec: TurnRecord, session: str, messages: list[dict[str, str]],
                    max_tokens: int) -> tuple[bool, str, dict[str, Any]]:
