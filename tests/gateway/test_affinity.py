@@ -84,7 +84,8 @@ def test_unmodified_clients_get_sessions_and_sub_agents_start_near_parents(
     for sid, engine, reply in parents.values():
         # a sub-agent: a new conversation whose task is what the parent turn produced
         r = httpx.post(gw.url + "/v1/chat/completions", timeout=10, json={
-            "model": "tiny", "max_tokens": 4,
+            "model": "tiny", "max_tokens": 4, "tools": [{"type": "function", "function": {
+                "name": "Read", "parameters": {}}}],  # an agent: its session stays open
             "messages": [{"role": "system", "content": "sub-agent"},
                          {"role": "user", "content": reply}]})
         assert r.status_code == 200

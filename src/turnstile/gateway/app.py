@@ -1,16 +1,20 @@
 """The gateway's HTTP face: a plain ASGI application (served by uvicorn).
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (OpenAI schemas, streamed
-as SSE or not, bodies passed through), ``GET /v1/models``, ``GET /health``, ``GET /metrics``
-(Prometheus). Written against ASGI directly rather than a framework: the request path is a
-handful of dict lookups, which keeps the gateway's own latency well under a millisecond, and
-it needs two things frameworks make awkward — choosing the HTTP status only once the engine's
-first event arrived, and noticing a client that disconnects while its turn is held.
+as SSE or not, bodies passed through), ``GET /v1/models``, ``GET /health`` (liveness),
+``GET /ready`` (readiness, :mod:`.overload`), ``GET /metrics`` (Prometheus; behind the token
+too with ``auth_admin``). Any other path is a 404 in OpenAI's error shape, whatever the method.
 
-Errors are OpenAI-shaped (``{"error": {"message", "type", "code"}}``): 400 malformed JSON or
-fields, 401 bad bearer token, 404 unknown model or route, 405, 409 duplicate in-flight
-``x-request-id``, 413 oversized body, 429 (with ``Retry-After``) when the holding queue is
-full, 502/504 when engines fail.
+Written against ASGI directly rather than a framework: the request path is a handful of dict
+lookups, which keeps the gateway's own latency well under a millisecond, and it needs two
+things frameworks make awkward — choosing the HTTP status only once the engine's first event
+arrived, and noticing a client that disconnects while its turn is held.
+
+Errors are OpenAI-shaped (``{"error": {"message", "type", "code"}}``): 400 malformed JSON
+(nesting too deep included) or fields, 401 bad bearer token, 404 unknown model or route, 405,
+409 duplicate in-flight ``x-request-id``, 413 oversized body, 431 oversized headers, 429
+(with ``Retry-After``) when the holding queue is full, 502/504 when engines fail; anything
+unexpected is a 500 of the same shape (logged without the request's content).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from turnstile.gateway.config import GatewayConfig
+from turnstile.gateway.overload import readiness
 from turnstile.gateway.protocol import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -39,6 +44,11 @@ __all__ = ["GatewayApp", "create_app"]
 
 log = logging.getLogger("turnstile.gateway")
 
+#: nesting deeper than this is refused (what the gateway and the engine re-encode stays far
+#: from Python's recursion limit)
+_MAX_DEPTH = 64
+_GET_ROUTES = frozenset(("/health", "/ready", "/metrics", "/v1/models"))
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -53,6 +63,8 @@ class GatewayApp:
         cfg = gateway.config
         self._auth = f"Bearer {cfg.auth_token}".encode() if cfg.auth_token else None
         self._max_body = cfg.max_body_bytes
+        self._max_header = cfg.max_header_bytes
+        self._auth_admin = cfg.auth_admin and self._auth is not None
         self._count_children: dict[tuple[str, int], Any] = {}
 
     def _counts(self, path: str, status: int) -> Any:
@@ -89,19 +101,52 @@ class GatewayApp:
     # ------------------------------------------------------------------ routing
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
+        sent: list[bool] = []
+
+        async def tracked(msg: Message) -> None:
+            if msg["type"] == "http.response.start":
+                sent.append(True)
+            await send(msg)
+
+        try:
+            await self._route(scope, receive, tracked, path)
+        except Exception as e:
+            # a bug, not the client's fault: its type and the path at error level; the
+            # traceback (whose message may quote the request) at debug only
+            log.error("unhandled %s on %s", type(e).__name__, path)
+            log.debug("unhandled error on %s", path, exc_info=True)
+            if not sent:
+                await _error(send, GatewayError(500, "internal error", type_="server_error",
+                                                code="internal_error"), path)
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         method = scope["method"]
         if path in (CHAT_PATH, COMPLETIONS_PATH):
             if method != "POST":
-                await _error(send, GatewayError(405, f"{path} takes POST"), path)
+                await _error(send, GatewayError(405, f"{path} takes POST",
+                                                code="method_not_allowed"), path)
                 return
             await self._completions(scope, receive, send, path)
             return
+        if path not in _GET_ROUTES:
+            await _error(send, GatewayError(404, f"no route {method} {path}",
+                                            code="not_found"), path)
+            return
         if method not in ("GET", "HEAD"):
-            await _error(send, GatewayError(405, f"{path} takes GET"), path)
+            await _error(send, GatewayError(405, f"{path} takes GET",
+                                            code="method_not_allowed"), path)
             return
         if path == "/health":
-            await self._health(send)
+            await self._health(send, self._authorized(scope))
+        elif path == "/ready":
+            ok, body = await readiness(self.gateway)
+            if self._auth_admin and not self._authorized(scope):
+                body = {"status": body["status"]}
+            await _respond(send, 200 if ok else 503, [JSON_CT], json.dumps(body).encode())
         elif path == "/metrics":
+            if self._auth_admin and not self._authorized(scope):
+                await _error(send, _unauthorized(), path)
+                return
             body = self.gateway.metrics.render()
             await _respond(send, 200, [(b"content-type", b"text/plain; version=0.0.4")], body)
         elif path == "/v1/models":
@@ -109,8 +154,6 @@ class GatewayApp:
                 await _error(send, _unauthorized(), path)
                 return
             await self._models(send)
-        else:
-            await _error(send, GatewayError(404, f"no route {path}", code="not_found"), path)
 
     def _authorized(self, scope: Scope) -> bool:
         if self._auth is None:
@@ -120,18 +163,15 @@ class GatewayApp:
                 return hmac.compare_digest(v, self._auth)
         return False
 
-    async def _health(self, send: Send) -> None:
+    async def _health(self, send: Send, detail: bool) -> None:
         gw = self.gateway
         up = gw.engine_up
         ok = gw.started and any(up.values())
-        body = json.dumps({
-            "status": "ok" if ok else "unavailable",
-            "policy": gw.policies.spec,
-            "engines": up,
-            "held_turns": gw.scheduler.held_turns,
-            "sessions": len(gw.sessions),
-        }).encode()
-        await _respond(send, 200 if ok else 503, [JSON_CT], body)
+        out: dict[str, Any] = {"status": "ok" if ok else "unavailable"}
+        if detail or not self._auth_admin:
+            out.update(policy=gw.policies.spec, engines=up, held_turns=gw.scheduler.held_turns,
+                       sessions=len(gw.sessions))
+        await _respond(send, 200 if ok else 503, [JSON_CT], json.dumps(out).encode())
 
     async def _models(self, send: Send) -> None:
         data = [{"id": m, "object": "model", "owned_by": "turnstile"}
@@ -200,7 +240,9 @@ class GatewayApp:
         parent_session: str | None = None
         session_end = False
         length = -1
+        header_bytes = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
         for k, v in scope["headers"]:
+            header_bytes += len(k) + len(v) + 4
             if k == b"x-session-id":
                 session_id = v.decode("latin-1") or None
             elif k == b"x-request-id":
@@ -216,6 +258,9 @@ class GatewayApp:
                 parent_session = v.decode("latin-1").strip() or None
             elif k == b"x-turnstile-session-end":
                 session_end = v.strip().lower() in (b"1", b"true", b"yes")
+        if header_bytes > self._max_header:
+            raise GatewayError(431, f"request headers of {header_bytes} bytes exceed the limit "
+                               f"of {self._max_header}", code="headers_too_large")
         if length > self._max_body:
             raise _too_large(length, self._max_body)
         chunks: list[bytes] = []
@@ -237,8 +282,14 @@ class GatewayApp:
         except (ValueError, UnicodeDecodeError) as e:
             raise GatewayError(400, f"request body is not valid JSON: {e}",
                                code="invalid_json") from None
+        except RecursionError:
+            raise GatewayError(400, "request body is nested too deeply",
+                               code="invalid_json") from None
         if not isinstance(body, dict):
             raise GatewayError(400, "request body must be a JSON object", code="invalid_json")
+        if raw.count(b"[") + raw.count(b"{") > _MAX_DEPTH and _depth(body) > _MAX_DEPTH:
+            raise GatewayError(400, f"request body is nested deeper than {_MAX_DEPTH}",
+                               code="invalid_json")
         _validate(path, body)
         self.gateway.check_model(body)
         if session_id is None:
@@ -258,6 +309,7 @@ class GatewayApp:
 
 
 def _validate(path: str, body: dict[str, Any]) -> None:
+    """The fields the gateway reads, checked for type (the rest goes to the engine as sent)."""
     if path == CHAT_PATH:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
@@ -267,6 +319,20 @@ def _validate(path: str, body: dict[str, Any]) -> None:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise GatewayError(400, f"messages[{i}] must be an object with a 'role'",
                                    code="invalid_messages")
+            content = m.get("content")
+            if content is not None and not isinstance(content, str) and not (
+                    isinstance(content, list) and all(isinstance(c, dict) for c in content)):
+                raise GatewayError(400, f"messages[{i}].content must be a string or an array "
+                                   "of content parts", code="invalid_messages")
+            calls = m.get("tool_calls")
+            if calls is not None and not (isinstance(calls, list) and all(
+                    isinstance(c, dict) and isinstance(c.get("function", {}), dict)
+                    for c in calls)):
+                raise GatewayError(400, f"messages[{i}].tool_calls must be an array of "
+                                   "objects", code="invalid_messages")
+        for key in ("tools", "functions"):
+            if body.get(key) is not None and not isinstance(body[key], list):
+                raise GatewayError(400, f"'{key}' must be an array", code="invalid_value")
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
@@ -276,6 +342,28 @@ def _validate(path: str, body: dict[str, Any]) -> None:
         v = body.get(key)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise GatewayError(400, f"'{key}' must be a positive integer", code="invalid_value")
+    for key in ("user", "model"):
+        v = body.get(key)
+        if v is not None and not isinstance(v, str):
+            raise GatewayError(400, f"'{key}' must be a string", code="invalid_value")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise GatewayError(400, "'stream_options' must be an object", code="invalid_value")
+
+
+def _depth(doc: Any) -> int:
+    """Nesting depth of a parsed JSON document (iterative: any depth json.loads accepts)."""
+    deepest = 0
+    stack = [(doc, 1)]
+    while stack:
+        x, d = stack.pop()
+        if d > deepest:
+            deepest = d
+        if isinstance(x, dict):
+            stack.extend((v, d + 1) for v in x.values())
+        elif isinstance(x, list):
+            stack.extend((v, d + 1) for v in x)
+    return deepest
 
 
 def _unauthorized() -> GatewayError:

@@ -31,7 +31,18 @@ def serve(
     = None,
     host: Annotated[str | None, typer.Option(help="Bind address (default 127.0.0.1)")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default 8000)")] = None,
-    max_held: Annotated[int | None, typer.Option(help="Held + queued turns before 429")] = None,
+    max_held: Annotated[int | None, typer.Option(
+        help="Accepted turns not yet released (held, queued, being admitted) before 429")] = None,
+    max_inflight: Annotated[int | None, typer.Option(
+        help="Accepted, unanswered requests before 429 (0: no bound)")] = None,
+    auth_admin: Annotated[bool | None, typer.Option(
+        "--auth-admin/--no-auth-admin",
+        help="/metrics (and /health, /ready details) require the bearer token too")] = None,
+    max_body_bytes: Annotated[int | None, typer.Option(help="Request body limit (413)")] = None,
+    max_header_bytes: Annotated[int | None, typer.Option(
+        help="Request line + headers limit (431)")] = None,
+    ready_max_hold_s: Annotated[float | None, typer.Option(
+        help="/ready is 503 while a turn has been held longer than this")] = None,
     auth_token: Annotated[
         str | None, typer.Option(help="Require 'Authorization: Bearer TOKEN'",
                                  envvar="TURNSTILE_AUTH_TOKEN")
@@ -71,6 +82,14 @@ def serve(
             cfg.max_held = max_held
         if auth_token:
             cfg.auth_token = auth_token
+        for key, value in (("max_inflight", max_inflight), ("auth_admin", auth_admin),
+                           ("max_body_bytes", max_body_bytes),
+                           ("max_header_bytes", max_header_bytes),
+                           ("ready_max_hold_s", ready_max_hold_s)):
+            if value is not None:
+                setattr(cfg, key, value)
+        if cfg.auth_admin and not cfg.auth_token:
+            raise ValueError("--auth-admin needs --auth-token")
         if db is not None:
             cfg.db = str(db)
         if state is not None:
@@ -94,7 +113,8 @@ def serve(
                f"engines={', '.join(e.url for e in cfg.engines)}"
                + (f" state={cfg.state}" if cfg.state else ""), err=True)
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=log_level,
-                access_log=False, lifespan="on", timeout_graceful_shutdown=5)
+                access_log=False, lifespan="on", timeout_graceful_shutdown=5,
+                h11_max_incomplete_event_size=cfg.max_header_bytes)
 
 
 def replay(

@@ -5,8 +5,13 @@
 host = "127.0.0.1"          # loopback by default
 port = 8000
 policy = "cvar+kv-affinity+ttl"
-max_held = 1024             # held + session-queued turns before 429
+max_held = 1024             # accepted turns not yet released (held, being admitted) before 429
+max_inflight = 0            # accepted, unanswered requests before 429 (0: no bound)
 auth_token = ""             # or auth_token_env = "TURNSTILE_TOKEN"
+auth_admin = false          # /metrics and admin endpoints need the token too
+max_body_bytes = 8388608    # 413 past it
+max_header_bytes = 65536    # 431 past it (request line and headers)
+ready_max_hold_s = 60.0     # /ready is 503 while a turn has been held longer
 db = "gateway.sqlite3"      # persist sessions and held turns (omit: in memory only)
 record = "sessions.jsonl"   # append every finished session as a workload (omit: no recording)
 models = []                 # accepted model names (empty: discovered from the engines)
@@ -62,14 +67,27 @@ class GatewayConfig:
     policy_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     host: str = "127.0.0.1"
     port: int = 8000
-    #: turns held by the release policy plus turns queued behind their session's running turn
+    #: turns accepted and not released to an engine yet — held by the release policy, queued
+    #: behind their session's running turn, or still being admitted (resolved, tokenized) —
+    #: before new requests get 429
     max_held: int = 1024
+    #: accepted requests not answered yet (those plus turns on engines) before 429; 0: no bound
+    max_inflight: int = 0
     auth_token: str | None = None
+    #: ``/metrics`` (and admin endpoints) require the bearer token too; ``/health`` and
+    #: ``/ready`` then answer only their status to a caller without it
+    auth_admin: bool = False
     db: str | None = None
     #: append each finished session to this workload file (:mod:`.recorder`)
     record: str | None = None
     models: list[str] = field(default_factory=list)
     max_body_bytes: int = 8 * 1024 * 1024
+    #: request line and headers, in bytes (431 past it)
+    max_header_bytes: int = 64 * 1024
+    #: ``/ready`` answers 503 while the oldest held turn has waited longer than this
+    ready_max_hold_s: float = 60.0
+    #: ... or while the state backend does not answer a ping within this
+    ready_state_timeout_s: float = 1.0
     #: an idle session (no turn for this long) is closed: its flow time is recorded
     session_idle_s: float = 300.0
     #: forwarding attempts per turn (re-routes after an engine failure)
@@ -108,6 +126,10 @@ class GatewayConfig:
             raise ValueError(f"engine names must be unique, got {names}")
         if self.max_held < 1:
             raise ValueError("max_held must be >= 1")
+        if self.max_inflight < 0:
+            raise ValueError("max_inflight must be >= 0 (0: no bound)")
+        if self.max_body_bytes < 1 or self.max_header_bytes < 1:
+            raise ValueError("max_body_bytes and max_header_bytes must be >= 1")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
         PolicySet.from_spec(self.policy, self.policy_params)

@@ -5,6 +5,7 @@ where that session's KV is when another replica (or a run before a restart) serv
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from turnstile.core.scheduler import Scheduler
 from turnstile.gateway.affinity import ConversationKeys, Resolution
@@ -12,7 +13,20 @@ from turnstile.gateway.protocol import CHAT_PATH, TurnRequest
 from turnstile.gateway.replicas import ReplicaSync
 from turnstile.gateway.sessions import Session, SessionTable
 
-__all__ = ["SessionResolver"]
+__all__ = ["SessionResolver", "one_turn"]
+
+
+def one_turn(body: dict[str, Any]) -> bool:
+    """A request nothing will follow: no tools offered and no earlier reply (assistant or tool
+    message) in its conversation. Its session closes with its turn, so it holds no slot, session
+    budget or paused KV past its own life (an agent's next turn carries tools or a reply)."""
+    if body.get("tools") or body.get("functions"):
+        return False
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return True
+    return not any(isinstance(m, dict) and m.get("role") in ("assistant", "tool", "function")
+                   for m in messages)
 
 
 class SessionResolver:

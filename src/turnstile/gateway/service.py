@@ -44,7 +44,9 @@ from turnstile.gateway.driving import ReleaseDriver
 from turnstile.gateway.durability import Durability, OffsetClock
 from turnstile.gateway.estimate import TokenEstimator
 from turnstile.gateway.health import HealthMonitor
+from turnstile.gateway.logs import quiet_probe_logs
 from turnstile.gateway.metrics import GatewayMetrics
+from turnstile.gateway.overload import shed
 from turnstile.gateway.protocol import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -57,7 +59,7 @@ from turnstile.gateway.recorder import SessionRecorder
 from turnstile.gateway.recovery import Recovery
 from turnstile.gateway.relay import Relay, RetryableFailure
 from turnstile.gateway.replicas import ReplicaSync
-from turnstile.gateway.resolve import SessionResolver
+from turnstile.gateway.resolve import SessionResolver, one_turn
 from turnstile.gateway.sessions import PendingTurn, Session, SessionTable, sweep_period_s
 from turnstile.gateway.shared import RedisState
 from turnstile.gateway.signals import engine_loads, tool_returns
@@ -133,6 +135,8 @@ class Gateway:
         self.recorder: SessionRecorder | None = None
         self.started = False
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: requests accepted and not READY yet (counted by admission from their acceptance)
+        self.admitting = 0
 
     # ================================================================== lifecycle
     @property
@@ -149,11 +153,19 @@ class Gateway:
 
     @property
     def queued(self) -> int:
-        return self.scheduler.held_turns + self.table.queued
+        """Accepted, not released: held, or being admitted (``max_held``, :mod:`.overload`)."""
+        return self.scheduler.held_turns + self.admitting
+
+    @property
+    def inflight(self) -> int:
+        """Accepted, not answered: ``queued`` plus turns on engines (``max_inflight``)."""
+        sched = self.scheduler  # this replica's own turns on engines, not its peers'
+        return self.queued + sum(sched.own_load(e)[0] for e in sched.view.ids)
 
     async def start(self) -> None:
         if self.started:
             return
+        quiet_probe_logs()
         self.driver.bind_loop(asyncio.get_running_loop())
         await asyncio.gather(*(a.start() for a in self.adapters.values()),
                              return_exceptions=True)
@@ -255,17 +267,22 @@ class Gateway:
                 return out
         else:
             rid = uuid.uuid4().hex
-        if self.queued >= self.config.max_held:
-            self.metrics.rejected.inc()
-            raise GatewayError(429, f"the gateway holds {self.queued} turns (max_held="
-                               f"{self.config.max_held}); retry later", type_="rate_limit_error",
-                               code="queue_full", headers=[(b"retry-after", b"1")])
-        session, derived = await self.resolver.session(req, rid)
+        shed(self)  # 429 past max_held / max_inflight
+        self.admitting += 1  # counted from acceptance: a burst cannot all pass the check
+        try:
+            session, derived = await self.resolver.session(req, rid)
+        except BaseException:
+            self.admitting -= 1
+            raise
         body = req.body
         p = PendingTurn(rid, session, req.path, body, req.stream)
         if derived is not None:
             p.reply_text, p.reply_args = [], []
             p.conversation = (derived.chain, derived.root)
+            if derived.new and one_turn(body):
+                # no tools, no earlier reply: nothing follows; the session closes with its
+                # turn (a follow-up finds it again through its keys and starts afresh)
+                session.ephemeral = True
         p.engine_hint = req.engine_hint
         if req.stream:
             opts = body.get("stream_options")
@@ -278,6 +295,7 @@ class Gateway:
             await self.table.acquire(p)
             turn, p.prompt_chars = await self.estimator.estimate(p.path, p.body,
                                                                  session.context_tokens)
+            self.admitting -= 1
             self.make_ready(p, turn)
             if self.durable is None or not self.durable.backend.shared:
                 return await self.run(p)
@@ -292,6 +310,8 @@ class Gateway:
             return out
         except BaseException:
             if p.state == PENDING and p.rec is None:  # never became READY
+                if p.turn is None:
+                    self.admitting -= 1
                 self._forget(p)
             raise
 

@@ -141,6 +141,9 @@ class RedisState:
             await asyncio.gather(self._writer, return_exceptions=True)
         await self.redis.aclose()
 
+    async def ping(self) -> None:
+        await self.redis.ping()
+
     def close(self) -> None:  # the sync protocol method; the service awaits aclose
         pass
 

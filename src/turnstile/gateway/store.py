@@ -97,6 +97,9 @@ class StateBackend(Protocol):
 
     async def flush(self) -> None: ...
 
+    async def ping(self) -> None:
+        """Raise when the backend cannot be reached (``/ready``)."""
+
     def clock_origin(self, now_unix: float) -> float: ...
 
     def put_session(self, s: SessionRow) -> None: ...
@@ -148,6 +151,9 @@ class Store:
 
     async def flush(self) -> None:
         pass  # every write is committed when made
+
+    async def ping(self) -> None:
+        self.db.execute("SELECT 1").fetchone()
 
     # one process: everything was loaded at start-up
     async def lookup_session(self, session_id: str) -> SessionRow | None:

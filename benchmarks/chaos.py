@@ -1,0 +1,478 @@
+"""Chaos and load suite: faults injected under agent load, on real llama.cpp engines.
+
+Processes, all on 127.0.0.1: two ``llama-server`` engines (the tiny GGUF model), each behind a
+:class:`~turnstile.testing.fault_proxy.FaultProxy` (it counts generations per request id and
+injects 5xx, delays and stalls); the gateway as a process (``python -m turnstile.gateway serve``)
+with its SQLite state, then two replicas on a redis-server. Clients are closed-loop agents
+(explicit sessions, tools offered, a tool pause between turns) that **retry a failed turn with
+the same** ``x-request-id`` (after ``Retry-After`` on a 429, on the next replica when one is
+down) until a per-turn deadline.
+
+Phases (one fault each, bounded in turns and seconds): engine SIGKILL and SIGTERM (restarted
+after ``--heal-s``), the engine answering 5xx, a slow engine (each response piece delayed) and a
+stalled one (no byte for ``--stall-s``), the gateway SIGKILLed and restarted on its SQLite file,
+hostile bodies (a hypothesis-generated corpus of malformed OpenAI requests) sent alongside the
+agents, a replica SIGKILLed, Redis restarted (no persistence: its state is lost), and a load of
+``--streams`` concurrent one-turn streams. One table:
+
+* turns sent / completed / lost (the client gave up) / duplicated (a request id generated to
+  its end more than once at the engines) / partial re-runs (generated again after a cut);
+* answered (s): for the attempts streaming when the fault hit, the longest wait for their next
+  byte or their end (an error the client can retry); recovered (s): until the first turn sent
+  after the fault completed;
+* peak memory (max RSS of the gateway processes) and requests/s completed.
+
+    .venv/bin/python benchmarks/chaos.py                 # the full form (a few minutes)
+    .venv/bin/python benchmarks/chaos.py --smoke   # CI-sized: tests/gateway/test_chaos_smoke.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from turnstile.engines.llama_server import LlamaServerProcess, find_llama_server, free_port
+from turnstile.engines.tiny_model import write_tiny_gguf
+from turnstile.testing.fault_proxy import FaultProxy
+from turnstile.testing.redis_server import RedisServer, find_redis_server
+from turnstile.testing.replicas import GatewayProcess, write_config
+
+TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}]
+
+
+# ============================================================================ engines
+class Engine:
+    """One engine process on a fixed port (llama-server, or the fake engine with --fake)."""
+
+    def __init__(self, model: Path | None, port: int, tmp: Path) -> None:
+        self.model, self.port, self.tmp = model, port, tmp
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.llama: LlamaServerProcess | None = None
+
+    def start(self) -> Engine:
+        if self.model is not None:
+            self.llama = LlamaServerProcess(self.model, port=self.port, n_parallel=4, ctx=8192,
+                                            threads=1, slot_save_dir=self.tmp / f"s{self.port}")
+            self.llama.start()
+            self.proc = self.llama.process
+            return self
+        code = ("import uvicorn; from turnstile.testing.fake_engine import FakeEngine; "
+                f"uvicorn.run(FakeEngine(ttft_s=0.02, tpot_s=0.01, record=False), "
+                f"host='127.0.0.1', port={self.port}, log_level='error')")
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        raise TimeoutError("fake engine did not start")
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.llama is not None:
+            self.llama.process = None
+            self.llama.stop()
+
+    def stop(self) -> None:
+        self.signal(signal.SIGTERM)
+
+
+def peak_rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+# ============================================================================ clients
+@dataclass
+class Attempt:
+    start_s: float
+    head_s: float = -1.0  # response status received
+    events: list[float] = field(default_factory=list)  # body pieces
+    end_s: float = -1.0
+    outcome: str = ""
+
+
+@dataclass
+class TurnLog:
+    rid: str
+    sent_s: float
+    done_s: float = -1.0
+    attempts: list[Attempt] = field(default_factory=list)
+    statuses: list[int] = field(default_factory=list)
+
+
+class Clients:
+    """Retrying OpenAI clients over one or more gateway replicas."""
+
+    def __init__(self, targets: Callable[[], list[str]], max_tokens: int, turn_deadline_s: float
+                 ) -> None:
+        self.targets = targets
+        self.max_tokens = max_tokens
+        self.deadline_s = turn_deadline_s
+        self.turns: list[TurnLog] = []
+        limits = httpx.Limits(max_connections=5000, max_keepalive_connections=5000)
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=2.0), limits=limits)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def turn(self, rid: str, body: dict[str, Any], headers: dict[str, str],
+                   home: int = 0) -> TurnLog:
+        log = TurnLog(rid, time.monotonic())
+        self.turns.append(log)
+        headers = {**headers, "x-request-id": rid}
+        tries = 0
+        while time.monotonic() - log.sent_s < self.deadline_s:
+            targets = self.targets()
+            url = targets[(home + tries) % len(targets)] + "/v1/chat/completions"
+            a = Attempt(time.monotonic())
+            log.attempts.append(a)
+            wait = min(0.1 * 2 ** min(tries, 3), 1.0)
+            tries += 1
+            try:
+                async with self.http.stream("POST", url, json=body, headers=headers) as r:
+                    a.head_s = time.monotonic()
+                    log.statuses.append(r.status_code)
+                    data = b""
+                    async for piece in r.aiter_bytes():
+                        a.events.append(time.monotonic())
+                        data += piece
+                    if r.status_code == 200 and (not body.get("stream") or (
+                            b"data: [DONE]" in data and b'"error"' not in data)):
+                        a.outcome = "ok"
+                    else:
+                        a.outcome = f"http {r.status_code}" if r.status_code != 200 else "cut"
+                        if r.status_code == 429:
+                            wait = float(r.headers.get("retry-after", "1"))
+            except (httpx.HTTPError, OSError) as e:
+                a.outcome = type(e).__name__
+            a.end_s = time.monotonic()
+            if a.outcome == "ok":
+                log.done_s = a.end_s
+                return log
+            await asyncio.sleep(wait)
+        return log
+
+    async def agent(self, sid: str, turns: int, tool_s: float, home: int) -> None:
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent."},
+                                      {"role": "user", "content": f"task {sid}: fix the tests"}]
+        for k in range(turns):
+            body = {"model": "tiny", "messages": msgs, "max_tokens": self.max_tokens,
+                    "stream": k % 3 != 2, "tools": TOOLS}
+            log = await self.turn(f"{sid}-t{k}", body, {"x-session-id": sid}, home)
+            if log.done_s < 0:
+                return  # lost: the agent cannot go on
+            msgs = [*msgs, {"role": "assistant", "content": f"step {k}"},
+                    {"role": "user", "content": f"tool output {k} " + "x" * 40}]
+            await asyncio.sleep(tool_s)
+
+
+# ============================================================================ phases
+@dataclass
+class Row:
+    fault: str
+    injected: int
+    sent: int = 0
+    completed: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    partial: int = 0
+    answered_s: float = 0.0
+    recovered_s: float = 0.0
+    peak_mb: float = 0.0
+    rps: float = 0.0
+    note: str = ""
+
+
+def judge(row: Row, logs: list[TurnLog], proxies: list[FaultProxy], faults: list[float],
+          wall_s: float) -> Row:
+    rids = {t.rid for t in logs}
+    row.sent = len(logs)
+    row.completed = sum(1 for t in logs if t.done_s >= 0)
+    row.lost = row.sent - row.completed
+    complete: dict[str, int] = {}
+    cut: dict[str, int] = {}
+    for p in proxies:
+        for g in p.generations:
+            if g.request_id in rids:
+                d = complete if g.complete else cut
+                d[g.request_id] = d.get(g.request_id, 0) + 1
+    row.duplicated = sum(1 for n in complete.values() if n > 1)
+    row.partial = sum(1 for rid in cut if rid in complete)
+    answered, recovered = 0.0, 0.0
+    for t0 in faults:
+        waits = []
+        for t in logs:
+            for a in t.attempts:
+                if 0 <= a.head_s <= t0 and (a.end_s < 0 or a.end_s > t0):
+                    after = [e for e in a.events if e > t0]
+                    nxt = after[0] if after else (a.end_s if a.end_s > 0 else time.monotonic())
+                    waits.append(nxt - t0)
+        answered = max([answered, *waits])
+        later = [t.done_s for t in logs if t.sent_s >= t0 and t.done_s >= 0]
+        recovered = max(recovered, (min(later) - t0) if later else float("nan"))
+    row.answered_s, row.recovered_s = answered, recovered
+    row.rps = row.completed / wall_s if wall_s > 0 else 0.0
+    return row
+
+
+async def streaming(clients: Clients, timeout_s: float = 3.0) -> None:
+    """Wait (a little) until some attempt is mid-response: the fault then hits a stream."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(a.head_s >= 0 and a.end_s < 0 and a.events for t in clients.turns
+               for a in t.attempts[-1:]):
+            return
+        await asyncio.sleep(0.005)
+
+
+class Suite:
+    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
+        self.args = args
+        self.tmp = tmp
+        binary = None if args.fake else find_llama_server()
+        if not args.fake and binary is None:
+            raise SystemExit("llama-server not found (make engine, or TURNSTILE_LLAMA_SERVER)")
+        model = None if args.fake else write_tiny_gguf(tmp / "tiny.gguf")
+        self.engines = [Engine(model, free_port(), tmp).start() for _ in range(2)]
+        self.proxies = [FaultProxy("127.0.0.1", e.port).start() for e in self.engines]
+        self.gateways: list[GatewayProcess] = []
+        self.rows: list[Row] = []
+        self.peak_mb = 0.0
+
+    def targets(self) -> list[str]:
+        return [g.url for g in self.gateways]
+
+    def gateway(self, name: str, port: int | None = None, **cfg: Any) -> GatewayProcess:
+        path = write_config(self.tmp / f"{name}.toml", [(p.url, "llama.cpp")
+                                                        for p in self.proxies],
+                            self.args.policy, None, stats_interval_s=0.5,
+                            max_held=self.args.max_held, recheck_interval_s=0.25,
+                            health_interval_s=0.5, **cfg)
+        return GatewayProcess(path, replica_id=name, port=port).start(60)
+
+    def note_memory(self) -> None:
+        for g in self.gateways:
+            if g.proc is not None and g.proc.poll() is None:
+                self.peak_mb = max(self.peak_mb, peak_rss_mb(g.proc.pid))
+
+    async def phase(self, name: str, inject: Callable[[], Any] | None,
+                    heal: Callable[[], Any] | None = None, *, injected: int = 1,
+                    extra: Callable[[], Any] | None = None) -> Row:
+        a = self.args
+        clients = Clients(self.targets, a.max_tokens, a.turn_deadline_s)
+        t_start = time.monotonic()
+        load = [asyncio.ensure_future(clients.agent(f"{name}-{i}", a.turns, a.tool_s, i))
+                for i in range(a.sessions)]
+        faults: list[float] = []
+        note = ""
+        if inject is not None:
+            await asyncio.sleep(a.fault_at_s)
+            await streaming(clients)
+            faults.append(time.monotonic())
+            note = str(await asyncio.to_thread(inject) or "")
+            if heal is not None:
+                await asyncio.sleep(a.heal_s)
+                await asyncio.to_thread(heal)
+        if extra is not None:
+            note = str(await extra() or "")
+        _, pending = await asyncio.wait(load, timeout=a.phase_s)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        await clients.aclose()
+        self.note_memory()
+        row = judge(Row(name, injected, note=note), clients.turns, self.proxies, faults,
+                    time.monotonic() - t_start)
+        row.peak_mb = self.peak_mb
+        self.rows.append(row)
+        print(f"  {name}: {row}", file=sys.stderr, flush=True)
+        return row
+
+    # ------------------------------------------------------------------ faults
+    def kill_engine(self, sig: int) -> Callable[[], None]:
+        return lambda: self.engines[0].signal(sig)
+
+    def restart_engine(self) -> None:
+        self.engines[0].start()
+
+    async def hostile(self) -> str:
+        from turnstile.testing.hostile import corpus
+
+        bodies = corpus(self.args.hostile, seed=1)
+        codes: dict[int, int] = {}
+        sem = asyncio.Semaphore(16)
+        async with httpx.AsyncClient(timeout=30) as c:
+            async def one(raw: bytes) -> None:
+                async with sem:
+                    try:
+                        r = await c.post(self.targets()[0] + "/v1/chat/completions",
+                                         content=raw, headers={"content-type": "application/json"})
+                        codes[r.status_code] = codes.get(r.status_code, 0) + 1
+                    except httpx.HTTPError:
+                        codes[0] = codes.get(0, 0) + 1
+            await asyncio.gather(*(one(b) for b in bodies))
+        bad = sum(n for s, n in codes.items() if s >= 500 or s == 0)
+        return f"{bad} of {len(bodies)} bodies got a 5xx/no answer; " + ", ".join(
+            f"{s}:{n}" for s, n in sorted(codes.items()))
+
+    async def streams(self, n: int) -> Row:
+        """``n`` concurrent one-turn streams (no session, no tools)."""
+        clients = Clients(self.targets, self.args.max_tokens, self.args.turn_deadline_s)
+        body = {"model": "tiny", "max_tokens": self.args.max_tokens, "stream": True}
+        t0 = time.monotonic()
+        await asyncio.gather(*(clients.turn(
+            f"load{n}-{i}", {**body, "messages": [{"role": "user", "content": f"q {i}"}]}, {})
+            for i in range(n)))
+        wall = time.monotonic() - t0
+        await clients.aclose()
+        self.note_memory()
+        shed = sum(s == 429 for t in clients.turns for s in t.statuses)
+        row = judge(Row(f"{n} concurrent streams", n, note=f"{shed} x 429 then retried"),
+                    clients.turns, self.proxies, [], wall)
+        row.peak_mb, row.answered_s, row.recovered_s = self.peak_mb, float("nan"), wall
+        self.rows.append(row)
+        print(f"  streams {n}: {row}", file=sys.stderr, flush=True)
+        return row
+
+    async def run(self) -> None:
+        a = self.args
+        db = self.tmp / "gateway.sqlite3"
+        gw = self.gateway("single", db=str(db))
+        self.gateways = [gw]
+        await self.phase("engine SIGKILL", self.kill_engine(signal.SIGKILL), self.restart_engine)
+        await self.phase("engine SIGTERM", self.kill_engine(signal.SIGTERM), self.restart_engine)
+        p0 = self.proxies[0]
+        await self.phase("engine 5xx", lambda: setattr(p0, "fail_status", 503),
+                         lambda: setattr(p0, "fail_status", 0))
+        await self.phase("slow engine", lambda: setattr(p0, "delay_s", a.delay_s),
+                         lambda: setattr(p0, "delay_s", 0.0))
+        await self.phase("stalled engine",
+                         lambda: setattr(p0, "stall_until", time.monotonic() + a.stall_s))
+
+        def restart_gateway() -> None:
+            port = self.gateways[0].port
+            self.gateways[0].kill()
+            self.gateways[0] = GatewayProcess(self.gateways[0].config, replica_id="single",
+                                              port=port).start(60)
+
+        await self.phase("gateway SIGKILL+restart", restart_gateway)
+        await self.phase("hostile bodies", None, injected=a.hostile, extra=self.hostile)
+        for n in a.streams:
+            await self.streams(n)
+        for g in self.gateways:
+            g.close()
+        if a.no_redis or find_redis_server() is None:
+            return
+        with RedisServer() as redis:
+            self.gateways = [self.gateway(f"r{i}", state=redis.url, replica_ttl_s=1.0)
+                             for i in range(2)]
+
+            def kill_replica() -> None:
+                self.gateways[0].kill()
+                self.gateways = self.gateways[1:]
+
+            await self.phase("replica SIGKILL", kill_replica)
+            self.gateways.append(self.gateway("r0", state=redis.url, replica_ttl_s=1.0))
+
+            def restart_redis() -> None:
+                redis.stop()
+                redis.start()
+
+            await self.phase("Redis restart", restart_redis)
+            for g in self.gateways:
+                g.close()
+
+    def close(self) -> None:
+        for g in self.gateways:
+            g.close()
+        for p in self.proxies:
+            p.stop()
+        for e in self.engines:
+            e.stop()
+
+
+# ============================================================================ table
+def table(rows: list[Row]) -> str:
+    head = ("| fault | injected | turns sent | completed | lost | duplicated | partial re-runs "
+            "| answered (s) | recovered (s) | peak MB | req/s | note |")
+    out = [head, "|" + "---|" * 12]
+    for r in rows:
+        out.append(f"| {r.fault} | {r.injected} | {r.sent} | {r.completed} | {r.lost} "
+                   f"| {r.duplicated} | {r.partial} | {r.answered_s:.3f} | {r.recovered_s:.2f} "
+                   f"| {r.peak_mb:.0f} | {r.rps:.1f} | {r.note} |")
+    return "\n".join(out)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="CI-sized run (tens of seconds)")
+    ap.add_argument("--fake", action="store_true", help="fake engines (no llama-server)")
+    ap.add_argument("--policy", default="cvar+kv-affinity+ttl")
+    ap.add_argument("--sessions", type=int, default=24)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--tool-s", type=float, default=0.3)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--max-held", type=int, default=1024)
+    ap.add_argument("--fault-at-s", type=float, default=1.0)
+    ap.add_argument("--heal-s", type=float, default=2.0)
+    ap.add_argument("--delay-s", type=float, default=0.2)
+    ap.add_argument("--stall-s", type=float, default=3.0)
+    ap.add_argument("--phase-s", type=float, default=90.0)
+    ap.add_argument("--turn-deadline-s", type=float, default=60.0)
+    ap.add_argument("--hostile", type=int, default=300)
+    ap.add_argument("--streams", type=int, nargs="*", default=[500, 2000])
+    ap.add_argument("--no-redis", action="store_true")
+    ap.add_argument("--out", type=Path, default=None, help="write table.md and rows.json here")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.sessions, a.turns, a.tool_s, a.hostile, a.streams = 6, 3, 0.2, 40, [100]
+        a.heal_s, a.stall_s, a.fault_at_s, a.phase_s, a.turn_deadline_s = 1.0, 1.5, 0.3, 30, 20
+    return a
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    a = parse(argv)
+    with tempfile.TemporaryDirectory(prefix="turnstile-chaos-") as d:
+        suite = Suite(a, Path(d))
+        try:
+            asyncio.run(suite.run())
+        finally:
+            suite.close()
+    print(table(suite.rows))
+    if a.out is not None:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "table.md").write_text(table(suite.rows) + "\n")
+        (a.out / "rows.json").write_text(json.dumps([r.__dict__ for r in suite.rows], indent=1))
+    return suite.rows
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

@@ -1,0 +1,39 @@
+"""The chaos suite's CI-sized run (``benchmarks/chaos.py --smoke``) on real llama.cpp engines:
+every fault is injected under retrying agents; no turn is lost or generated twice, hostile bodies
+never get a 5xx, and every stream hit by a fault hears from the gateway within the bound."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from turnstile.testing.redis_server import find_redis_server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_chaos_smoke(llama_server_binary: Path) -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        import chaos
+    finally:
+        sys.path.remove(str(BENCH))
+    argv = ["--smoke"] + ([] if find_redis_server() else ["--no-redis"])
+    rows = {r.fault: r for r in chaos.main(argv)}
+    expected = {"engine SIGKILL", "engine SIGTERM", "engine 5xx", "slow engine",
+                "stalled engine", "gateway SIGKILL+restart", "hostile bodies",
+                "100 concurrent streams"}
+    if find_redis_server():
+        expected |= {"replica SIGKILL", "Redis restart"}
+    assert set(rows) == expected
+    for r in rows.values():
+        assert r.sent > 0 and r.lost == 0 and r.duplicated == 0, r
+        assert r.completed == r.sent, r
+        if not math.isnan(r.answered_s):
+            assert r.answered_s <= 2.5, r  # goal 2 s; slack for a shared 2-core machine
+    assert rows["hostile bodies"].note.startswith("0 of 40 bodies got a 5xx")
