@@ -10,8 +10,8 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import FancyArrowPatch, FancyBboxPatch  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
 BOXES = {
     # name: (x, y, w, h, title, subtitle, colour)
@@ -30,7 +30,10 @@ BOXES = {
 }
 
 
-def main(out: Path = Path(__file__).with_name("overview.png")) -> None:
+OUT = Path(__file__).with_name("overview.png")
+
+
+def main(out: Path = OUT) -> None:
     fig, ax = plt.subplots(figsize=(8.6, 3.9), dpi=110)
     ax.set_xlim(0, 10.4)
     ax.set_ylim(0, 4.6)
