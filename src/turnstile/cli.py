@@ -20,14 +20,39 @@ traces_app = typer.Typer(
 )
 app.add_typer(traces_app, name="traces")
 
+
+def _version_text() -> str:
+    from turnstile import __version__
+    from turnstile.build_info import describe
+
+    # a checkout's src/ (when run from one) tells whether a compiled install is stale
+    return f"{__version__} ({describe(Path.cwd() / 'src')})"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(_version_text())
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                           help="Print the version and exit")
+    ] = False,
+) -> None:
+    pass
+
 # wide enough for the bench table when output is not a terminal (CI logs, pipes)
 console = Console(width=None if Console().is_terminal else 160)
 err_console = Console(stderr=True, soft_wrap=True)
 
 
 def _fail(message: str) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {message}")
-    return typer.Exit(2)
+    from turnstile.bench.usage import fail
+
+    return fail(message)
 
 
 def _load(path: Path, subset: str | None, progress: bool,
@@ -46,6 +71,9 @@ def _load(path: Path, subset: str | None, progress: bool,
     except (ValueError, OSError, TypeError) as e:
         raise _fail(str(e)) from None
 
+
+#: ``traces synth -n``: more workflows than this would not fit in memory
+MAX_SYNTH_WORKFLOWS = 1_000_000
 
 _GROUP_BY_HELP = ("request logs: session field (dotted path), 'prefix' (shared message "
                   "prefixes) or 'auto'")
@@ -119,7 +147,8 @@ def traces_convert(
 @traces_app.command("synth")
 def traces_synth(
     out: Annotated[Path, typer.Option("-o", "--out", help="Output workload .jsonl")],
-    workflows: Annotated[int, typer.Option("-n", "--workflows", min=1)] = 100,
+    workflows: Annotated[int, typer.Option("-n", "--workflows", min=1, max=MAX_SYNTH_WORKFLOWS)]
+    = 100,
     rate: Annotated[float, typer.Option(help="Poisson arrival rate, workflows/s")] = 0.5,
     seed: Annotated[int, typer.Option()] = 0,
     fit: Annotated[
@@ -127,12 +156,17 @@ def traces_synth(
     ] = None,
 ) -> None:
     """Generate a synthetic agentic workload (seeded, reproducible)."""
+    from turnstile.bench.usage import check_out_file
     from turnstile.workload import synth
     from turnstile.workload.jsonl import write_workload
     from turnstile.workload.synth_fit import fit_spec
 
     if rate <= 0:
         raise _fail("--rate must be > 0")
+    try:
+        check_out_file(out)
+    except ValueError as e:
+        raise _fail(str(e)) from None
     spec = synth.DEFAULT_SPEC if fit is None else fit_spec(_load(fit, None, True).workflows)
     arrivals = synth.poisson_arrivals(rate, workflows, seed)
     wfs = synth.generate(spec, workflows, seed, arrivals=arrivals)
@@ -180,10 +214,12 @@ def bench(
     rate: Annotated[
         float | None, typer.Option(help="Arrival rate in workflows/s (overrides --load)")
     ] = None,
-    workflows: Annotated[int, typer.Option(help="Workflows to simulate")] = 200,
+    workflows: Annotated[int, typer.Option(min=1, max=MAX_SYNTH_WORKFLOWS,
+                                           help="Workflows to simulate")] = 200,
     arrivals: Annotated[str, typer.Option(help="poisson or trace")] = "poisson",
     kv_tokens: Annotated[
-        int | None, typer.Option(help="KV capacity per engine in tokens (default: from GPU)")
+        int | None, typer.Option(min=1, help="KV capacity per engine in tokens (default: "
+                                 "from GPU)")
     ] = None,
     profile: Annotated[
         Path | None, typer.Option(help="Fitted performance profile (default: roofline); a "
@@ -191,20 +227,26 @@ def bench(
     ] = None,
     subset: Annotated[str | None, typer.Option(help="agentcgroup subset")] = None,
     seed: Annotated[int, typer.Option()] = 0,
-    out: Annotated[Path | None, typer.Option(help="Write results.json and plots here")] = None,
+    out: Annotated[Path | None, typer.Option("-o", "--out",
+                                             help="Write results.json and plots here")] = None,
 ) -> None:
     """Simulate every policy on the same workload and compare them side by side (simulated)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from turnstile.bench import runner
     from turnstile.bench.report import render_table, write_results
+    from turnstile.bench.usage import check_out_dir
     from turnstile.policies import parse_policy_list
     from turnstile.sim.cluster import EngineGroup
 
     try:
         specs = parse_policy_list(policies)
         load_frac = runner.parse_load(load)
-        runner.model_check(gpu, model)
+        runner.model_check(gpu, model, tp)
+        if rate is not None and rate <= 0:
+            raise ValueError("--rate must be > 0")
+        if out is not None:
+            check_out_dir(out)  # before the run: a bad --out must not cost the results
     except (ValueError, KeyError) as e:
         raise _fail(str(e)) from None
     perf = None
@@ -212,7 +254,13 @@ def bench(
     if profile is not None:
         from turnstile.sim.fitted_perf import FittedPerf
 
-        perf = FittedPerf.from_profile(profile)
+        if not profile.is_file():
+            raise _fail(f"--profile {profile}: no such file")
+        try:
+            perf = FittedPerf.from_profile(profile)
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            why = str(e).replace(f"{profile}: ", "")
+            raise _fail(f"--profile {profile}: not a turnstile profile ({why})") from None
         meta = perf.meta
         n, per_slot = int(meta.get("n_parallel") or 0), int(meta.get("ctx_per_seq") or 0)
         if meta.get("engine_kind") == "llama.cpp" and n and per_slot:
@@ -224,6 +272,7 @@ def bench(
                                 arrivals=arrivals, seed=seed, subset=subset)
     try:
         wfs, trace_info = runner.build_workload(wspec, groups)
+        runner.check_kv_fits(wfs, groups)
     except (ValueError, OSError) as e:
         raise _fail(str(e)) from None
     rate_txt = f"{trace_info['rate']:.3g}/s" if trace_info.get("rate") else "trace times"
@@ -268,15 +317,33 @@ def list_policies() -> None:
 @app.command("version")
 def version() -> None:
     """Print the version, and whether the simulator runs compiled (``make compiled``)."""
-    from turnstile import __version__
-    from turnstile.build_info import describe
-
-    # a checkout's src/ (when run from one) tells whether a compiled install is stale
-    console.print(f"{__version__} ({describe(Path.cwd() / 'src')})")
+    console.print(_version_text())
 
 
-def main() -> None:  # pragma: no cover
-    app()
+def main(argv: list[str] | None = None) -> None:
+    """The ``turnstile`` entry point: a usage mistake is one ``error:`` line and exit code 2.
+
+    Typer's own usage errors (a bad value for a typed flag, a missing option) come out as one
+    line too, instead of a boxed usage panel; ``--help`` and the commands' output are unchanged.
+    """
+    import sys
+
+    from turnstile.bench.usage import one_line
+
+    try:
+        rc = app(args=argv, prog_name="turnstile", standalone_mode=False)
+    except typer.TyperException as e:  # typer's (vendored click's) ClickException family
+        if type(e).__name__ == "NoArgsIsHelpError":
+            e.show()  # type: ignore[attr-defined]
+            sys.exit(0)
+        ctx = getattr(e, "ctx", None)
+        where = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+        print(f"error: {one_line(e.format_message())}{where}", file=sys.stderr)
+        sys.exit(getattr(e, "exit_code", 2))
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(rc if isinstance(rc, int) else 0)
 
 
 def _register_subcommands() -> None:

@@ -187,7 +187,38 @@ def bench_config(spec: WorkloadSpec, groups: Sequence[EngineGroup], policies: Se
     }
 
 
-def model_check(gpu: str, model: str) -> None:
-    """Fail early with the valid names."""
+#: GPUs one tensor-parallel engine may span (one node, as the roofline's all-reduce assumes)
+MAX_TP = 8
+
+
+def check_tp(model: str, tp: int, flag: str = "--tp") -> None:
+    """``tp`` must divide the model's attention heads and fit one node of ``MAX_TP`` GPUs."""
+    spec = load_model(model)
+    if tp < 1 or tp > MAX_TP:
+        raise ValueError(f"{flag} {tp}: one engine spans 1 to {MAX_TP} GPUs")
+    if spec.num_heads % tp:
+        raise ValueError(f"{flag} {tp} does not divide {spec.name}'s {spec.num_heads} attention "
+                         "heads")
+
+
+def model_check(gpu: str, model: str, tp: int = 1) -> None:
+    """Fail early with the valid names, and on a tensor parallelism the model cannot use."""
     load_gpu(gpu)
     load_model(model)
+    check_tp(model, tp)
+
+
+def check_kv_fits(workflows: Sequence[Workflow], groups: Sequence[EngineGroup]) -> None:
+    """Every turn's prompt and output must fit one engine's KV (a slot's, on slot engines):
+    said now, naming ``--kv-tokens``, rather than by the simulator half-way through a run."""
+    longest = max((t.prompt_tokens + t.output_tokens - 1 for wf in workflows for t in wf.turns),
+                  default=0)
+    for g in groups:
+        cfg = g.build_config()
+        holds = cfg.slot_tokens if cfg.kv_slots else cfg.num_gpu_blocks * cfg.block_size
+        if longest > holds:
+            what = (f"--kv-tokens {g.kv_tokens}" if g.kv_tokens is not None
+                    else f"the KV of {g.gpu} {g.model} TP{g.tp} (--kv-tokens to set it)")
+            where = "a slot of an engine" if cfg.kv_slots else "an engine"
+            raise ValueError(f"{what}: {where} holds {holds:,} KV tokens but the workload's "
+                             f"longest turn needs {longest:,} (prompt + output)")

@@ -18,8 +18,9 @@ _out = Console()
 
 
 def _fail(message: str) -> typer.Exit:
-    _err.print(f"[bold red]error:[/] {message}")
-    return typer.Exit(2)
+    from turnstile.bench.usage import fail
+
+    return fail(message)
 
 
 def _progress() -> Any:

@@ -15,7 +15,7 @@ from turnstile.workload.model import Turn, Workflow
 
 _T = TypeVar("_T")
 
-try:  # installed with mypy, where ``make compiled`` builds (see docs/benchmarks-sim-speed.md)
+try:  # installed with mypy, where ``make compiled`` builds (docs/results/*-sim-speed.md)
     from mypy_extensions import mypyc_attr
 except ImportError:  # the plain-Python install: the decorator only informs mypyc
     def mypyc_attr(

@@ -70,6 +70,8 @@ def parse_mix(text: str) -> tuple[Bucket, ...]:
         if not p.startswith("tp") or "x" not in p:
             raise ValueError(f"bad bucket {part!r}: expected tpNxM, e.g. tp2x4")
         tp_s, n_s = p[2:].split("x", 1)
+        if not (tp_s.isdigit() and n_s.isdigit()):
+            raise ValueError(f"bad bucket {part!r}: expected tpNxM, e.g. tp2x4")
         tp, n = int(tp_s), int(n_s)
         if tp < 1 or n < 0:
             raise ValueError(f"bad bucket {part!r}")
