@@ -192,8 +192,24 @@ def bench(
     subset: Annotated[str | None, typer.Option(help="agentcgroup subset")] = None,
     seed: Annotated[int, typer.Option()] = 0,
     out: Annotated[Path | None, typer.Option(help="Write results.json and plots here")] = None,
+    suite: Annotated[
+        str | None, typer.Option(help="Run the robustness suite instead: quick (≤ 3 min) or "
+                                 "full (every family, cluster and load; docs/robustness.md)")
+    ] = None,
+    ray: Annotated[
+        str | None, typer.Option(help="--suite: run cells on Ray (auto, local or an ADDRESS)")
+    ] = None,
 ) -> None:
     """Simulate every policy on the same workload and compare them side by side (simulated)."""
+    if suite is not None:
+        from turnstile.bench.suite import run_with_progress
+
+        if suite not in ("quick", "full"):
+            raise _fail(f"--suite must be quick or full; got {suite!r}")
+        names = None if policies == "eager" else [p for p in policies.split(",") if p.strip()]
+        run_with_progress(suite, out or Path(f"robustness-{suite}"), policies=names,
+                          seed=seed, ray=ray, console=console)
+        return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from turnstile.bench import runner
