@@ -72,7 +72,7 @@ def traces_info(
     loaded = _load(path, subset, progress=not json_out, group_by=group_by)
     summary = summarize(loaded.workflows)
     out = {"trace": loaded.name, "source": str(path), **summary,
-           "counts": loaded.counts, "notes": loaded.notes}
+           "counts": loaded.counts, "notes": loaded.notes, "warnings": loaded.warnings}
     if json_out:
         print(json.dumps(out, indent=2, default=float))
         return
@@ -89,6 +89,8 @@ def traces_info(
     console.print(table)
     for note in loaded.notes:
         console.print(f"[dim]note:[/] {note}")
+    for warning in loaded.warnings:
+        console.print(f"[bold yellow]warning:[/] {warning}")
 
 
 @traces_app.command("convert")
@@ -174,8 +176,9 @@ def bench(
     model: Annotated[str, typer.Option(help="Model name, e.g. llama-3.1-8b")] = "llama-3.1-8b",
     tp: Annotated[int, typer.Option(min=1, help="Tensor parallelism per engine")] = 1,
     load: Annotated[
-        str, typer.Option(help="Offered load: light/medium/high/overload or a fraction of the "
-                          "estimated capacity")
+        str, typer.Option(help="Offered load as a fraction of the estimated capacity: a number "
+                          "or light (0.3), medium (0.7), high (1.2), overload (2.0); an "
+                          "estimate, not a measured saturation point (see --suite)")
     ] = "medium",
     rate: Annotated[
         float | None, typer.Option(help="Arrival rate in workflows/s (overrides --load)")
@@ -247,6 +250,10 @@ def bench(
         f"[bold]simulated[/] {len(wfs)} workflows from {trace_info['name']} "
         f"({rate_txt}, {trace_info['arrivals']}) on {engines}x {gpu} {model} TP{tp}"
     )
+    if trace_info.get("used"):
+        console.print(f"[dim]{trace_info['used']}[/]")
+    for warning in trace_info.get("warnings", []):
+        console.print(f"[bold yellow]warning:[/] {warning}")
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err_console, transient=True) as bar:
         task = bar.add_task("", total=len(wfs))

@@ -4,7 +4,9 @@
 
 * a directory of AgentCgroup sessions (``haiku/`` / ``glm47flash_local/`` subsets, a subset
   folder of ``<task>/attempt_<n>``, a task folder or one attempt folder) → :func:`load_agentcgroup`
-* ``*.csv`` (Azure LLM inference trace columns) → :func:`load_azure_conv`
+* ``*.csv`` (Azure LLM inference trace columns), or a folder holding
+  ``AzureLLMInferenceTrace_*.csv`` → :func:`load_azure_conv` (named ``azure:conv`` or
+  ``azure:code`` after the file)
 * ``*.jsonl[.gz]`` whose first line is a turnstile workload header → the workload file itself
 * ``*.jsonl[.gz]`` whose records have ``hash_ids`` and ``session_id`` (AIPerf's multi-turn
   Mooncake format) → :func:`load_mooncake_sessions`
@@ -98,6 +100,8 @@ def load_trace(path: str | Path, progress: bool = False, **kw: Any) -> LoadedTra
             return load_agentcgroup(p, progress=progress, **kw)
         if is_trajectory_path(p):
             return load_trajectories(p, **kw)
+        if any(c.name.startswith("AzureLLMInferenceTrace") for c in p.iterdir()):
+            return load_azure_conv(p, **kw)
         raise _unsupported(p, "a directory that holds no AgentCgroup sessions or trajectories")
     name = p.name.lower()
     if is_trajectory_path(p):
