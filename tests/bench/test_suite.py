@@ -141,3 +141,28 @@ def test_quick_suite_structure_and_the_default_policy_does_no_harm(tmp_path: Pat
     nh = no_harm(doc["cells"], default)
     assert nh["ok"], (f"default policy {default!r} harms cells (bounds {NO_HARM}): "
                       f"{nh['misses']}")
+
+
+def test_bench_suite_cli_writes_the_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:
+    from typer.testing import CliRunner
+
+    from turnstile.cli import app
+
+    seen: dict = {}
+
+    def tiny(name: str, policies=None, families=None, seed: int = 0) -> S.SuiteConfig:
+        seen.update(name=name, policies=policies)
+        return _tiny(["eager", *(policies or [])])
+
+    monkeypatch.setattr(S, "suite_config", tiny)
+    runner = CliRunner()
+    res = runner.invoke(app, ["bench", "--suite", "quick", "--policies", "eager,cvar",
+                              "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert seen == {"name": "quick", "policies": ["eager", "cvar"]}
+    assert "worst cell vs eager" in res.output and "cvar" in res.output
+    assert {p.name for p in tmp_path.iterdir()} >= {"results.json", "robustness.md",
+                                                    "heatmap.png"}
+    bad = runner.invoke(app, ["bench", "--suite", "huge"])
+    assert bad.exit_code == 2 and "quick or full" in bad.output

@@ -145,17 +145,16 @@ def suite_config(name: str, policies: Iterable[str] | None = None,
     pairs = [(f, "4xH100-8B") for f in fams]
     # the other clusters on a spread of families (both halves), to bound the run time
     for f in ("agentcgroup-glm", "agentcgroup-haiku", "syn-agentcgroup-fit", "azure-conv",
-              "aiperf-agentic-code", "syn-tools-heavy"):
+              "aiperf-agentic-code"):
         if f in fams:
             pairs += [(f, "1xH100-8B"), (f, "4xH100-8B-slots"), (f, "4xH100-70B-TP4")]
-    for f in ("agentcgroup-haiku", "syn-agentcgroup-fit", "azure-conv"):
+    for f in ("agentcgroup-haiku", "syn-agentcgroup-fit"):
         if f in fams:
             pairs.append((f, "16xH100-8B"))
     return SuiteConfig("full", pairs,
                        [LoadPoint("measured", 0.5), LoadPoint("measured", 1.0),
-                        LoadPoint("measured", 2.0), LoadPoint("estimate", 0.7),
-                        LoadPoint("estimate", 1.2)],
-                       pols, workflows_per_engine=12, min_workflows=30, max_workflows=160,
+                        LoadPoint("measured", 2.0), LoadPoint("estimate", 1.2)],
+                       pols, workflows_per_engine=30, min_workflows=40, max_workflows=200,
                        search_runs=5, seed=seed)
 
 
