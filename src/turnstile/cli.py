@@ -100,7 +100,7 @@ def traces_info(
     loaded = _load(path, subset, progress=not json_out, group_by=group_by)
     summary = summarize(loaded.workflows)
     out = {"trace": loaded.name, "source": str(path), **summary,
-           "counts": loaded.counts, "notes": loaded.notes}
+           "counts": loaded.counts, "notes": loaded.notes, "warnings": loaded.warnings}
     if json_out:
         print(json.dumps(out, indent=2, default=float))
         return
@@ -117,6 +117,8 @@ def traces_info(
     console.print(table)
     for note in loaded.notes:
         console.print(f"[dim]note:[/] {note}")
+    for warning in loaded.warnings:
+        console.print(f"[bold yellow]warning:[/] {warning}")
 
 
 @traces_app.command("convert")
@@ -208,8 +210,9 @@ def bench(
     model: Annotated[str, typer.Option(help="Model name, e.g. llama-3.1-8b")] = "llama-3.1-8b",
     tp: Annotated[int, typer.Option(min=1, help="Tensor parallelism per engine")] = 1,
     load: Annotated[
-        str, typer.Option(help="Offered load: light/medium/high/overload or a fraction of the "
-                          "estimated capacity")
+        str, typer.Option(help="Offered load as a fraction of the estimated capacity: a number "
+                          "or light (0.3), medium (0.7), high (1.2), overload (2.0); an "
+                          "estimate, not a measured saturation point (see --suite)")
     ] = "medium",
     rate: Annotated[
         float | None, typer.Option(help="Arrival rate in workflows/s (overrides --load)")
@@ -229,8 +232,24 @@ def bench(
     seed: Annotated[int, typer.Option()] = 0,
     out: Annotated[Path | None, typer.Option("-o", "--out",
                                              help="Write results.json and plots here")] = None,
+    suite: Annotated[
+        str | None, typer.Option(help="Run the robustness suite instead: quick (≤ 3 min) or "
+                                 "full (every family, cluster and load; docs/robustness.md)")
+    ] = None,
+    ray: Annotated[
+        str | None, typer.Option(help="--suite: run cells on Ray (auto, local or an ADDRESS)")
+    ] = None,
 ) -> None:
     """Simulate every policy on the same workload and compare them side by side (simulated)."""
+    if suite is not None:
+        from turnstile.bench.suite import run_with_progress
+
+        if suite not in ("quick", "full"):
+            raise _fail(f"--suite must be quick or full; got {suite!r}")
+        names = None if policies == "eager" else [p for p in policies.split(",") if p.strip()]
+        run_with_progress(suite, out or Path(f"robustness-{suite}"), policies=names,
+                          seed=seed, ray=ray, console=console)
+        return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from turnstile.bench import runner
@@ -280,6 +299,10 @@ def bench(
         f"[bold]simulated[/] {len(wfs)} workflows from {trace_info['name']} "
         f"({rate_txt}, {trace_info['arrivals']}) on {engines}x {gpu} {model} TP{tp}"
     )
+    if trace_info.get("used"):
+        console.print(f"[dim]{trace_info['used']}[/]")
+    for warning in trace_info.get("warnings", []):
+        console.print(f"[bold yellow]warning:[/] {warning}")
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err_console, transient=True) as bar:
         task = bar.add_task("", total=len(wfs))

@@ -5,8 +5,12 @@
 
 * a directory of AgentCgroup sessions (``haiku/`` / ``glm47flash_local/`` subsets, a subset
   folder of ``<task>/attempt_<n>``, a task folder or one attempt folder) → :func:`load_agentcgroup`
-* ``*.csv`` (Azure LLM inference trace columns) → :func:`load_azure_conv`
+* ``*.csv`` (Azure LLM inference trace columns), or a folder holding
+  ``AzureLLMInferenceTrace_*.csv`` → :func:`load_azure_conv` (named ``azure:conv`` or
+  ``azure:code`` after the file)
 * ``*.jsonl[.gz]`` whose first line is a turnstile workload header → the workload file itself
+* ``*.jsonl[.gz]`` whose records have ``hash_ids`` and ``session_id`` (AIPerf's multi-turn
+  Mooncake format) → :func:`load_mooncake_sessions`
 * ``*.jsonl[.gz]`` whose records have ``hash_ids`` → :func:`load_mooncake`
 * ``*.jsonl[.gz]`` whose records have ``round_index`` → :func:`load_tracelab` (TraceLab's
   Claude Code and Codex session exports)
@@ -32,6 +36,7 @@ from turnstile.traces.formats import (
     register_trace_format,
 )
 from turnstile.traces.mooncake import load_mooncake
+from turnstile.traces.mooncake_sessions import load_mooncake_sessions
 from turnstile.traces.requestlog import load_request_log
 from turnstile.traces.tracelab import load_tracelab
 from turnstile.traces.trajectory import load_trajectories
@@ -47,6 +52,7 @@ __all__ = [
     "load_agentcgroup",
     "load_azure_conv",
     "load_mooncake",
+    "load_mooncake_sessions",
     "load_request_log",
     "load_trace",
     "load_tracelab",

@@ -17,6 +17,7 @@ from turnstile.traces.agentcgroup import is_agentcgroup_dir, load_agentcgroup
 from turnstile.traces.azure import load_azure_conv
 from turnstile.traces.base import LoadedTrace, open_text
 from turnstile.traces.mooncake import load_mooncake
+from turnstile.traces.mooncake_sessions import load_mooncake_sessions
 from turnstile.traces.requestlog import load_request_log, looks_like_request_log
 from turnstile.traces.tracelab import load_tracelab
 from turnstile.traces.trajectory import is_trajectory_path, load_trajectories
@@ -169,7 +170,8 @@ for _fmt in (
     TraceFormat(
         "azure",
         "Azure LLM inference trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens)",
-        lambda probe: not probe.is_dir and probe.name.endswith((".csv", ".csv.gz")),
+        lambda probe: (probe.name.endswith((".csv", ".csv.gz")) if not probe.is_dir else any(
+            c.name.startswith("AzureLLMInferenceTrace") for c in probe.path.iterdir())),
         _without_progress(load_azure_conv),
     ),
     TraceFormat(
@@ -177,6 +179,13 @@ for _fmt in (
         f"turnstile workload JSON Lines ({FORMAT_NAME!r} header)",
         _first_has("format", FORMAT_NAME),
         _without_options("workload files", _load_workload_file),
+    ),
+    TraceFormat(
+        "mooncake-sessions",
+        "AIPerf multi-turn Mooncake JSON Lines (records with session_id, hash_ids, delay)",
+        lambda probe: (first := probe.first_record()) is not None
+        and "hash_ids" in first and "session_id" in first,
+        _without_progress(load_mooncake_sessions),
     ),
     TraceFormat(
         "mooncake",
