@@ -271,6 +271,7 @@ def bench(
     perf = None
     slots: dict[str, int] = {}
     if profile is not None:
+        from turnstile.sim.engine_profile import profile_for
         from turnstile.sim.fitted_perf import FittedPerf
 
         if not profile.is_file():
@@ -282,8 +283,8 @@ def bench(
             raise _fail(f"--profile {profile}: not a turnstile profile ({why})") from None
         meta = perf.meta
         n, per_slot = int(meta.get("n_parallel") or 0), int(meta.get("ctx_per_seq") or 0)
-        if meta.get("engine_kind") == "llama.cpp" and n and per_slot:
-            # llama.cpp keeps one sequence per slot: simulate its slots, not paged KV
+        if profile_for(meta.get("engine_kind") or perf.engine).slot_limited and n and per_slot:
+            # the engine keeps one sequence per slot: simulate its slots, not paged KV
             slots = {"kv_slots": n, "slot_tokens": per_slot, "max_num_seqs": n}
     groups = [EngineGroup(gpu=gpu, model=model, tp=tp, count=engines, kv_tokens=kv_tokens,
                           perf=perf, **slots)]

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from turnstile.sim.engine_profile import WarmRule
 from turnstile.sim.fitted_perf import FittedPerf, forward_passes, tile_pairs
 from turnstile.sim.perf import FEATURES
 
@@ -90,6 +91,7 @@ def fit_profile(
     ubatch_split: str = "simple",
     one_token_pass: bool = False,
     cold: Sequence[bool] | None = None,
+    warm: WarmRule | None = None,
 ) -> FittedPerf:
     """Fit :class:`FittedPerf` to measured ``(features, step_time_s)`` samples.
 
@@ -107,8 +109,9 @@ def fit_profile(
     one token gets its own fixed cost ``b0_one`` (kept only when some sample has such a pass).
 
     ``cold`` says, sample by sample, whether the step ran with the engine's caches cold
-    (:data:`~turnstile.sim.fitted_perf.WARM_GAP_S`): with both kinds among the samples the
-    extra cost of a cold step, ``cold_step_s``, is fitted too (else it stays 0).
+    (the engine profile's :class:`~turnstile.sim.engine_profile.WarmRule`): with both kinds
+    among the samples the extra cost of a cold step, ``cold_step_s``, is fitted too (else it
+    stays 0); the result then needs a warm rule, ``warm`` or the profile of ``engine``.
 
     ``features`` is ``(prefill_tokens, decode_seqs, kv_read_tokens[, prefill_attn_tokens2])``.
     Coefficients are constrained non-negative (a negative per-token cost would make bigger
@@ -189,12 +192,13 @@ def fit_profile(
     }
     b0, b1, b2, b3, b4 = (float(c) for c in coef[:5])
     return FittedPerf(
-        b0, b1, b2, b3, b4,
+        b0=b0, b1=b1, b2=b2, b3=b3, b4=b4,
         b5=float(coef[-1]) if knee else 0.0,
         small_chunk_tokens=knee,
         small_chunk_rule=rule,
         b0_one=float(coef[5]) if with_one else None,
         cold_step_s=float(coef[6 if with_one else 5]) if with_cold else 0.0,
+        warm=warm,
         ubatch_tokens=ubatch_tokens,
         ubatch_split=ubatch_split,
         kv_bytes_per_token=kv_bytes_per_token,
