@@ -225,9 +225,9 @@ def test_auth_admin_and_size_limits(fake_engines: Any, gateways: Any) -> None:
     assert len(eng.engine.requests) == 1
 
 
-def test_no_content_in_info_logs_or_the_recording_and_probes_at_debug(fake_engines: Any, gateways: Any,
-                                                     caplog: pytest.LogCaptureFixture,
-                                                     tmp_path: Path) -> None:
+def test_no_content_in_info_logs_or_the_recording_and_probes_at_debug(
+        fake_engines: Any, gateways: Any, caplog: pytest.LogCaptureFixture,
+        tmp_path: Path) -> None:
     secret = "TOP-SECRET-PROMPT-7731"
     eng = fake_engines()
     with caplog.at_level(logging.INFO):

@@ -94,7 +94,9 @@ class GatewayConfig:
     max_attempts: int = 3
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
-    health_interval_s: float = 2.0
+    #: an engine that is up is health-checked this often (a dead one's turns move at the next
+    #: check: keep it well under the 2 s a turn may wait for that)
+    health_interval_s: float = 1.0
     #: a failed engine is re-checked this often
     recheck_interval_s: float = 0.5
     #: scrape engines' /metrics for queue lengths this often (0: never)

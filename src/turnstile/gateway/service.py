@@ -425,13 +425,13 @@ class Gateway:
         self.scheduler.turn_first_token(self.clock.now(), rec.workflow_id, rec.index)
 
     def engine_failed(self, engine_id: str) -> None:
-        self.health.set_health(engine_id, False)
+        self.health.set_health(engine_id, False, dead=True)
 
     def turn_failed(self, p: PendingTurn, engine_down: bool, reason: str) -> None:
         """Finish a failed attempt with 0 tokens; the retry loop re-readies the turn."""
         log.warning("turn %s on %s failed: %s", p.request_id, p.engine, reason)
         if engine_down:
-            self.health.set_health(p.engine, False)
+            self.health.set_health(p.engine, False, dead=True)
         rec = p.rec
         assert rec is not None
         self.driver.untrack(rec)

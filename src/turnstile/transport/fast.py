@@ -31,6 +31,8 @@ Failure taxonomy (what the retry rule, :mod:`turnstile.transport.retry`, needs):
   response byte (typically a kept-alive connection the server had closed): safe to resend.
 * :class:`BrokenResponse` — the connection failed after some response bytes.
 * :class:`TimeoutError` (builtin) — connect or read timed out.
+* :class:`EngineLost` — :meth:`FastHttpClient.abort` dropped the connection (the gateway declared
+  the engine dead): never sent again to this origin.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-__all__ = ["BrokenResponse", "ConnectFailed", "FastHttpClient", "NothingReceived", "RawResponse"]
+__all__ = ["BrokenResponse", "ConnectFailed", "EngineLost", "FastHttpClient", "NothingReceived",
+           "RawResponse"]
 
 _MAX_HEADER = 64 * 1024
 
@@ -59,7 +62,11 @@ class BrokenResponse(ConnectionError):
     pass
 
 
-@dataclass(slots=True)
+class EngineLost(ConnectionError):
+    pass
+
+
+@dataclass(slots=True, eq=False)  # hashed by identity (the busy set)
 class _Conn:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
@@ -71,12 +78,17 @@ class _Conn:
         with contextlib.suppress(Exception):
             self.writer.close()
 
+    def abort(self) -> None:
+        """Drop the connection now (no FIN handshake): a pending read sees EOF at once."""
+        with contextlib.suppress(Exception):
+            self.writer.transport.abort()
+
 
 class RawResponse:
     """A response whose body is read (or streamed) from a pooled connection."""
 
-    __slots__ = ("_chunked", "_client", "_complete", "_conn", "_done", "_keep", "_length",
-                 "content_type", "headers", "status")
+    __slots__ = ("_chunked", "_client", "_complete", "_conn", "_done", "_epoch", "_keep",
+                 "_length", "content_type", "headers", "status")
 
     def __init__(self, client: FastHttpClient, conn: _Conn, status: int, content_type: str,
                  length: int | None, chunked: bool, keep: bool,
@@ -92,6 +104,7 @@ class RawResponse:
         self._keep = keep
         self._done = False
         self._complete = False  # the body was read to its end
+        self._epoch = client.aborts
 
     async def read(self) -> bytes:
         parts = [c async for c in self.iter_raw()]
@@ -126,11 +139,15 @@ class RawResponse:
                     if not data:
                         break
                     yield data
+                if self._client.aborts != self._epoch:  # EOF framing: an abort looks like it
+                    raise EngineLost("connection dropped: the engine was declared dead")
             self._complete = True
         except (asyncio.IncompleteReadError, ConnectionError, ValueError) as e:
             self._keep = False
-            if isinstance(e, BrokenResponse):
+            if isinstance(e, BrokenResponse | EngineLost):
                 raise
+            if self._client.aborts != self._epoch:
+                raise EngineLost("connection dropped: the engine was declared dead") from e
             raise BrokenResponse(f"response broken: {type(e).__name__}: {e}") from e
         finally:
             self._finish()
@@ -139,6 +156,7 @@ class RawResponse:
         if self._done:
             return
         self._done = True
+        self._client._busy.discard(self._conn)
         # a body not read to its end (cancelled, broken) leaves the connection unusable
         if self._keep and self._complete and not self._conn.writer.is_closing():
             self._client._release(self._conn)
@@ -193,7 +211,28 @@ class FastHttpClient:
         self.read_timeout_s = read_timeout_s
         self.max_idle = max_idle
         self._idle: deque[_Conn] = deque()
+        #: connections with a request in flight (until its response is read or dropped)
+        self._busy: set[_Conn] = set()
+        #: how many times :meth:`abort` ran; a request begun before an abort never retries
+        self.aborts = 0
         self._host_header = f"{self.host}:{self.port}".encode()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._busy)
+
+    def abort(self) -> int:
+        """The engine is gone: drop every connection, in flight or idle. A request waiting for
+        its response fails with :class:`EngineLost`, a body being read with
+        :class:`EngineLost` too (:class:`BrokenResponse` semantics: bytes may have arrived).
+        Returns the number of requests dropped."""
+        self.aborts += 1
+        busy = list(self._busy)
+        for conn in busy:
+            conn.abort()
+        while self._idle:
+            self._idle.pop().close()
+        return len(busy)
 
     async def aclose(self) -> None:
         while self._idle:
@@ -224,20 +263,29 @@ class FastHttpClient:
             head += [k.encode(), b": ", v.encode("latin-1"), b"\r\n"]
         head.append(b"\r\n")
         data = b"".join(head) + content
+        epoch = self.aborts
         while True:
             reused = bool(self._idle)
             conn = self._idle.pop() if reused else await self._connect()
             if reused and not conn.usable():
                 conn.close()
                 continue
+            if self.aborts != epoch:
+                conn.close()
+                raise EngineLost("the engine was declared dead")
+            self._busy.add(conn)
             try:
                 return await self._exchange(conn, data)
-            except NothingReceived:
+            except NothingReceived as e:
+                self._busy.discard(conn)
                 conn.close()
+                if self.aborts != epoch:
+                    raise EngineLost("connection dropped: the engine was declared dead") from e
                 if reused:
                     continue  # a stale kept-alive connection: send again on a fresh one
                 raise
             except BaseException:
+                self._busy.discard(conn)
                 conn.close()
                 raise
 

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from turnstile.core.actions import RetentionDecision
 from turnstile.transport.client import HttpTransport, Response
-from turnstile.transport.fast import BrokenResponse
+from turnstile.transport.fast import BrokenResponse, EngineLost
 from turnstile.transport.retry import RetryRule
 
 __all__ = [
@@ -210,6 +210,14 @@ class EngineAdapter:
     async def retain(self, session_id: str, decision: RetentionDecision, now_s: float) -> None:
         """Carry out a retention decision for a session paused in a tool call."""
 
+    def aborted_reply(self, reply: Any) -> bool:
+        """A 2xx whole reply that the engine itself aborted (no real answer: re-route it)."""
+        return False
+
+    def aborted_event(self, event: bytes) -> bool:
+        """A streamed event saying the engine aborted the turn (cheap: runs on every event)."""
+        return False
+
     def _request_headers(self, hints: ForwardHints) -> dict[str, str]:
         return {"x-request-id": hints.request_id}
 
@@ -224,7 +232,7 @@ class EngineAdapter:
                                 self._request_headers(hints))
         try:
             data = await resp.read()
-        except (BrokenResponse, TimeoutError, httpx.TransportError) as e:
+        except (BrokenResponse, EngineLost, TimeoutError, httpx.TransportError) as e:
             raise self._error(e) from e
         if resp.status >= 300:
             raise UpstreamHTTPError(resp.status, data, resp.content_type)
@@ -263,7 +271,7 @@ class EngineAdapter:
                     if events:
                         streamed = True
                         yield events
-            except (BrokenResponse, TimeoutError, httpx.TransportError) as e:
+            except (BrokenResponse, EngineLost, TimeoutError, httpx.TransportError) as e:
                 raise self._error(e, streamed=streamed) from e
             if buf.strip():
                 yield [bytes(buf) + b"\n\n"]
@@ -284,6 +292,14 @@ class EngineAdapter:
         except (ConnectionError, TimeoutError, httpx.TransportError) as e:
             raise self._error(e) from e
 
+    def abort_inflight(self) -> int:
+        """The gateway declared the engine dead: drop every request in flight to it now, so
+        that each fails at once (and is re-routed, or ends its stream with an error event)
+        instead of waiting for a read timeout. Returns how many were dropped. (Requests sent
+        through an injected ``httpx`` client are not tracked.)"""
+        fast = self.transport.fast
+        return fast.abort() if fast is not None else 0
+
     # ------------------------------------------------------------------ control
     async def _get(self, path: str) -> httpx.Response:
         return await self.transport.get(path)
@@ -292,11 +308,19 @@ class EngineAdapter:
         return await self.transport.post_json(path, body)
 
     async def health(self) -> bool:
+        return await self.health_state() == "up"
+
+    async def health_state(self) -> str:
+        """``"up"`` (the health endpoint answered 200); ``"down"`` (refused, reset, or a
+        non-200 answer: the engine is not serving); ``"silent"`` (no answer within the
+        control timeout: hung, or only slow)."""
         try:
             resp = await self._get(self.health_path)
+        except httpx.TimeoutException:
+            return "silent"
         except httpx.HTTPError:
-            return False
-        return resp.status_code == 200
+            return "down"
+        return "up" if resp.status_code == 200 else "down"
 
     async def models(self) -> list[str]:
         """Model ids served (``GET /v1/models``); empty when unknown."""
