@@ -282,12 +282,14 @@ def main() -> None:  # pragma: no cover
 def _register_subcommands() -> None:
     """The drivers' commands live in their rooms; each registers itself here."""
     from turnstile.calibrate.cli import register as register_calibrate
+    from turnstile.epp.cli import register as register_epp
     from turnstile.gateway.cli import register as register_gateway
     from turnstile.rollout.cli import register as register_rollout
 
     register_gateway(app)
     register_rollout(app)
     register_calibrate(app)
+    register_epp(app)
 
 
 _register_subcommands()
