@@ -34,7 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EnvoyProcess", "envoy_config", "find_envoy"]
+__all__ = ["EnvoyProcess", "envoy_config", "find_envoy", "free_port"]
 
 DEST_HEADER = "x-gateway-destination-endpoint"
 SERVED_HEADER = "x-gateway-destination-endpoint-served"
@@ -166,7 +166,7 @@ def find_envoy() -> Path | None:
     return Path(found) if found else None
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
@@ -178,7 +178,7 @@ class EnvoyProcess:
     def __init__(self, config: dict[str, Any], *, binary: Path | None = None,
                  log_level: str = "warning", concurrency: int = 1) -> None:
         self.config = dict(config)
-        self.admin_port = _free_port()
+        self.admin_port = free_port()
         self.config["admin"] = {"address": _addr("127.0.0.1", self.admin_port)}
         self.binary = binary or find_envoy()
         if self.binary is None:

@@ -53,8 +53,10 @@ from turnstile.gateway.protocol import (
 from turnstile.gateway.service import Gateway
 from turnstile.gateway.sessions import PendingTurn
 from turnstile.policies import PolicySet
+from turnstile.workload.model import Turn
 
-__all__ = ["SERVED_HEADER", "Exchange", "Picker", "Route", "RouteRelay", "endpoint_of"]
+__all__ = ["SERVED_HEADER", "Exchange", "Picker", "Route", "RouteRelay", "SubsetRouting",
+           "endpoint_of"]
 
 log = logging.getLogger("turnstile.epp")
 
@@ -185,6 +187,29 @@ def _collect(choices: list[Any], reply: list[str], args: list[str]) -> None:
             args.append(f["arguments"])
 
 
+class SubsetRouting:
+    """The policy's routing, kept inside the data plane's endpoint subset: a choice outside it
+    becomes the allowed engine with the least outstanding work."""
+
+    def __init__(self, inner: Any, allowed: dict[str, set[str]]) -> None:
+        self.inner = inner
+        self.name = getattr(inner, "name", "routing")
+        self.allowed = allowed
+
+    def __getattr__(self, item: str) -> Any:  # the policy's hooks pass through
+        return getattr(self.inner, item)
+
+    def route(self, turn: Any, view: Any, now: float) -> str:
+        engine = self.inner.route(turn, view, now)
+        allowed = self.allowed.get(turn.workflow.id)
+        if not allowed or engine in allowed:
+            return engine
+        ok = [e for e in allowed if e in view and view[e].healthy]
+        if not ok:
+            return engine
+        return min(ok, key=lambda e: (view[e].outstanding_tokens, e))
+
+
 class RouteRelay:
     """The gateway's relay for a picker: a released turn is answered to the data plane with its
     destination, then followed through the response the data plane reports."""
@@ -199,6 +224,7 @@ class RouteRelay:
         if ex is None or ex.route.done():  # not a data plane request: nothing can carry it
             raise GatewayError(503, "no data plane request to route", type_="upstream_error")
         ex.pending = p
+        pk.allowed.pop(p.session.id, None)
         adapter = pk.adapters[p.engine]
         hints = pk.turn_started(p)
         try:
@@ -265,6 +291,9 @@ class Picker(Gateway):
         self.max_fallbacks = max_fallbacks
         self.routes = RouteRelay(self)
         self.relay = self.routes  # type: ignore[assignment]
+        #: engines a session's READY turn may go to (the data plane's endpoint subset)
+        self.allowed: dict[str, set[str]] = {}
+        self.scheduler.routing = SubsetRouting(self.scheduler.routing, self.allowed)
         self._rr = 0
         self.by_endpoint = {endpoint_of(a): a.id for a in self.adapters.values()}
         self.removed: set[str] = set()
@@ -368,6 +397,13 @@ class Picker(Gateway):
             return await self.handle(req)
         finally:
             self.routes.exchanges.pop(ex.request_id, None)
+
+    def _ready(self, p: PendingTurn, turn: Turn, ready_s: float | None = None) -> None:
+        ex = self.routes.exchanges.get(p.request_id)
+        if ex is not None and ex.subset is not None:
+            self.allowed[p.session.id] = {e for ep, e in self.by_endpoint.items()
+                                          if ep in ex.subset}
+        super()._ready(p, turn, ready_s)
 
     def refused(self, p: PendingTurn) -> None:
         """The engine refused the session's first request: the session never existed."""
