@@ -408,7 +408,7 @@ class Picker(Gateway):
     def refused(self, p: PendingTurn) -> None:
         """The engine refused the session's first request: the session never existed."""
         s = p.session
-        if s.turns == 0 and s.derived and not s.waiters:
+        if s.turns == 0 and not s.waiters:
             s.ephemeral = True  # closed as soon as the turn is over (no flow time recorded)
 
     def session_served_on(self, p: PendingTurn, engine: str) -> None:
