@@ -56,9 +56,14 @@ def envoy_config(*, listen_port: int, picker_host: str = "127.0.0.1", picker_por
                  mode: str = "original_dst", endpoints: list[str] | None = None,
                  failure_mode_allow: bool = False, message_timeout_s: float = 600.0,
                  num_retries: int = 2, host: str = "127.0.0.1", admin_port: int | None = None,
-                 max_request_bytes: int = 16 * 1024 * 1024) -> dict[str, Any]:
+                 max_request_bytes: int = 16 * 1024 * 1024, picker: bool = True
+                 ) -> dict[str, Any]:
     """An Envoy v3 bootstrap: one listener on ``host:listen_port``, the ext_proc filter pointing
-    at the picker, and the pool cluster in ``mode`` (see the module docstring)."""
+    at the picker, and the pool cluster in ``mode`` (see the module docstring). ``picker=False``:
+    the same Envoy without the ext_proc filter (the baseline of the overhead benchmark; needs
+    ``override_host`` mode, whose fallback balancing then picks every endpoint)."""
+    if not picker and mode != "override_host":
+        raise ValueError("without the picker only override_host mode has a destination")
     if mode not in ("original_dst", "override_host"):
         raise ValueError(f"mode {mode!r}: expected original_dst or override_host")
     if mode == "override_host" and not endpoints:
@@ -95,7 +100,8 @@ def envoy_config(*, listen_port: int, picker_host: str = "127.0.0.1", picker_por
                 "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
         }]},
         "http_filters": [
-            {"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc},
+            *([{"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc}] if picker
+              else []),
             {"name": "envoy.filters.http.router", "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
         ],
