@@ -41,9 +41,9 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import gateway_overhead as go  # noqa: E402  (the fake engine process and the load client)
+import gateway_overhead as go
 
-from turnstile.epp.envoy import EnvoyProcess, envoy_config, find_envoy  # noqa: E402
+from turnstile.epp.envoy import EnvoyProcess, envoy_config, find_envoy
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -6,6 +6,8 @@
   folder of ``<task>/attempt_<n>``, a task folder or one attempt folder) → :func:`load_agentcgroup`
 * ``*.csv`` (Azure LLM inference trace columns) → :func:`load_azure_conv`
 * ``*.jsonl[.gz]`` whose first line is a turnstile workload header → the workload file itself
+* ``*.jsonl[.gz]`` whose records have ``session_id`` and ``input_length`` (AIPerf's and Dynamo's
+  agent traces) → :func:`load_mooncake_sessions`
 * ``*.jsonl[.gz]`` whose records have ``hash_ids`` → :func:`load_mooncake`
 * ``*.jsonl[.gz]`` whose records have ``round_index`` → :func:`load_tracelab` (TraceLab's
   Claude Code and Codex session exports)
@@ -28,6 +30,7 @@ from turnstile.traces.agentcgroup import is_agentcgroup_dir, load_agentcgroup
 from turnstile.traces.azure import arrival_times, load_azure_conv
 from turnstile.traces.base import LoadedTrace, TraceFormatError, default_traces_dir, open_text
 from turnstile.traces.mooncake import load_mooncake
+from turnstile.traces.mooncake_sessions import is_session_trace, load_mooncake_sessions
 from turnstile.traces.requestlog import load_request_log, looks_like_request_log
 from turnstile.traces.tracelab import load_tracelab
 from turnstile.traces.trajectory import is_trajectory_path, load_trajectories
@@ -37,6 +40,8 @@ SUPPORTED_FORMATS: tuple[str, ...] = (
     "AgentCgroup directory (haiku/ and glm47flash_local/ subsets, <task>/attempt_<n> folders, or "
     "an attempt folder with trace.jsonl[.gz])",
     "Azure LLM inference trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens)",
+    "Mooncake JSON Lines with sessions (session_id, timestamp/delay, input_length, "
+    "output_length, hash_ids, parent_session_id): AIPerf / Dynamo agent traces",
     "Mooncake JSON Lines (records with hash_ids)",
     "TraceLab round_trace JSON Lines (records with round_index): Claude Code / Codex sessions",
     "OpenAI-style request logs, JSON Lines (LiteLLM StandardLoggingPayload or spend logs, "
@@ -111,6 +116,8 @@ def load_trace(path: str | Path, progress: bool = False, **kw: Any) -> LoadedTra
             if kw:
                 raise TypeError(f"workload files take no options, got {sorted(kw)}")
             return _load_workload_file(p)
+        if is_session_trace(first):
+            return load_mooncake_sessions(p, **kw)
         if "hash_ids" in first:
             return load_mooncake(p, **kw)
         if "round_index" in first:
@@ -132,6 +139,7 @@ __all__ = [
     "load_agentcgroup",
     "load_azure_conv",
     "load_mooncake",
+    "load_mooncake_sessions",
     "load_request_log",
     "load_trace",
     "load_tracelab",
