@@ -293,3 +293,18 @@ def test_killed_engine_turns_go_to_the_fallback(fakes: list[FakeServer],
     assert r.headers["x-turnstile-engine"] == ep(other)
     m = s.metrics()
     assert m['turnstile_gateway_turns_failed_total{engine="' + home + '",reason="fallback"}'] == 1
+
+
+def test_other_stacks_session_keys_through_envoy(fakes: list[FakeServer],
+                                                 stacks: Callable[..., Stack]) -> None:
+    fakes.append(start_fake())
+    s = stacks(fakes)
+    cases = [({"x-dynamo-session-id": "dyn-1"}, {}, "dyn-1"),
+             ({"x-smg-routing-key": "smg-1"}, {}, "smg-1"),
+             ({}, {"prompt_cache_key": "pck-1"}, "pck-1"),
+             ({}, {"user": "user-1"}, "user-1")]
+    for headers, extra, sid in cases:
+        for _ in range(2):
+            r = s.chat(headers=headers, **extra)
+            assert r.status_code == 200 and r.headers["x-session-id"] == sid
+        assert s.picker.picker.sessions[sid].turns == 2
