@@ -31,7 +31,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +94,8 @@ class Exchange:
                                        .create_future())
     task: asyncio.Task[Outcome] | None = None
     pending: PendingTurn | None = None
+    #: the relay's end of the turn, run synchronously when the response is over
+    on_over: Callable[[bool], None] | None = None
     status: int = 0
     served: str | None = None
     usage: dict[str, Any] | None = None
@@ -126,8 +128,15 @@ class Exchange:
             self.finish(True)
 
     def finish(self, complete: bool) -> None:
-        if not self.done.done():
-            self.done.set_result(complete)
+        if self.done.done():
+            return
+        over, self.on_over = self.on_over, None
+        try:
+            if over is not None:
+                over(complete)
+        except Exception:  # never into the data plane's stream
+            log.exception("finishing request %s failed", self.request_id)
+        self.done.set_result(complete)
 
     def _event(self, ev: bytes, p: PendingTurn, picker: Picker) -> None:
         if not ev.startswith(b"data: {"):
@@ -237,14 +246,24 @@ class RouteRelay:
         raw = None if body is p.body or body == p.body else json.dumps(body).encode()
         ex.route.set_result(Route(p.engine, endpoint_of(adapter),
                                   pk.fallbacks(p.engine, ex.subset), raw))
-        try:
-            complete = await ex.done
-        except BaseException:
+        outcome: list[Outcome] = []
+
+        def over(complete: bool) -> None:
+            # run inside the data plane's last event, before the picker answers it: the turn is
+            # booked (and the session free) before the client has the response's last byte
             self._end(adapter, hints)
-            pk.turn_finished(p, 0, None, cancelled=True)
+            outcome.append(self._over(p, ex, complete))
+
+        ex.on_over = over
+        try:
+            await ex.done
+        except BaseException:
+            if not outcome:
+                ex.on_over = None
+                self._end(adapter, hints)
+                pk.turn_finished(p, 0, None, cancelled=True)
             raise
-        self._end(adapter, hints)
-        return self._over(p, ex, complete)
+        return outcome[0]
 
     def _end(self, adapter: EngineAdapter, hints: ForwardHints) -> None:
         hints.now_s = self.picker.clock.now()
