@@ -41,10 +41,11 @@ RANK = {
     "gateway": 6,
     "calibrate": 6,
     "rollout": 7,
+    "epp": 7,
 }
 TOP = {"cli", "demo", "__main__"}  # top-level modules, and any package's __main__
 EDGE = "engines"
-EDGE_USERS = {"calibrate", "gateway", "rollout"}
+EDGE_USERS = {"calibrate", "gateway", "rollout", "epp"}
 ROOT = "turnstile"  # the root package itself
 
 #: (importing module, imported module) pairs known to break the rule, with their owner.

@@ -127,11 +127,30 @@ def traces_convert(
     out: Annotated[Path, typer.Option("-o", "--out", help="Output workload .jsonl")],
     subset: Annotated[str | None, typer.Option(help="agentcgroup subset (haiku, ...)")] = None,
     group_by: Annotated[str | None, typer.Option(help=_GROUP_BY_HELP)] = None,
+    to: Annotated[str, typer.Option(help="Output format: turnstile (workload JSONL) or mooncake "
+                                    "(Mooncake-JSONL sessions, as AIPerf and Dynamo replay "
+                                    "agents)")] = "turnstile",
 ) -> None:
-    """Convert a real trace (or agent logs) to turnstile's JSONL workload format."""
+    """Convert a real trace (or agent logs, or a ``serve --record`` recording) to turnstile's
+    JSONL workload format or to Mooncake-JSONL sessions."""
     from turnstile.workload.jsonl import write_workload
 
+    if to not in ("turnstile", "mooncake"):
+        raise _fail(f"--to {to!r}: expected turnstile or mooncake")
     loaded = _load(path, subset, progress=True, group_by=group_by)
+    if to == "mooncake":
+        from turnstile.traces.mooncake_sessions import write_mooncake_sessions
+
+        tmp = out.with_name(f".{out.name}.tmp")
+        try:
+            n = write_mooncake_sessions(tmp, loaded.workflows)
+            tmp.replace(out)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise _fail(f"could not write {out}: {e}") from None
+        console.print(f"wrote {n:,} calls of {len(loaded.workflows):,} workflows to {out} "
+                      "(Mooncake-JSONL sessions)")
+        return
     meta: dict[str, object] = {"source": str(path), "trace": loaded.name, "notes": loaded.notes}
     if loaded.hash_block_tokens:
         meta["hash_block_tokens"] = loaded.hash_block_tokens
@@ -373,12 +392,14 @@ def main(argv: list[str] | None = None) -> None:
 def _register_subcommands() -> None:
     """The drivers' commands live in their rooms; each registers itself here."""
     from turnstile.calibrate.cli import register as register_calibrate
+    from turnstile.epp.cli import register as register_epp
     from turnstile.gateway.cli import register as register_gateway
     from turnstile.rollout.cli import register as register_rollout
 
     register_gateway(app)
     register_rollout(app)
     register_calibrate(app)
+    register_epp(app)
 
 
 _register_subcommands()

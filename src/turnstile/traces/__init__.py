@@ -9,8 +9,8 @@
   ``AzureLLMInferenceTrace_*.csv`` → :func:`load_azure_conv` (named ``azure:conv`` or
   ``azure:code`` after the file)
 * ``*.jsonl[.gz]`` whose first line is a turnstile workload header → the workload file itself
-* ``*.jsonl[.gz]`` whose records have ``hash_ids`` and ``session_id`` (AIPerf's multi-turn
-  Mooncake format) → :func:`load_mooncake_sessions`
+* ``*.jsonl[.gz]`` whose records have ``session_id`` and ``input_length`` (AIPerf's and Dynamo's
+  agent traces) → :func:`load_mooncake_sessions`
 * ``*.jsonl[.gz]`` whose records have ``hash_ids`` → :func:`load_mooncake`
 * ``*.jsonl[.gz]`` whose records have ``round_index`` → :func:`load_tracelab` (TraceLab's
   Claude Code and Codex session exports)

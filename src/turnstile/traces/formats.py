@@ -17,7 +17,7 @@ from turnstile.traces.agentcgroup import is_agentcgroup_dir, load_agentcgroup
 from turnstile.traces.azure import load_azure_conv
 from turnstile.traces.base import LoadedTrace, open_text
 from turnstile.traces.mooncake import load_mooncake
-from turnstile.traces.mooncake_sessions import load_mooncake_sessions
+from turnstile.traces.mooncake_sessions import is_session_trace, load_mooncake_sessions
 from turnstile.traces.requestlog import load_request_log, looks_like_request_log
 from turnstile.traces.tracelab import load_tracelab
 from turnstile.traces.trajectory import is_trajectory_path, load_trajectories
@@ -182,9 +182,9 @@ for _fmt in (
     ),
     TraceFormat(
         "mooncake-sessions",
-        "AIPerf multi-turn Mooncake JSON Lines (records with session_id, hash_ids, delay)",
-        lambda probe: (first := probe.first_record()) is not None
-        and "hash_ids" in first and "session_id" in first,
+        "Mooncake-JSONL agent sessions, as AIPerf and Dynamo replay them (records with "
+        "session_id, input_length / hash_ids, delay)",
+        lambda probe: (first := probe.first_record()) is not None and is_session_trace(first),
         _without_progress(load_mooncake_sessions),
     ),
     TraceFormat(
