@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 TRACES ?= ../shared/traces
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint engine redis clean compiled test-compiled
+.PHONY: demo test lint typecheck engine redis clean compiled test-compiled
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,7 @@ engine:
 redis:
 	bash scripts/install_redis.sh
 
-test: $(STAMP) engine redis
+test: $(STAMP) engine redis typecheck
 	$(BIN)/ruff check src tests benchmarks
 	TURNSTILE_LLAMA_SERVER="$$(bash scripts/build_llama_server.sh | tail -n 1)" \
 	TURNSTILE_REDIS_SERVER="$$(bash scripts/install_redis.sh | tail -n 1)" \
@@ -58,6 +58,10 @@ test-compiled: compiled
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
+
+# mypy on core/, policies/, sim/ and gateway/ (the files and rules are in pyproject.toml)
+typecheck: $(STAMP)
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) $(COMPILED) build/compiled .pytest_cache .ruff_cache

@@ -16,9 +16,9 @@ profile samples, each simulating the run's workflows, each compared with the sam
   chunk of 64 tokens or more in 64 x 64 tiles, as that kernel computes it
   (:func:`turnstile.sim.fitted_perf.tile_pairs`); a step's chunks are priced one by one;
 * ``+ cold steps``: a step that starts a turn after an idle spell or a large prompt chunk pays
-  ``cold_step_s`` more (:data:`turnstile.sim.fitted_perf.WARM_STEPS`), fitted from the warm
-  appends of profiles that have them (runs from before measure none: there it is the model
-  above). This is what ``turnstile profile`` fits on llama.cpp.
+  ``cold_step_s`` more (the llama.cpp profile's warm rule, :mod:`turnstile.sim.profiles.llamacpp`),
+  fitted from the warm appends of profiles that have them (runs from before measure none: there it
+  is the model above). This is what ``turnstile profile`` fits on llama.cpp.
 
 Nothing is replayed again, so the host's load cannot favour either model: only the model differs.
 The forward-pass models run with the profile's measured host contention (the engines slow each
@@ -127,7 +127,8 @@ def fitted(profile: Path, model: StepModel, host_contention: float | None = None
              "one_token_pass": True} if model.passes else {}
     perf = fit_profile(samples, relative=True, small_chunk_knees=model.knees,
                        small_chunk_thresholds=model.thresholds,
-                       small_chunk_tiles=model.tiles, cold=cold, meta=meta, **split)
+                       small_chunk_tiles=model.tiles, cold=cold, meta=meta,
+                       engine=doc.get("engine", "llama.cpp"), **split)
     perf.slot_passes = model.by_slot
     if host_contention is None:
         host_contention = doc["coefficients"].get("host_contention_per_engine", 0.0)

@@ -66,7 +66,7 @@ def serve_gateway(port: int, engine: str, kind: str, policy: str, client: str = 
     app = create_app(cfg)
     if client == "aiohttp":
         for a in app.gateway.adapters.values():
-            a.fast = AiohttpForwarder(a.base_url)  # type: ignore[assignment]
+            a.transport.fast = AiohttpForwarder(a.base_url)  # type: ignore[assignment]
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning",
                 access_log=False, lifespan="on", http="h11", loop="asyncio")
 
@@ -74,7 +74,7 @@ def serve_gateway(port: int, engine: str, kind: str, policy: str, client: str = 
 class AiohttpForwarder:
     """aiohttp's client behind the interface of the hand-written one (``post`` → a response
     with ``status``, ``content_type``, ``read``, ``iter_raw``, ``aclose``), so the gateway can
-    forward through either in the same benchmark run (issue 14: keep ``gateway/http.py`` only
+    forward through either in the same benchmark run (issue 14: keep ``transport/fast.py`` only
     if aiohttp misses the overhead goals)."""
 
     def __init__(self, base_url: str) -> None:
@@ -84,7 +84,7 @@ class AiohttpForwarder:
     async def post(self, path: str, content: bytes, headers: dict[str, str]) -> Any:
         import aiohttp
 
-        from turnstile.gateway.http import BrokenResponse, ConnectFailed
+        from turnstile.transport.fast import BrokenResponse, ConnectFailed
 
         if self._session is None:
             self._session = aiohttp.ClientSession(
@@ -109,6 +109,7 @@ class _AiohttpResponse:
         self._resp = resp
         self.status = resp.status
         self.content_type = resp.headers.get("content-type", "application/json")
+        self.headers = resp.headers
 
     async def read(self) -> bytes:
         try:

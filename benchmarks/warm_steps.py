@@ -5,7 +5,7 @@ An agent's next turn appends a few tokens to its previous prompt and output. On 
 that append is much faster when it follows the previous turn's decodes at once than when the
 engine has idled or just computed a large prompt: the weights stay in the last-level cache
 while the engine steps on small batches (the simulator's ``cold_step_s``,
-:data:`turnstile.sim.fitted_perf.WARM_STEPS`). This script measures it.
+:data:`turnstile.sim.profiles.llamacpp.WARM`). This script measures it.
 
 One ``llama-server`` (the fidelity benchmark's 768×8 random-weight model, ``-np 4``, one thread)
 is pinned to a core and this script to another. Each cell: a fresh 800-token prompt generates

@@ -1,6 +1,6 @@
 """Imports point down the layers (the developer guide's rule, read from the source with ``ast``).
 
-    workload → traces → core → policies → sim → bench → gateway / calibrate → rollout
+    transport, workload → traces → core → policies → sim → bench → gateway / calibrate → rollout
 
 A module may import its own layer or layers to its left (``gateway`` and ``calibrate`` share
 one layer). ``engines`` is an edge adapter (the real llama.cpp engine): importable from
@@ -31,6 +31,7 @@ PACKAGE = SRC / "turnstile"
 
 #: layer rank of each room; a room may import rooms of the same or a lower rank
 RANK = {
+    "transport": 0,  # the one HTTP transport: imports nothing of turnstile
     "workload": 0,
     "traces": 1,
     "core": 2,
@@ -40,10 +41,11 @@ RANK = {
     "gateway": 6,
     "calibrate": 6,
     "rollout": 7,
+    "epp": 7,
 }
 TOP = {"cli", "demo", "__main__"}  # top-level modules, and any package's __main__
 EDGE = "engines"
-EDGE_USERS = {"calibrate", "gateway", "rollout"}
+EDGE_USERS = {"calibrate", "gateway", "rollout", "epp"}
 ROOT = "turnstile"  # the root package itself
 
 #: (importing module, imported module) pairs known to break the rule, with their owner.

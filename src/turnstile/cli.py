@@ -20,14 +20,39 @@ traces_app = typer.Typer(
 )
 app.add_typer(traces_app, name="traces")
 
+
+def _version_text() -> str:
+    from turnstile import __version__
+    from turnstile.build_info import describe
+
+    # a checkout's src/ (when run from one) tells whether a compiled install is stale
+    return f"{__version__} ({describe(Path.cwd() / 'src')})"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(_version_text())
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                           help="Print the version and exit")
+    ] = False,
+) -> None:
+    pass
+
 # wide enough for the bench table when output is not a terminal (CI logs, pipes)
 console = Console(width=None if Console().is_terminal else 160)
 err_console = Console(stderr=True, soft_wrap=True)
 
 
 def _fail(message: str) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {message}")
-    return typer.Exit(2)
+    from turnstile.bench.usage import fail
+
+    return fail(message)
 
 
 def _load(path: Path, subset: str | None, progress: bool,
@@ -46,6 +71,9 @@ def _load(path: Path, subset: str | None, progress: bool,
     except (ValueError, OSError, TypeError) as e:
         raise _fail(str(e)) from None
 
+
+#: ``traces synth -n``: more workflows than this would not fit in memory
+MAX_SYNTH_WORKFLOWS = 1_000_000
 
 _GROUP_BY_HELP = ("request logs: session field (dotted path), 'prefix' (shared message "
                   "prefixes) or 'auto'")
@@ -72,7 +100,7 @@ def traces_info(
     loaded = _load(path, subset, progress=not json_out, group_by=group_by)
     summary = summarize(loaded.workflows)
     out = {"trace": loaded.name, "source": str(path), **summary,
-           "counts": loaded.counts, "notes": loaded.notes}
+           "counts": loaded.counts, "notes": loaded.notes, "warnings": loaded.warnings}
     if json_out:
         print(json.dumps(out, indent=2, default=float))
         return
@@ -89,6 +117,8 @@ def traces_info(
     console.print(table)
     for note in loaded.notes:
         console.print(f"[dim]note:[/] {note}")
+    for warning in loaded.warnings:
+        console.print(f"[bold yellow]warning:[/] {warning}")
 
 
 @traces_app.command("convert")
@@ -97,11 +127,30 @@ def traces_convert(
     out: Annotated[Path, typer.Option("-o", "--out", help="Output workload .jsonl")],
     subset: Annotated[str | None, typer.Option(help="agentcgroup subset (haiku, ...)")] = None,
     group_by: Annotated[str | None, typer.Option(help=_GROUP_BY_HELP)] = None,
+    to: Annotated[str, typer.Option(help="Output format: turnstile (workload JSONL) or mooncake "
+                                    "(Mooncake-JSONL sessions, as AIPerf and Dynamo replay "
+                                    "agents)")] = "turnstile",
 ) -> None:
-    """Convert a real trace (or agent logs) to turnstile's JSONL workload format."""
+    """Convert a real trace (or agent logs, or a ``serve --record`` recording) to turnstile's
+    JSONL workload format or to Mooncake-JSONL sessions."""
     from turnstile.workload.jsonl import write_workload
 
+    if to not in ("turnstile", "mooncake"):
+        raise _fail(f"--to {to!r}: expected turnstile or mooncake")
     loaded = _load(path, subset, progress=True, group_by=group_by)
+    if to == "mooncake":
+        from turnstile.traces.mooncake_sessions import write_mooncake_sessions
+
+        tmp = out.with_name(f".{out.name}.tmp")
+        try:
+            n = write_mooncake_sessions(tmp, loaded.workflows)
+            tmp.replace(out)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise _fail(f"could not write {out}: {e}") from None
+        console.print(f"wrote {n:,} calls of {len(loaded.workflows):,} workflows to {out} "
+                      "(Mooncake-JSONL sessions)")
+        return
     meta: dict[str, object] = {"source": str(path), "trace": loaded.name, "notes": loaded.notes}
     if loaded.hash_block_tokens:
         meta["hash_block_tokens"] = loaded.hash_block_tokens
@@ -119,7 +168,8 @@ def traces_convert(
 @traces_app.command("synth")
 def traces_synth(
     out: Annotated[Path, typer.Option("-o", "--out", help="Output workload .jsonl")],
-    workflows: Annotated[int, typer.Option("-n", "--workflows", min=1)] = 100,
+    workflows: Annotated[int, typer.Option("-n", "--workflows", min=1, max=MAX_SYNTH_WORKFLOWS)]
+    = 100,
     rate: Annotated[float, typer.Option(help="Poisson arrival rate, workflows/s")] = 0.5,
     seed: Annotated[int, typer.Option()] = 0,
     fit: Annotated[
@@ -127,12 +177,17 @@ def traces_synth(
     ] = None,
 ) -> None:
     """Generate a synthetic agentic workload (seeded, reproducible)."""
+    from turnstile.bench.usage import check_out_file
     from turnstile.workload import synth
     from turnstile.workload.jsonl import write_workload
     from turnstile.workload.synth_fit import fit_spec
 
     if rate <= 0:
         raise _fail("--rate must be > 0")
+    try:
+        check_out_file(out)
+    except ValueError as e:
+        raise _fail(str(e)) from None
     spec = synth.DEFAULT_SPEC if fit is None else fit_spec(_load(fit, None, True).workflows)
     arrivals = synth.poisson_arrivals(rate, workflows, seed)
     wfs = synth.generate(spec, workflows, seed, arrivals=arrivals)
@@ -174,16 +229,19 @@ def bench(
     model: Annotated[str, typer.Option(help="Model name, e.g. llama-3.1-8b")] = "llama-3.1-8b",
     tp: Annotated[int, typer.Option(min=1, help="Tensor parallelism per engine")] = 1,
     load: Annotated[
-        str, typer.Option(help="Offered load: light/medium/high/overload or a fraction of the "
-                          "estimated capacity")
+        str, typer.Option(help="Offered load as a fraction of the estimated capacity: a number "
+                          "or light (0.3), medium (0.7), high (1.2), overload (2.0); an "
+                          "estimate, not a measured saturation point (see --suite)")
     ] = "medium",
     rate: Annotated[
         float | None, typer.Option(help="Arrival rate in workflows/s (overrides --load)")
     ] = None,
-    workflows: Annotated[int, typer.Option(help="Workflows to simulate")] = 200,
+    workflows: Annotated[int, typer.Option(min=1, max=MAX_SYNTH_WORKFLOWS,
+                                           help="Workflows to simulate")] = 200,
     arrivals: Annotated[str, typer.Option(help="poisson or trace")] = "poisson",
     kv_tokens: Annotated[
-        int | None, typer.Option(help="KV capacity per engine in tokens (default: from GPU)")
+        int | None, typer.Option(min=1, help="KV capacity per engine in tokens (default: "
+                                 "from GPU)")
     ] = None,
     profile: Annotated[
         Path | None, typer.Option(help="Fitted performance profile (default: roofline); a "
@@ -191,32 +249,61 @@ def bench(
     ] = None,
     subset: Annotated[str | None, typer.Option(help="agentcgroup subset")] = None,
     seed: Annotated[int, typer.Option()] = 0,
-    out: Annotated[Path | None, typer.Option(help="Write results.json and plots here")] = None,
+    out: Annotated[Path | None, typer.Option("-o", "--out",
+                                             help="Write results.json and plots here")] = None,
+    suite: Annotated[
+        str | None, typer.Option(help="Run the robustness suite instead: quick (≤ 3 min) or "
+                                 "full (every family, cluster and load; docs/robustness.md)")
+    ] = None,
+    ray: Annotated[
+        str | None, typer.Option(help="--suite: run cells on Ray (auto, local or an ADDRESS)")
+    ] = None,
 ) -> None:
     """Simulate every policy on the same workload and compare them side by side (simulated)."""
+    if suite is not None:
+        from turnstile.bench.suite import run_with_progress
+
+        if suite not in ("quick", "full"):
+            raise _fail(f"--suite must be quick or full; got {suite!r}")
+        names = None if policies == "eager" else [p for p in policies.split(",") if p.strip()]
+        run_with_progress(suite, out or Path(f"robustness-{suite}"), policies=names,
+                          seed=seed, ray=ray, console=console)
+        return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from turnstile.bench import runner
     from turnstile.bench.report import render_table, write_results
+    from turnstile.bench.usage import check_out_dir
     from turnstile.policies import parse_policy_list
     from turnstile.sim.cluster import EngineGroup
 
     try:
         specs = parse_policy_list(policies)
         load_frac = runner.parse_load(load)
-        runner.model_check(gpu, model)
+        runner.model_check(gpu, model, tp)
+        if rate is not None and rate <= 0:
+            raise ValueError("--rate must be > 0")
+        if out is not None:
+            check_out_dir(out)  # before the run: a bad --out must not cost the results
     except (ValueError, KeyError) as e:
         raise _fail(str(e)) from None
     perf = None
     slots: dict[str, int] = {}
     if profile is not None:
+        from turnstile.sim.engine_profile import profile_for
         from turnstile.sim.fitted_perf import FittedPerf
 
-        perf = FittedPerf.from_profile(profile)
+        if not profile.is_file():
+            raise _fail(f"--profile {profile}: no such file")
+        try:
+            perf = FittedPerf.from_profile(profile)
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            why = str(e).replace(f"{profile}: ", "")
+            raise _fail(f"--profile {profile}: not a turnstile profile ({why})") from None
         meta = perf.meta
         n, per_slot = int(meta.get("n_parallel") or 0), int(meta.get("ctx_per_seq") or 0)
-        if meta.get("engine_kind") == "llama.cpp" and n and per_slot:
-            # llama.cpp keeps one sequence per slot: simulate its slots, not paged KV
+        if profile_for(meta.get("engine_kind") or perf.engine).slot_limited and n and per_slot:
+            # the engine keeps one sequence per slot: simulate its slots, not paged KV
             slots = {"kv_slots": n, "slot_tokens": per_slot, "max_num_seqs": n}
     groups = [EngineGroup(gpu=gpu, model=model, tp=tp, count=engines, kv_tokens=kv_tokens,
                           perf=perf, **slots)]
@@ -224,6 +311,7 @@ def bench(
                                 arrivals=arrivals, seed=seed, subset=subset)
     try:
         wfs, trace_info = runner.build_workload(wspec, groups)
+        runner.check_kv_fits(wfs, groups)
     except (ValueError, OSError) as e:
         raise _fail(str(e)) from None
     rate_txt = f"{trace_info['rate']:.3g}/s" if trace_info.get("rate") else "trace times"
@@ -231,6 +319,10 @@ def bench(
         f"[bold]simulated[/] {len(wfs)} workflows from {trace_info['name']} "
         f"({rate_txt}, {trace_info['arrivals']}) on {engines}x {gpu} {model} TP{tp}"
     )
+    if trace_info.get("used"):
+        console.print(f"[dim]{trace_info['used']}[/]")
+    for warning in trace_info.get("warnings", []):
+        console.print(f"[bold yellow]warning:[/] {warning}")
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err_console, transient=True) as bar:
         task = bar.add_task("", total=len(wfs))
@@ -268,26 +360,46 @@ def list_policies() -> None:
 @app.command("version")
 def version() -> None:
     """Print the version, and whether the simulator runs compiled (``make compiled``)."""
-    from turnstile import __version__
-    from turnstile.build_info import describe
-
-    # a checkout's src/ (when run from one) tells whether a compiled install is stale
-    console.print(f"{__version__} ({describe(Path.cwd() / 'src')})")
+    console.print(_version_text())
 
 
-def main() -> None:  # pragma: no cover
-    app()
+def main(argv: list[str] | None = None) -> None:
+    """The ``turnstile`` entry point: a usage mistake is one ``error:`` line and exit code 2.
+
+    Typer's own usage errors (a bad value for a typed flag, a missing option) come out as one
+    line too, instead of a boxed usage panel; ``--help`` and the commands' output are unchanged.
+    """
+    import sys
+
+    from turnstile.bench.usage import one_line
+
+    try:
+        rc = app(args=argv, prog_name="turnstile", standalone_mode=False)
+    except typer.TyperException as e:  # typer's (vendored click's) ClickException family
+        if type(e).__name__ == "NoArgsIsHelpError":
+            e.show()  # type: ignore[attr-defined]
+            sys.exit(0)
+        ctx = getattr(e, "ctx", None)
+        where = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+        print(f"error: {one_line(e.format_message())}{where}", file=sys.stderr)
+        sys.exit(getattr(e, "exit_code", 2))
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(rc if isinstance(rc, int) else 0)
 
 
 def _register_subcommands() -> None:
     """The drivers' commands live in their rooms; each registers itself here."""
     from turnstile.calibrate.cli import register as register_calibrate
+    from turnstile.epp.cli import register as register_epp
     from turnstile.gateway.cli import register as register_gateway
     from turnstile.rollout.cli import register as register_rollout
 
     register_gateway(app)
     register_rollout(app)
     register_calibrate(app)
+    register_epp(app)
 
 
 _register_subcommands()

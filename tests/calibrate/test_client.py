@@ -221,3 +221,36 @@ def test_discover_fails_without_a_model_list(engine: Callable[[Handler], FakeEng
     e = engine(lambda p, b: (404, "text/plain", [b"nothing here"]))
     with pytest.raises(EngineRequestError):
         discover(e.url)
+
+
+def test_token_replay_through_the_one_closed_loop(engine: Callable[[Handler], FakeEngine]
+                                                  ) -> None:
+    """The fidelity replay (token-id sessions on the shared closed loop): each turn's prompt is
+    the previous prompt plus the generated ids plus new ids; the next turn waits for the tool;
+    workflows are pinned round-robin; a failed turn stops its workflow."""
+    from turnstile.calibrate.replay import replay_workflows
+    from turnstile.workload.model import ToolCall, Turn, Workflow
+
+    e = engine(lambda p, b: (200, "text/event-stream",
+                             llamacpp_native(b["n_predict"], len(b["prompt"]))))
+    bad = engine(lambda p, b: (500, "application/json", [b'{"error": "boom"}']))
+    wfs = [Workflow(f"w{k}", 0.01 * k, (
+        Turn(input_tokens=6, output_tokens=3, tools=(ToolCall("bash", 0.05),)),
+        Turn(input_tokens=4, output_tokens=2, context_tokens=9),
+    )) for k in range(3)]
+    run = replay_workflows(wfs, [e.url, bad.url], apis=["llamacpp", "llamacpp"])
+    assert run.errors == ["w1#0: " + run.turns[2].error]  # w1 went to the failing engine
+    done = [t for t in run.turns if t.error is None]
+    assert [(t.workflow, t.index, t.engine) for t in done] == [
+        ("w0", 0, 0), ("w0", 1, 0), ("w2", 0, 0), ("w2", 1, 0)]
+    prompts = [b["prompt"] for path, b in e.requests if path == "/completion"]
+    firsts = [p for p in prompts if len(p) == 6]
+    seconds = [p for p in prompts if len(p) == 13]
+    assert len(firsts) == 2 and len(seconds) == 2
+    for second in seconds:
+        assert second[:6] in firsts
+        assert second[6:9] == [100, 101, 102]  # the ids the engine generated
+    w0 = [t for t in done if t.workflow == "w0"]
+    assert w0[1].ready_s >= w0[0].finished_s + 0.05
+    recs = {r.id: r for r in run.records}
+    assert recs["w0"].done and not recs["w1"].done

@@ -1,11 +1,11 @@
-"""The server's slot pick (llama.cpp's ``get_available_slot``), shared by the simulator's slot
-models."""
+"""The engine's slot pick for an unbound request (:func:`session_else_lru`, the rule of the slot
+engines profiled so far), shared by the simulator's slot models."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from turnstile.core.slots import server_slot
+from turnstile.core.slots import session_else_lru as server_slot
 
 
 @dataclass
@@ -16,7 +16,7 @@ class Slot:
     last_used: int = 0
 
 
-def test_a_fresh_server_fills_its_slots_from_the_highest_id():
+def test_a_fresh_engine_fills_its_slots_from_the_highest_id():
     slots = [Slot(i) for i in range(4)]
     picked = []
     for k in range(4):
@@ -32,7 +32,7 @@ def test_the_sessions_own_idle_slot_comes_before_the_least_recently_used():
     slots = [Slot(0, session="a", last_used=5), Slot(1, session="b", last_used=2),
              Slot(2, session="c", last_used=2), Slot(3, busy=True, session="d")]
     assert server_slot(slots, "a").id == 0
-    # "b" and "c" were used as long ago: the later slot, as the server's `<=` keeps it
+    # "b" and "c" were used as long ago: the later slot, as the rule's `<=` keeps it
     assert server_slot(slots, "x").id == 2
     slots[2].last_used = 3
     assert server_slot(slots, "x").id == 1

@@ -27,8 +27,8 @@ from turnstile.gateway.adapters import (
     parse_prometheus,
     split_sse,
 )
-from turnstile.gateway.http import ConnectFailed, FastHttpClient
 from turnstile.testing.fake_engine import chat_body, start_fake
+from turnstile.transport.fast import ConnectFailed, FastHttpClient
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -81,6 +81,9 @@ def test_parse_prometheus_sums_label_sets_and_skips_comments() -> None:
     assert m["vllm:time_to_first_token_seconds_count"] == 100.0
     assert m["x"] == 5.0
     assert "nan_metric" not in m
+    # a malformed line ends the parse; what came before it is kept
+    m = parse_prometheus('a 1\nb{x="1" 2\nc 3\n')
+    assert m == {"a": 1.0}
 
 
 def test_split_sse_keeps_partial_events() -> None:

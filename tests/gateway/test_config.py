@@ -18,10 +18,10 @@ from turnstile.gateway.adapters import VllmAdapter
 from turnstile.gateway.cli import register
 from turnstile.gateway.config import (
     GatewayConfig,
-    build_policies,
     load_config,
     parse_engine_flag,
 )
+from turnstile.policies import PolicySet
 
 pytestmark = pytest.mark.timeout(30)
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -62,7 +62,7 @@ priority = false
     assert (a.name, a.kind, a.options) == ("a", "llama.cpp", {"offload": False})
     assert (b.kind, b.weight, b.options) == ("vllm", 2.0, {"priority": False})
     cfg.validate()
-    assert build_policies(cfg.policy, cfg.policy_params).release.budget_per_engine == 16384.0
+    assert PolicySet.from_spec(cfg.policy, cfg.policy_params).release.budget_per_engine == 16384.0
 
     path.write_text("[gateway]\nbogus = 1\n")
     with pytest.raises(ValueError, match="unknown \\[gateway\\] key 'bogus'"):
@@ -83,13 +83,13 @@ def test_engine_flags() -> None:
 
 
 def test_policy_parameters_and_validation() -> None:
-    ps = build_policies("fcfs-workflow", {"release": {"max_inflight_per_engine": 2}})
+    ps = PolicySet.from_spec("fcfs-workflow", {"release": {"max_inflight_per_engine": 2}})
     assert ps.release.max_inflight_per_engine == 2  # type: ignore[attr-defined]
     assert ps.admission is ps.release  # fcfs-workflow still orders its own engine queues
     with pytest.raises(ValueError, match="bad parameters for release policy 'eager'"):
-        build_policies("eager", {"release": {"nope": 1}})
+        PolicySet.from_spec("eager", {"release": {"nope": 1}})
     with pytest.raises(ValueError, match="unknown policy kind"):
-        build_policies("eager", {"planner": {}})
+        PolicySet.from_spec("eager", {"planner": {}})
     with pytest.raises(ValueError, match="unknown policy 'fifo'"):
         GatewayConfig(engines=[parse_engine_flag("http://h:1")], policy="fifo").validate()
     with pytest.raises(ValueError, match="at least one engine"):

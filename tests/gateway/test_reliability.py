@@ -283,7 +283,7 @@ def test_a_user_field_with_control_characters_is_a_hashed_session(fake_engines: 
     """The body's ``user`` names the session and is echoed in ``x-session-id``: control
     characters would break the response (found by the fuzzer), so such ids are hashed."""
     gw = gateways([fake_engines().url])
-    for user in ("\r\n", "a\x00b", "ü" * 3, "x" * 300):
+    for user in ("a\r\nb", "a\x00b", "ü" * 3, "x" * 300):
         r = httpx.post(gw.url + "/v1/chat/completions", json=chat_body(user=user), timeout=10)
         assert r.status_code == 200 and r.headers["x-session-id"].startswith("user-")
     r = httpx.post(gw.url + "/v1/chat/completions", json=chat_body(user="agent-7"), timeout=10)

@@ -8,9 +8,11 @@ whose engines admit queued turns by the policy's priority, two at a time.
 from __future__ import annotations
 
 import heapq
+import inspect
 import itertools
 import math
 import random
+import typing
 
 import pytest
 
@@ -215,6 +217,59 @@ def test_every_registered_policy_implements_every_declared_hook(kind):
             assert callable(getattr(policy, hook, None)), f"{kind} policy {name!r} lacks {hook}"
 
 
+def _hook_signature_problems(interface: type, policy: object) -> list[str]:
+    """How ``policy``'s hooks differ from ``interface``'s: the same parameters (names, kinds,
+    order) and the same resolved parameter and return types; extra parameters need defaults."""
+    problems = []
+    for hook, declared in vars(interface).items():
+        if hook.startswith("_") or not callable(declared) or hook == "__len__":
+            continue
+        impl = getattr(type(policy), hook)
+        want = list(inspect.signature(declared).parameters.values())
+        got = list(inspect.signature(impl).parameters.values())
+        extra = got[len(want):]
+        shape = [(p.name, p.kind) for p in got[: len(want)]]
+        if shape != [(p.name, p.kind) for p in want] or any(
+            p.default is inspect.Parameter.empty for p in extra
+        ):
+            problems.append(f"{hook}{inspect.signature(impl)} != {inspect.signature(declared)}")
+            continue
+        want_types = typing.get_type_hints(declared)
+        got_types = typing.get_type_hints(impl)
+        for arg, t in want_types.items():
+            if got_types.get(arg) != t:
+                problems.append(f"{hook}: {arg} is {got_types.get(arg)}, declared {t}")
+    return problems
+
+
+@pytest.mark.parametrize("kind", sorted(_INTERFACES))
+def test_every_registered_policy_matches_the_declared_signatures(kind):
+    """Each hook takes the declared parameters with the declared types (what mypy checks on the
+    registrations, checked here on the objects the registries build)."""
+    interface = _INTERFACES[kind]
+    for name in _REGISTRIES[kind].names():
+        policy = _REGISTRIES[kind].create(name)
+        assert _hook_signature_problems(interface, policy) == [], f"{kind} policy {name!r}"
+        assert type(policy).name == name
+
+
+def test_the_signature_check_catches_a_mismatch():
+    class Bad:
+        name = "bad"
+
+        def priority(self, turn: TurnRecord, now: float) -> float:  # engine missing
+            return 0.0
+
+    class BadType:
+        name = "bad"
+
+        def priority(self, turn: TurnRecord, engine: EngineLoad, now: float) -> int:
+            return 0
+
+    assert _hook_signature_problems(AdmissionPolicy, Bad())
+    assert _hook_signature_problems(AdmissionPolicy, BadType())
+
+
 @pytest.mark.parametrize("release", RELEASE.names())
 def test_a_release_policy_orders_admission_only_when_it_declares_so(release):
     rel = RELEASE.create(release)
@@ -227,3 +282,20 @@ def test_a_release_policy_orders_admission_only_when_it_declares_so(release):
         assert type(ps.admission) is type(declared)
     # a spec that names an admission policy always gets it
     assert PolicySet.from_spec(f"{release}+tiered-aging").admission.name == "tiered-aging"
+
+
+def test_from_spec_is_the_one_builder():
+    """Parameters per kind (a gateway's [policy.*] tables) and a prebuilt router (a rollout
+    ablation) go through the same ``PolicySet.from_spec``."""
+    ps = PolicySet.from_spec("plas", {"release": {"max_inflight_per_engine": 3}})
+    assert ps.release.max_inflight_per_engine == 3  # type: ignore[attr-defined]
+    assert ps.admission is ps.release  # PLAS still orders its own engine queues
+    ps = PolicySet.from_spec("plas", {"admission": {}})
+    assert ps.admission.name == "fcfs"  # admission parameters: the admission policy itself
+    router = ROUTING.create("least-loaded")
+    ps = PolicySet.from_spec("eager+least-loaded", router=router)
+    assert ps.routing is router and ps.spec == "eager+least-loaded"
+    with pytest.raises(ValueError, match="bad parameters for routing policy 'kv-affinity'"):
+        PolicySet.from_spec("eager", {"routing": {"nope": 1}})
+    with pytest.raises(ValueError, match="unknown policy kind 'planner'"):
+        PolicySet.from_spec("eager", {"planner": {}})

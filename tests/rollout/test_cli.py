@@ -27,7 +27,7 @@ def test_rollout_sim_writes_results(tmp_path: Path) -> None:
     result = CliRunner().invoke(
         _app(),
         ["rollout", "sim", "--steps", "2", "--gpus", "16", "--prompts", "8", "--samples", "4",
-         "--policy", "least-open,cmlfq-adaptive", "--out", str(out)],
+         "--policies", "least-open,cmlfq-adaptive", "--out", str(out)],
     )
     assert result.exit_code == 0, result.output
     doc = json.loads((out / "results.json").read_text())
@@ -53,7 +53,7 @@ def test_rollout_sim_fixed_mix_and_errors(tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["policies"]["cmlfq"]["steps"][0]["mix"] == "tp1x4,tp2x1"
     assert doc["policies"]["cmlfq"]["steps"][0]["train_gpus"] == 2
-    bad = runner.invoke(_app(), ["rollout", "sim", "--policy", "nope"])
+    bad = runner.invoke(_app(), ["rollout", "sim", "--policies", "nope"])
     assert bad.exit_code == 2 and "valid names" in bad.output
     big = runner.invoke(_app(), ["rollout", "sim", "--gpus", "4", "--mix", "tp4x2"])
     assert big.exit_code == 2
@@ -74,7 +74,7 @@ def test_rollout_sim_libra_workload(tmp_path: Path) -> None:
     runner = CliRunner()
     ok = runner.invoke(_app(), ["rollout", "sim", "--workload", "search-r1", "--steps", "1",
                                 "--gpus", "8", "--mix", "tp2x2,tp4x1", "--train-gpus", "0",
-                                "--policy", "least-open,cmlfq", "--out", str(tmp_path)])
+                                "--policies", "least-open,cmlfq", "--out", str(tmp_path)])
     assert ok.exit_code == 0, ok.output
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["config"]["workload"]["name"] == "search-r1"

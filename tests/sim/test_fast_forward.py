@@ -10,6 +10,7 @@ import pytest
 from turnstile.policies import PolicySet
 from turnstile.sim.cluster import ClusterSim, EngineGroup
 from turnstile.sim.engine import EngineConfig, EngineModel, SimRequest
+from turnstile.sim.engine_profile import WarmRule
 from turnstile.sim.fitted_perf import FittedPerf
 from turnstile.sim.roofline_perf import RooflinePerf
 from turnstile.workload import Turn, Workflow, synth
@@ -102,7 +103,8 @@ def test_a_fitted_perf_model_is_unchanged_too():
 def test_cold_steps_are_stepped_and_unchanged_by_fast_forward(spec):
     """With ``cold_step_s`` the iterations after a large chunk or a pause cost more: a leap
     does not start over them, and the rest is leapt over as before."""
-    perf = FittedPerf(b0=0.004, b1=2e-5, b2=1e-4, b3=3e-8, b4=1e-10, cold_step_s=0.003)
+    perf = FittedPerf(b0=0.004, b1=2e-5, b2=1e-4, b3=3e-8, b4=1e-10, cold_step_s=0.003,
+                      warm=WarmRule(0.1, 3, 64))
     groups = [EngineGroup(**H100, count=2, perf=perf, max_num_seqs=8)]
     wfs = synth.generate(synth.DEFAULT_SPEC, 25, seed=3, arrivals=0.1)
     off, on = assert_same(wfs, spec, groups)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from turnstile.core.actions import RetentionDecision
 from turnstile.sim.engine import EngineConfig, EngineModel, SimRequest, StepOutcome
+from turnstile.sim.engine_profile import WarmRule
 from turnstile.sim.fitted_perf import FittedPerf
 from turnstile.sim.roofline_perf import RooflinePerf
 
@@ -452,7 +453,7 @@ def test_shared_hash_blocks_keep_the_books(reqs, cpu_blocks: int, ratio: int) ->
 def test_a_prompt_after_an_idle_spell_or_a_large_chunk_pays_the_cold_step() -> None:
     """``FittedPerf.cold_step_s``: a CPU engine's caches go cold while it idles and while it
     computes a large chunk; a few small steps in a row warm them again."""
-    perf = FittedPerf(0.001, 1e-6, engine="test", cold_step_s=0.004)
+    perf = FittedPerf(0.001, 1e-6, engine="test", cold_step_s=0.004, warm=WarmRule(0.1, 3, 64))
     eng = EngineModel("e0", EngineConfig(num_gpu_blocks=1000), perf)
     a, t = one(eng, "a", "s1", 100, 5, 0.0)
     assert a.first_token_s == pytest.approx(0.001 + 100e-6 + 0.004)  # the engine's first step
@@ -461,7 +462,7 @@ def test_a_prompt_after_an_idle_spell_or_a_large_chunk_pays_the_cold_step() -> N
     # right after four small steps (the decodes): warm
     b, t2 = one(eng, "b", "s2", 2, 3, t + 0.01)
     assert b.first_token_s - (t + 0.01) == pytest.approx(0.001 + 2e-6)
-    # after a pause longer than WARM_GAP_S: cold
+    # after a pause longer than the warm rule's gap_s: cold
     c, t3 = one(eng, "c", "s3", 2, 1, t2 + 0.5)
     assert c.first_token_s - (t2 + 0.5) == pytest.approx(0.001 + 2e-6 + 0.004)
     # right after one small step (c's prefill, one token out): not yet warm again

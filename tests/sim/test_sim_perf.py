@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from turnstile.core.registry import UnknownNameError
+from turnstile.sim.engine_profile import WarmRule, profile_for
 from turnstile.sim.fitted_perf import (
     FittedPerf,
     chunk_tile_pairs,
@@ -302,20 +303,29 @@ def test_fitted_profile_keeps_its_host_contention(tmp_path):
 
 
 def test_fitted_profile_keeps_its_cold_step_and_scales_it(tmp_path):
-    perf = FittedPerf(0.01, 1e-4, cold_step_s=0.005)
+    perf = FittedPerf(0.01, 1e-4, cold_step_s=0.005, engine="llama.cpp")
+    assert perf.warm == profile_for("llama.cpp").warm  # the engine profile's rule
     perf.to_profile(tmp_path / "p.json")
     back = FittedPerf.from_profile(tmp_path / "p.json")
-    assert back.cold_step_s == 0.005
+    assert back.cold_step_s == 0.005 and back.warm == perf.warm
     assert back.scaled(2.0).cold_step_s == pytest.approx(0.01)  # a time, unlike contention
     with pytest.raises(ValueError, match="cold_step_s"):
         FittedPerf(0.01, cold_step_s=-0.001)
+    # a rule of its own is stored with the cost, and wins over the engine profile's
+    own = FittedPerf(0.01, cold_step_s=0.005, engine="llama.cpp", warm=WarmRule(0.5, 2, 16))
+    own.to_profile(tmp_path / "q.json")
+    assert FittedPerf.from_profile(tmp_path / "q.json").warm == WarmRule(0.5, 2, 16)
+    # an engine nobody profiled has no rule: a cold-step cost needs one given
+    with pytest.raises(ValueError, match="warm rule"):
+        FittedPerf(0.01, cold_step_s=0.005, engine="some-engine")
 
 
 def test_fit_recovers_the_cold_step_from_warm_and_cold_appends() -> None:
     """The same appends timed cold (right after a prefill) and warm (right after decodes): the
     fit puts their difference in ``cold_step_s``, not in ``b0``; without warm samples the
     term stays out."""
-    truth = FittedPerf(0.002, 1.5e-3, 2e-3, 2e-6, 5e-7, cold_step_s=0.006)
+    rule = WarmRule(0.1, 3, 64)
+    truth = FittedPerf(0.002, 1.5e-3, 2e-3, 2e-6, 5e-7, cold_step_s=0.006, warm=rule)
     samples, cold = [], []
     rng = np.random.default_rng(3)
     for n in (1, 2, 4, 16, 40, 100, 400):
@@ -328,7 +338,8 @@ def test_fit_recovers_the_cold_step_from_warm_and_cold_appends() -> None:
     for k in (1, 2, 4):
         samples.append(((0, k, 600 * k, 0.0), truth.step_time(0, k, 600 * k)))
         cold.append(False)
-    fit = fit_profile(samples, relative=True, cold=cold)
+    fit = fit_profile(samples, relative=True, cold=cold, warm=rule)
+    assert fit.warm == rule
     assert fit.cold_step_s == pytest.approx(0.006, rel=0.1)
     assert fit.b0 == pytest.approx(0.002, rel=0.2)
     assert fit.meta["fit"]["cold_samples"] == sum(cold)

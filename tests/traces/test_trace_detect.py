@@ -74,3 +74,32 @@ def test_rejects_missing_and_empty_dir(tmp_path: Path) -> None:
         load_trace(tmp_path / "nope.csv")
     with pytest.raises(ValueError, match="no AgentCgroup sessions"):
         load_trace(tmp_path)
+
+
+def test_a_registered_format_is_detected_and_listed(tmp_path: Path) -> None:
+    from turnstile.traces import TRACE_FORMATS, LoadedTrace, TraceFormat, register_trace_format
+
+    fmt = TraceFormat(
+        "test-ext", "test files (*.testtrace)",
+        lambda probe: probe.name.endswith(".testtrace"),
+        lambda path, progress, **kw: LoadedTrace(name=f"test:{path.stem}", source=str(path),
+                                                 workflows=[], notes=[], counts={}),
+    )
+    register_trace_format(fmt)
+    try:
+        p = tmp_path / "a.testtrace"
+        p.write_text("x")
+        assert load_trace(p).name == "test:a"
+        with pytest.raises(ValueError, match=r"registered twice"):
+            register_trace_format(fmt)
+        bad = tmp_path / "b.unknown"
+        bad.write_text("x")
+        with pytest.raises(ValueError, match=r"test files \(\*\.testtrace\)"):
+            load_trace(bad)
+    finally:
+        del TRACE_FORMATS["test-ext"]
+
+
+def test_single_file_formats_without_options_refuse_them(fixtures_dir: Path) -> None:
+    with pytest.raises(TypeError, match="take no options"):
+        load_trace(fixtures_dir / "tracelab_tiny.jsonl", block_size=256)

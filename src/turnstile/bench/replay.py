@@ -28,18 +28,21 @@ import json
 import math
 import platform
 import random
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import numpy as np
 
-from turnstile.core.clock import WallClock
+from turnstile.core.clock import Clock, WallClock
 from turnstile.core.state import TurnRecord, TurnState, WorkflowRecord
+from turnstile.transport.client import HttpTransport
 from turnstile.workload.model import Turn, Workflow
 
-__all__ = ["ReplaySpec", "Replayer", "calibrate", "load_workflows", "run_replay", "synth_text"]
+__all__ = ["ReplaySession", "ReplaySpec", "Replayer", "calibrate", "load_workflows",
+           "play_workflow", "run_replay", "synth_text", "target_transport"]
 
 _WORDS = ("alpha", "beta", "gamma", "delta", "lambda", "sigma", "omega", "kappa", "theta",
           "zeta", "vector", "tensor", "kernel", "buffer", "cache", "token", "thread", "socket",
@@ -84,7 +87,7 @@ def load_workflows(spec: ReplaySpec) -> tuple[list[Workflow], dict[str, Any]]:
     else:
         from turnstile.traces import load_trace
 
-        kw = {"subset": spec.subset} if spec.subset else {}
+        kw: dict[str, Any] = {"subset": spec.subset} if spec.subset else {}
         loaded = load_trace(spec.trace, **kw)
         if not loaded.workflows:
             raise ValueError(f"{spec.trace}: no workflows")
@@ -148,15 +151,99 @@ def plan_workflow(wf: Workflow, max_context: int, max_tokens: int,
     return _Plan(inputs, outputs, scale)
 
 
+class ReplaySession(Protocol):
+    """One workflow's conversation as the replayer plays it: what to send, how to send it."""
+
+    def turn(self, index: int) -> Turn | None:
+        """The turn to send next (None: the workflow is over)."""
+        ...
+
+    async def send(self, rec: TurnRecord) -> bool:
+        """Send ``rec.turn`` and wait for the whole reply, filling ``rec``'s times and output
+        (``finished_s`` on the replay's clock); False: it failed and the workflow stops."""
+        ...
+
+    def pause_s(self, index: int) -> float:
+        """The wait from turn ``index``'s end until the next turn is ready (its tool calls)."""
+        ...
+
+
+async def play_workflow(wf: Workflow, open_session: Callable[[Workflow], ReplaySession],
+                        clock: Clock, records: list[WorkflowRecord]) -> None:
+    """The one closed loop: at ``wf.arrival_s`` (on ``clock``) open the session, then send each
+    turn when it is ready and wait for its reply; the pause after a reply is the session's."""
+    delay = wf.arrival_s - clock.now()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    session = open_session(wf)
+    rec_wf = WorkflowRecord(wf.id, clock.now(), wf.tenant, None)
+    records.append(rec_wf)
+    i = 0
+    while (turn := session.turn(i)) is not None:
+        rec = TurnRecord(rec_wf, i, turn)
+        rec_wf.turns.append(rec)
+        if not await session.send(rec):
+            return  # the workflow stops at a failed turn (it stays unfinished)
+        wait = rec.finished_s + session.pause_s(i) - clock.now()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        i += 1
+    if rec_wf.turns:
+        rec_wf.finished_s = max(t.finished_s for t in rec_wf.turns)
+
+
+class _ChatSession:
+    """A workflow as OpenAI chat messages: synthesized text, the engine's real replies."""
+
+    def __init__(self, rep: Replayer, wf: Workflow) -> None:
+        spec = rep.spec
+        self.rep = rep
+        self.wf = wf
+        self.plan = plan_workflow(wf, spec.max_context, spec.max_tokens, spec.max_turns)
+        rep.scales.append(self.plan.scale)
+        self.rng = random.Random(f"{spec.seed}:{wf.id}")
+        self.messages: list[dict[str, str]] = []
+        self.context = 0
+
+    def turn(self, index: int) -> Turn | None:
+        if index >= len(self.plan.inputs):
+            return None
+        return Turn(input_tokens=self.plan.inputs[index], output_tokens=self.plan.outputs[index],
+                    context_tokens=self.context)
+
+    async def send(self, rec: TurnRecord) -> bool:
+        rep = self.rep
+        text = synth_text(rec.turn.input_tokens, rep.chars_per_token, self.rng)
+        if rec.index == 0:
+            text = f"session {self.wf.id}\n{text}"
+        self.messages.append({"role": "user", "content": text})
+        ok, reply, usage = await rep.send(rec, self.wf.id, self.messages, rec.turn.output_tokens)
+        if not ok:
+            return False
+        self.messages.append({"role": "assistant", "content": reply})
+        prompt = int(usage.get("prompt_tokens", 0))
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        # new this turn: what the prompt adds to the previous prompt and reply
+        rep.recomputed_tokens += max(0, (prompt - cached) - max(0, prompt - self.context))
+        self.context = prompt + rec.output_tokens
+        return True
+
+    def pause_s(self, index: int) -> float:
+        if index + 1 >= len(self.plan.inputs):
+            return 0.0
+        return self.wf.turns[index].tool_duration_s * self.rep.spec.time_scale
+
+
 class Replayer:
     """Plays workflows as closed-loop agents against an OpenAI-compatible target (one
-    :meth:`agent` per workflow), keeping per-turn records, the targets' usage counters and, when
-    the engine reports them, its per-request timings."""
+    :meth:`agent` per workflow, :func:`play_workflow` with chat sessions), keeping per-turn
+    records, the targets' usage counters and, when the engine reports them, its per-request
+    timings."""
 
-    def __init__(self, spec: ReplaySpec, client: httpx.AsyncClient, chars_per_token: float
+    def __init__(self, spec: ReplaySpec, transport: HttpTransport, chars_per_token: float
                  ) -> None:
         self.spec = spec
-        self.client = client
+        self.transport = transport
         self.chars_per_token = chars_per_token
         self.clock = WallClock()
         self.records: list[WorkflowRecord] = []
@@ -174,39 +261,7 @@ class Replayer:
         self.engine_timings: dict[tuple[str, int], dict[str, Any]] = {}
 
     async def agent(self, wf: Workflow) -> None:
-        spec = self.spec
-        delay = wf.arrival_s - self.clock.now()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        plan = plan_workflow(wf, spec.max_context, spec.max_tokens, spec.max_turns)
-        self.scales.append(plan.scale)
-        rec_wf = WorkflowRecord(wf.id, self.clock.now(), wf.tenant, None)
-        self.records.append(rec_wf)
-        rng = random.Random(f"{spec.seed}:{wf.id}")
-        messages: list[dict[str, str]] = []
-        context = 0
-        for i, (n_in, n_out) in enumerate(zip(plan.inputs, plan.outputs, strict=True)):
-            text = synth_text(n_in, self.chars_per_token, rng)
-            if i == 0:
-                text = f"session {wf.id}\n{text}"
-            messages.append({"role": "user", "content": text})
-            turn = Turn(input_tokens=n_in, output_tokens=n_out, context_tokens=context)
-            rec = TurnRecord(rec_wf, i, turn)
-            rec_wf.turns.append(rec)
-            ok, reply, usage = await self.send(rec, wf.id, messages, n_out)
-            if not ok:
-                return  # the workflow stops at a failed turn (it stays unfinished)
-            messages.append({"role": "assistant", "content": reply})
-            prompt = int(usage.get("prompt_tokens", 0))
-            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-            # new this turn: what the prompt adds to the previous prompt and reply
-            self.recomputed_tokens += max(0, (prompt - cached) - max(0, prompt - context))
-            context = prompt + rec.output_tokens
-            if i + 1 < len(plan.inputs):
-                tool_s = wf.turns[i].tool_duration_s * spec.time_scale
-                if tool_s > 0:
-                    await asyncio.sleep(tool_s)
-        rec_wf.finished_s = max(t.finished_s for t in rec_wf.turns)
+        await play_workflow(wf, lambda w: _ChatSession(self, w), self.clock, self.records)
 
     async def send(self, rec: TurnRecord, session: str, messages: list[dict[str, str]],
                    max_tokens: int) -> tuple[bool, str, dict[str, Any]]:
@@ -222,15 +277,16 @@ class Replayer:
         reply: list[str] = []
         usage: dict[str, Any] = {}
         try:
-            async with self.client.stream("POST", "/v1/chat/completions", json=body,
-                                          headers=headers) as resp:
-                if resp.status_code != 200:
-                    await resp.aread()
-                    self._error(f"HTTP {resp.status_code}")
+            resp = await self.transport.post("/v1/chat/completions", json.dumps(body).encode(),
+                                             headers)
+            async with resp:
+                if resp.status != 200:
+                    await resp.read()
+                    self._error(f"HTTP {resp.status}")
                     return False, "", {}
                 self._released(rec, resp.headers)
                 if spec.stream:
-                    async for line in resp.aiter_lines():
+                    async for line in resp.lines():
                         if not line.startswith("data: {"):
                             continue
                         obj = json.loads(line[6:])
@@ -248,12 +304,13 @@ class Replayer:
                         if isinstance(obj.get("timings"), dict):
                             self.engine_timings[(session, rec.index)] = obj["timings"]
                 else:
-                    obj = json.loads(await resp.aread())
+                    obj = json.loads(await resp.read())
                     usage = obj.get("usage") or {}
                     if isinstance(obj.get("timings"), dict):
                         self.engine_timings[(session, rec.index)] = obj["timings"]
                     reply.append(obj["choices"][0]["message"].get("content") or "")
-        except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        except (httpx.HTTPError, ConnectionError, TimeoutError, ValueError, KeyError,
+                IndexError) as e:
             self._error(type(e).__name__)
             return False, "", {}
         rec.finished_s = self.clock.now()
@@ -266,7 +323,7 @@ class Replayer:
         self.cached_tokens += int(details.get("cached_tokens") or 0)
         return True, "".join(reply), usage
 
-    def _released(self, rec: TurnRecord, headers: httpx.Headers) -> None:
+    def _released(self, rec: TurnRecord, headers: Mapping[str, str]) -> None:
         hold_ms = headers.get("x-turnstile-hold-ms")
         hold = float(hold_ms) / 1e3 if hold_ms else 0.0
         rec.released_s = rec.ready_s + hold
@@ -280,14 +337,25 @@ class Replayer:
         self.errors[kind] = self.errors.get(kind, 0) + 1
 
 
-async def calibrate(client: httpx.AsyncClient, model: str) -> float:
+def target_transport(target: str, *, api_key: str | None = None, timeout_s: float = 300.0,
+                     connections: int = 256) -> HttpTransport:
+    """The transport a replay talks to its target through (the gateway or an engine)."""
+    headers = {"content-type": "application/json"}
+    if api_key:
+        headers["authorization"] = f"Bearer {api_key}"
+    return HttpTransport(target, headers=headers, connect_timeout_s=5.0,
+                         read_timeout_s=timeout_s, control_timeout_s=timeout_s,
+                         max_keepalive=connections)
+
+
+async def calibrate(transport: HttpTransport, model: str) -> float:
     """Characters per token of the target's tokenizer, from one small request."""
     rng = random.Random(0)
     # short texts: an engine with small slots (a few hundred tokens) must still answer them
     texts = [synth_text(40, 4.0, rng), synth_text(120, 4.0, rng)]
     counts = []
     for text in texts:
-        r = await client.post("/v1/chat/completions", json={
+        r = await transport.post_json("/v1/chat/completions", {
             "model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1})
         r.raise_for_status()
         counts.append(int(r.json()["usage"]["prompt_tokens"]))
@@ -304,24 +372,25 @@ async def run_replay(spec: ReplaySpec, workflows: list[Workflow], trace_info: di
     from turnstile.bench.metrics import compute_metrics
     from turnstile.bench.report import write_results
 
-    headers = {"authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=len(workflows) + 4)
-    async with httpx.AsyncClient(base_url=spec.target, headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(spec.timeout_s, connect=5.0)) as client:
+    transport = target_transport(spec.target, api_key=spec.api_key, timeout_s=spec.timeout_s,
+                                 connections=len(workflows) + 4)
+    try:
         health: dict[str, Any] = {}
         try:
-            r = await client.get("/health")
+            r = await transport.get("/health")
             if r.headers.get("content-type", "").startswith("application/json"):
                 health = r.json()
         except (httpx.HTTPError, ValueError):
             pass
         chars_per_token = spec.chars_per_token
         if chars_per_token is None:
-            chars_per_token = await calibrate(client, spec.model)
-        rep = Replayer(spec, client, chars_per_token)
+            chars_per_token = await calibrate(transport, spec.model)
+        rep = Replayer(spec, transport, chars_per_token)
         start = rep.clock.now()
         await asyncio.gather(*(rep.agent(wf) for wf in workflows))
         makespan = rep.clock.now() - start
+    finally:
+        await transport.aclose()
     label = spec.label or health.get("policy") or "direct"
     metrics = compute_metrics(
         rep.records,

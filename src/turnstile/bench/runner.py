@@ -103,7 +103,8 @@ def load_base_workflows(spec: WorkloadSpec) -> tuple[list[Workflow], dict[str, A
     # know the unit
     hash_tokens = loaded.hash_block_tokens
     return loaded.workflows, {"path": str(path), "name": loaded.name, "sha256": digest,
-                              "notes": loaded.notes, "hash_block_tokens": hash_tokens}
+                              "notes": loaded.notes, "hash_block_tokens": hash_tokens,
+                              "warnings": list(loaded.warnings)}
 
 
 def build_workload(
@@ -112,7 +113,7 @@ def build_workload(
     base, info = load_base_workflows(spec)
     if spec.arrivals == "trace":
         wfs = sorted(base, key=lambda w: w.arrival_s)[: spec.workflows]
-        info.update(arrivals="trace", rate=None)
+        info.update(arrivals="trace", rate=None, used=workflows_used(len(wfs), len(base), True))
         return wfs, info
     if spec.arrivals != "poisson":
         raise ValueError(f"unknown arrival process {spec.arrivals!r}; use poisson or trace")
@@ -120,7 +121,23 @@ def build_workload(
     times = synth.poisson_arrivals(rate, spec.workflows, spec.seed)
     info.update(arrivals=f"poisson (real sessions superimposed on Poisson arrivals, seed "
                 f"{spec.seed})", rate=rate, offered_load=spec.load if spec.rate is None else None)
+    if spec.trace is not None:
+        info["used"] = workflows_used(spec.workflows, len(base), False)
     return synth.superimpose(base, times, seed=spec.seed), info
+
+
+def workflows_used(n: int, available: int, trace_arrivals: bool) -> str:
+    """One sentence: how many of the trace's workflows ``--workflows n`` used."""
+    if trace_arrivals:
+        return (f"--workflows {n:,}: the first {n:,} of the trace's {available:,} workflows "
+                "by arrival")
+    if n < available:
+        return (f"--workflows {n:,}: {n:,} of the trace's {available:,} workflows "
+                "(a seeded shuffle)")
+    if n == available:
+        return f"--workflows {n:,}: all {available:,} of the trace's workflows, once each"
+    return (f"--workflows {n:,}: the trace's {available:,} workflows, each replayed about "
+            f"{n / available:.1f} times (repeats get new ids)")
 
 
 def workload_digest(wfs: Sequence[Workflow]) -> str:
@@ -187,7 +204,38 @@ def bench_config(spec: WorkloadSpec, groups: Sequence[EngineGroup], policies: Se
     }
 
 
-def model_check(gpu: str, model: str) -> None:
-    """Fail early with the valid names."""
+#: GPUs one tensor-parallel engine may span (one node, as the roofline's all-reduce assumes)
+MAX_TP = 8
+
+
+def check_tp(model: str, tp: int, flag: str = "--tp") -> None:
+    """``tp`` must divide the model's attention heads and fit one node of ``MAX_TP`` GPUs."""
+    spec = load_model(model)
+    if tp < 1 or tp > MAX_TP:
+        raise ValueError(f"{flag} {tp}: one engine spans 1 to {MAX_TP} GPUs")
+    if spec.num_heads % tp:
+        raise ValueError(f"{flag} {tp} does not divide {spec.name}'s {spec.num_heads} attention "
+                         "heads")
+
+
+def model_check(gpu: str, model: str, tp: int = 1) -> None:
+    """Fail early with the valid names, and on a tensor parallelism the model cannot use."""
     load_gpu(gpu)
     load_model(model)
+    check_tp(model, tp)
+
+
+def check_kv_fits(workflows: Sequence[Workflow], groups: Sequence[EngineGroup]) -> None:
+    """Every turn's prompt and output must fit one engine's KV (a slot's, on slot engines):
+    said now, naming ``--kv-tokens``, rather than by the simulator half-way through a run."""
+    longest = max((t.prompt_tokens + t.output_tokens - 1 for wf in workflows for t in wf.turns),
+                  default=0)
+    for g in groups:
+        cfg = g.build_config()
+        holds = cfg.slot_tokens if cfg.kv_slots else cfg.num_gpu_blocks * cfg.block_size
+        if longest > holds:
+            what = (f"--kv-tokens {g.kv_tokens}" if g.kv_tokens is not None
+                    else f"the KV of {g.gpu} {g.model} TP{g.tp} (--kv-tokens to set it)")
+            where = "a slot of an engine" if cfg.kv_slots else "an engine"
+            raise ValueError(f"{what}: {where} holds {holds:,} KV tokens but the workload's "
+                             f"longest turn needs {longest:,} (prompt + output)")

@@ -39,7 +39,14 @@ from typing import Any, TypeVar
 import httpx
 import numpy as np
 
-from turnstile.bench.replay import Replayer, ReplaySpec, calibrate, run_replay, synth_text
+from turnstile.bench.replay import (
+    Replayer,
+    ReplaySpec,
+    calibrate,
+    run_replay,
+    synth_text,
+    target_transport,
+)
 from turnstile.calibrate.ab import (
     RERUN,
     AbEngines,
@@ -227,8 +234,11 @@ def chars_per_token(engine_url: str, model: str = "tiny") -> float:
     policies would route and retain KV for)."""
 
     async def measure() -> float:
-        async with httpx.AsyncClient(base_url=engine_url, timeout=30.0) as client:
-            return await calibrate(client, model)
+        transport = target_transport(engine_url, timeout_s=30.0)
+        try:
+            return await calibrate(transport, model)
+        finally:
+            await transport.aclose()
 
     return asyncio.run(measure())
 
@@ -320,10 +330,13 @@ def measure_serving(gateway: str, workflows: list[Workflow], run: AbRun, chars: 
                       stream=False)
 
     async def play() -> Replayer:
-        async with httpx.AsyncClient(base_url=gateway, timeout=run.request_timeout_s) as client:
-            rep = Replayer(spec, client, chars)
+        transport = target_transport(gateway, timeout_s=run.request_timeout_s)
+        try:
+            rep = Replayer(spec, transport, chars)
             await asyncio.gather(*(rep.agent(wf) for wf in workflows))
             return rep
+        finally:
+            await transport.aclose()
 
     return serving_terms(asyncio.run(play()), perf)
 

@@ -18,8 +18,9 @@ _out = Console()
 
 
 def _fail(message: str) -> typer.Exit:
-    _err.print(f"[bold red]error:[/] {message}")
-    return typer.Exit(2)
+    from turnstile.bench.usage import fail
+
+    return fail(message)
 
 
 def _progress() -> Any:
@@ -213,6 +214,7 @@ def fidelity_cmd(
         select_sessions,
     )
     from turnstile.calibrate.fidelity_report import write_report
+    from turnstile.sim.engine_profile import profile_for
     from turnstile.sim.fitted_perf import FittedPerf
     from turnstile.sim.perf import PerfModel
     from turnstile.sim.roofline_perf import RooflinePerf
@@ -244,7 +246,9 @@ def fidelity_cmd(
     offload = cpu_offload_tokens
     if offload is None:
         offload = 64 * int(kv) if info.kind == "llama.cpp" else 0
-    block = 1 if info.kind == "llama.cpp" else int(info.extra.get("block_size", 16))
+    prof = profile_for(info.kind)
+    block = prof.block_size if prof.slot_limited else int(info.extra.get("block_size",
+                                                                          prof.block_size))
     engine = SimEngineSpec(int(kv), int(seqs), step, offload, block_size=block)
     perfs: dict[str, PerfModel] = {"fitted": perf}
     if roofline_gpu and roofline_model:

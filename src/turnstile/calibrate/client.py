@@ -1,4 +1,5 @@
-"""A small streaming HTTP client for measuring an engine (standard library only).
+"""A small streaming client for measuring an engine (over the one transport's blocking mode,
+:mod:`turnstile.transport.blocking`: standard library only).
 
 Every request sends a *token-id* prompt, so prompt lengths and prefixes are exact (no chat
 template, no tokenizer round trip), and streams the answer as server-sent events, time-stamping
@@ -25,12 +26,11 @@ import json
 import math
 import re
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from turnstile.transport import blocking
 
 __all__ = [
     "EngineInfo",
@@ -104,19 +104,16 @@ def _base(url: str) -> str:
 
 
 def _get_json(url: str, timeout: float = 10.0) -> Any | None:
+    data = blocking.get(url, timeout=timeout)
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return json.loads(resp.read())
-    except (urllib.error.URLError, OSError, ValueError):
+        return None if data is None else json.loads(data)
+    except ValueError:
         return None
 
 
 def _get_text(url: str, timeout: float = 10.0) -> str | None:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return str(resp.read().decode("utf-8", errors="replace"))
-    except (urllib.error.URLError, OSError):
-        return None
+    data = blocking.get(url, timeout=timeout)
+    return None if data is None else data.decode("utf-8", errors="replace")
 
 
 _CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.MULTILINE)
@@ -165,13 +162,6 @@ def discover(url: str, timeout: float = 10.0) -> EngineInfo:
             except (KeyError, ValueError):
                 pass
     return info
-
-
-def _connection(base: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
-    parts = urllib.parse.urlsplit(base)
-    host = parts.hostname or "127.0.0.1"
-    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    return cls(host, parts.port, timeout=timeout), parts.path.rstrip("/")
 
 
 def _token_id(tok: Any) -> int | None:
@@ -229,7 +219,7 @@ def stream_completion(
     if extra:
         body.update(extra)
     payload = json.dumps(body).encode()
-    conn, prefix = _connection(base, timeout)
+    conn: http.client.HTTPConnection | None = None
     times: list[float] = []  # one per chunk that carried output
     counts: list[int] = []  # tokens each such chunk carried (-1: unknown, assume 1)
     ids: list[int] = []
@@ -242,13 +232,11 @@ def stream_completion(
     stopped = False
     try:
         send = time.perf_counter()
-        conn.request(
-            "POST",
-            prefix + path,
-            body=payload,
-            headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
+        conn, resp = blocking.open_post(
+            base + path, payload,
+            {"Content-Type": "application/json", "Accept": "text/event-stream"},
+            timeout=timeout,
         )
-        resp = conn.getresponse()
         if resp.status != 200:
             detail = resp.read()[:500].decode("utf-8", errors="replace")
             raise EngineRequestError(f"{base}{path}: HTTP {resp.status}: {detail}")
@@ -328,7 +316,8 @@ def stream_completion(
         # ValueError: a chunk that is not JSON
         raise EngineRequestError(f"{base}{path}: {exc}") from exc
     finally:
-        conn.close()
+        if conn is not None:
+            conn.close()
 
     if stopped:
         completion = sum(max(c, 1) for c in counts)

@@ -11,7 +11,7 @@ streamed tokens; each probe returns a :class:`Measurement`, one ``(features, ste
 * **warm append**: as an agent's next turn, right after a turn's generation the prompt plus
   the generated tokens plus a new suffix is sent: the same work as a cache hit, with the
   engine's caches warm from the decodes instead of cold from a prefill
-  (:data:`~turnstile.sim.fitted_perf.WARM_STEPS`);
+  (the engine profile's warm rule, :data:`~turnstile.sim.profiles.llamacpp.WARM`);
 * **decode**: ``k`` concurrent streams over a shared (cached) prefix of a given context; the
   step time is the token inter-arrival time while all ``k`` decode;
 * **mixed**: ``k`` streams decoding while a new prompt arrives; the decoders' gap that ends with

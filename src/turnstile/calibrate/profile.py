@@ -40,9 +40,11 @@ import numpy as np
 from turnstile.calibrate.client import EngineInfo, EngineRequestError, discover
 from turnstile.calibrate.contention import measure_host_contention
 from turnstile.calibrate.probes import EngineProber, Measurement, cold_flags
+from turnstile.sim.engine_profile import profile_for
 from turnstile.sim.fitted_perf import FittedPerf
 from turnstile.sim.perf import FEATURES
 from turnstile.sim.profile_fit import fit_profile
+from turnstile.sim.profiles import llamacpp, vllm
 
 __all__ = [
     "ProfilePlan",
@@ -53,18 +55,18 @@ __all__ = [
 ]
 
 #: llama.cpp's default logical batch (``-b``): the most tokens one step computes
-LLAMACPP_BATCH = 2048
+LLAMACPP_BATCH = llamacpp.BATCH_TOKENS
 #: llama.cpp's default physical batch (``-ub``): the most tokens one forward pass computes
-LLAMACPP_UBATCH = 512
+LLAMACPP_UBATCH = llamacpp.UBATCH_TOKENS
 #: vLLM V1's default ``max_num_batched_tokens`` for online serving (pass the real one)
-VLLM_BATCH = 8192
+VLLM_BATCH = vllm.BATCH_TOKENS
 #: knees tried for the small-chunk attention term
 #: (see :class:`~turnstile.sim.fitted_perf.FittedPerf`)
 SMALL_CHUNK_KNEES = (4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)
 #: the query tokens from which llama.cpp's CPU flash attention runs its tiled kernel
 #: (``GGML_FA_TILE_Q`` in ggml-cpu, its tiles 64 × 64): the threshold and the tile tried for the
-#: small-chunk term on llama.cpp
-LLAMACPP_FA_TILE_Q = 64.0
+#: small-chunk term on llama.cpp (each engine's comes from its profile)
+LLAMACPP_FA_TILE_Q = llamacpp.FA_TILE_Q
 
 
 @dataclass
@@ -229,7 +231,7 @@ def profile_engine(
     infos = [discover(u) for u in urls]
     info = infos[0]
     if chunk is None:
-        chunk = LLAMACPP_BATCH if info.kind == "llama.cpp" else VLLM_BATCH
+        chunk = profile_for(info.kind).max_batched_tokens
     seqs = max_seqs or info.n_parallel or 8
     ctx = max_context or min(info.ctx_per_seq or 4096, 4096)
     if info.ctx_per_seq:
@@ -327,19 +329,21 @@ def profile_engine(
     }
     if overheads:
         meta["request_overhead_s"] = float(median(overheads))
-    llama = info.kind == "llama.cpp"
-    ub = (LLAMACPP_UBATCH if llama else 0) if ubatch is None else ubatch
+    prof = profile_for(info.kind)  # what this engine does differently
+    ub = prof.ubatch_tokens if ubatch is None else ubatch
+    tile = (prof.attention_tile_tokens,) if small_chunk and prof.attention_tile_tokens else ()
     meta["kv_unified"] = kv_unified  # the split it implies is in the file's forward_passes
     perf = fit_profile(
         samples,
         relative=relative,
         ubatch_tokens=ub,
-        ubatch_split="simple" if kv_unified or not llama else "equal",
-        one_token_pass=llama,
+        ubatch_split="simple" if kv_unified else prof.ubatch_split,
+        one_token_pass=prof.one_token_pass,
         small_chunk_knees=SMALL_CHUNK_KNEES if small_chunk else (),
-        small_chunk_thresholds=(LLAMACPP_FA_TILE_Q,) if small_chunk and llama else (),
-        small_chunk_tiles=(LLAMACPP_FA_TILE_Q,) if small_chunk and llama else (),
-        cold=cold_flags([m.kind for m in ms]),
+        small_chunk_thresholds=tile,
+        small_chunk_tiles=tile,
+        # a cold-step cost only where the profile says which steps are cold
+        cold=cold_flags([m.kind for m in ms]) if prof.warm is not None else None,
         kv_bytes_per_token=kv_bytes_per_token,
         engine=info.kind,
         model=info.model,

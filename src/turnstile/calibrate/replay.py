@@ -1,10 +1,13 @@
-"""A minimal closed-loop replay of workflows against real engines, for fidelity measurements.
+"""Token-id sessions for the one replayer, for fidelity measurements against real engines.
 
-Each workflow (a chain of turns) runs in its own thread: it arrives at ``arrival_s``, sends each
-turn as soon as it is ready (eager release, no gateway in between), streams the answer, sleeps
-for the turn's tool calls (and the next turn's think time), then sends the next turn. Workflow
-``i`` (in arrival order) is pinned to engine ``i mod len(targets)``, the same static assignment
-the fidelity simulation uses, so routing is not part of what is compared.
+Each workflow (a chain of turns) is played by the closed loop ``turnstile replay`` uses
+(:func:`turnstile.bench.replay.play_workflow`) with a token-id session: it arrives at
+``arrival_s``, sends each turn as soon as it is ready (eager release, no gateway in between),
+streams the answer (a blocking measurement call in a worker thread of its own, which
+time-stamps each token), waits for the turn's tool calls (and the next turn's think time), then
+sends the next turn. Workflow ``i`` (in arrival order) is pinned to engine
+``i mod len(targets)``, the same static assignment the fidelity simulation uses, so routing is
+not part of what is compared.
 
 Prompts are token ids, built so the engine's prefix cache behaves as in a real conversation:
 turn ``n``'s prompt is the previous turn's prompt, then the tokens the engine *generated* for it
@@ -12,26 +15,28 @@ turn ``n``'s prompt is the previous turn's prompt, then the tokens the engine *g
 random ids, cut to the turn's ``context_tokens`` + ``input_tokens``. When an engine does not
 return ids, random stand-ins take the outputs' place and only the previous prompt can hit.
 
-Why not the gateway's ``turnstile replay``: this driver needs exact token-level prompts (so the
-context and prefix hits match the simulated turn) and a fixed engine per session; the gateway
-speaks chat messages and routes by policy. Results are the scheduler's records
+Why not ``turnstile replay``'s chat sessions: this driver needs exact token-level prompts (so
+the context and prefix hits match the simulated turn) and a fixed engine per session; the
+gateway speaks chat messages and routes by policy. Results are the scheduler's records
 (:class:`~turnstile.core.state.WorkflowRecord`), so :func:`turnstile.bench.metrics.compute_metrics`
 applies unchanged.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import random
-import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
-from turnstile.calibrate.client import EngineRequestError, stream_completion
+from turnstile.bench.replay import play_workflow
+from turnstile.calibrate.client import Api, EngineRequestError, StreamResult, stream_completion
 from turnstile.core.state import TurnRecord, TurnState, WorkflowRecord
-from turnstile.workload.model import Workflow
+from turnstile.workload.model import Turn, Workflow
 
 __all__ = ["ReplayRun", "TurnLog", "assign_round_robin", "replay_workflows"]
 
@@ -76,6 +81,87 @@ def _rng_for(wf_id: str, seed: int) -> random.Random:
     return random.Random(int.from_bytes(digest[:8], "little"))
 
 
+class _TokenSession:
+    """A workflow as token-id prompts on its pinned engine (the module docstring): each turn
+    is one blocking :func:`stream_completion` in a worker thread, so every streamed token is
+    time-stamped as it arrives, whatever the other sessions do."""
+
+    def __init__(self, run: _Run, wf: Workflow) -> None:
+        self.run = run
+        self.wf = wf
+        self.rng = _rng_for(wf.id, run.seed)
+        self.eng = run.assign[wf.id]
+        self.history: list[int] = []
+
+    def turn(self, index: int) -> Turn | None:
+        return self.wf.turns[index] if index < len(self.wf.turns) else None
+
+    def pause_s(self, index: int) -> float:
+        nxt = self.wf.turns[index + 1].think_s if index + 1 < len(self.wf.turns) else 0.0
+        return self.wf.turns[index].tool_duration_s + nxt
+
+    async def send(self, rec: TurnRecord) -> bool:
+        run, turn, rng, eng, i = self.run, rec.turn, self.rng, self.eng, rec.index
+        lo, hi = run.token_range
+        ctx = min(turn.context_tokens, len(self.history))
+        new = turn.prompt_tokens - ctx
+        prompt = self.history[:ctx] + [rng.randrange(lo, hi) for _ in range(new)]
+        ready_s = run.now()
+        err: str | None = None
+
+        def call() -> StreamResult:
+            return stream_completion(run.targets[eng], prompt, turn.output_tokens,
+                                     api=run.apis[eng], model=run.models[eng], return_ids=True,
+                                     timeout=run.timeout)
+
+        try:
+            res = await asyncio.get_running_loop().run_in_executor(run.pool, call)
+            t0 = run.t0
+            fin = res.end_s - t0
+            out_ids = res.output_ids
+            if out_ids is None:
+                out_ids = [rng.randrange(lo, hi) for _ in range(res.completion_tokens)]
+            log = TurnLog(self.wf.id, i, eng, ready_s, res.send_s - t0, res.first_token_s - t0,
+                          res.token_times[-1] - t0 if res.token_times else fin,
+                          res.prompt_tokens, res.completion_tokens, res.cached_tokens,
+                          timings=res.timings)
+        except EngineRequestError as exc:
+            err = str(exc)
+            log = TurnLog(self.wf.id, i, eng, ready_s, ready_s, -1.0, run.now(), len(prompt), 0,
+                          None, err)
+            out_ids = []
+        run.logs.append(log)
+        if err:
+            run.errors.append(f"{self.wf.id}#{i}: {err}")
+        if run.on_turn is not None:
+            run.on_turn(log)
+        if err:
+            return False
+        self.history = prompt + out_ids
+        rec.finished_s = log.finished_s
+        return True
+
+
+@dataclass
+class _Run:
+    targets: Sequence[str]
+    apis: list[Api]
+    models: list[str | None]
+    assign: dict[str, int]
+    seed: int
+    token_range: tuple[int, int]
+    timeout: float
+    on_turn: Callable[[TurnLog], None] | None
+    pool: ThreadPoolExecutor
+    #: the run's origin on ``time.perf_counter`` (turn times are seconds from it)
+    t0: float = field(default_factory=lambda: time.perf_counter() + 0.05)
+    logs: list[TurnLog] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+
 def replay_workflows(
     workflows: Sequence[Workflow],
     targets: Sequence[str],
@@ -88,99 +174,36 @@ def replay_workflows(
     timeout: float = 600.0,
     on_turn: Callable[[TurnLog], None] | None = None,
 ) -> ReplayRun:
-    """Replay ``workflows`` (chains) against ``targets`` in real time. ``apis[i]`` is the wire
-    format for target ``i`` (``llamacpp`` or ``openai``, see :mod:`turnstile.calibrate.client`)."""
+    """Replay ``workflows`` (chains) against ``targets`` in real time, through the one closed
+    loop (:func:`turnstile.bench.replay.play_workflow`). ``apis[i]`` is the wire format for
+    target ``i`` (``llamacpp`` or ``openai``, see :mod:`turnstile.calibrate.client`)."""
     for wf in workflows:
         if not wf.is_chain:
             raise ValueError(f"{wf.id}: the replay drives chains only (DAG turns found)")
     n = len(targets)
     if n == 0:
         raise ValueError("no targets")
-    apis = list(apis) if apis is not None else ["openai"] * n
-    models = list(models) if models is not None else [None] * n
     assign = assignment if assignment is not None else assign_round_robin(workflows, n)
-    logs: list[TurnLog] = []
-    errors: list[str] = []
-    lock = threading.Lock()
-    lo, hi = token_range
-    t0 = time.perf_counter() + 0.05
 
-    def run(wf: Workflow) -> None:
-        rng = _rng_for(wf.id, seed)
-        eng = assign[wf.id]
-        history: list[int] = []
-        ready = wf.arrival_s
-        for i, turn in enumerate(wf.turns):
-            ready += turn.think_s if i else 0.0
-            _sleep_until(t0 + ready)
-            ctx = min(turn.context_tokens, len(history))
-            new = turn.prompt_tokens - ctx
-            prompt = history[:ctx] + [rng.randrange(lo, hi) for _ in range(new)]
-            ready_s = time.perf_counter() - t0
-            err: str | None = None
-            try:
-                res = stream_completion(
-                    targets[eng],
-                    prompt,
-                    turn.output_tokens,
-                    api=apis[eng],  # type: ignore[arg-type]
-                    model=models[eng],
-                    return_ids=True,
-                    timeout=timeout,
-                )
-                first = res.first_token_s - t0
-                fin = res.end_s - t0
-                out_ids = res.output_ids
-                if out_ids is None:
-                    out_ids = [rng.randrange(lo, hi) for _ in range(res.completion_tokens)]
-                log = TurnLog(
-                    wf.id,
-                    i,
-                    eng,
-                    ready_s,
-                    res.send_s - t0,
-                    first,
-                    res.token_times[-1] - t0 if res.token_times else fin,
-                    res.prompt_tokens,
-                    res.completion_tokens,
-                    res.cached_tokens,
-                    timings=res.timings,
-                )
-            except EngineRequestError as exc:
-                err = str(exc)
-                now = time.perf_counter() - t0
-                log = TurnLog(wf.id, i, eng, ready_s, ready_s, -1.0, now, len(prompt), 0, None, err)
-                out_ids = []
-            with lock:
-                logs.append(log)
-                if err:
-                    errors.append(f"{wf.id}#{i}: {err}")
-            if on_turn is not None:
-                on_turn(log)
-            if err:
-                return
-            history = prompt + out_ids
-            ready = log.finished_s + turn.tool_duration_s
+    async def play(run: _Run) -> None:
+        records: list[WorkflowRecord] = []
+        await asyncio.gather(*(play_workflow(wf, lambda w: _TokenSession(run, w), run, records)
+                               for wf in workflows))
 
     wall0 = time.perf_counter()
-    threads = [threading.Thread(target=run, args=(wf,), daemon=True) for wf in workflows]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    with ThreadPoolExecutor(max_workers=max(1, len(workflows))) as pool:
+        wire: list[Api] = ([cast(Api, a) for a in apis] if apis is not None
+                           else ["openai"] * n)
+        run = _Run(targets, wire,
+                   list(models) if models is not None else [None] * n, assign, seed,
+                   token_range, timeout, on_turn, pool)
+        asyncio.run(play(run))
     wall = time.perf_counter() - wall0
+    logs = run.logs
     records = _records(workflows, logs)
     makespan = max((lg.finished_s for lg in logs), default=0.0)
     return ReplayRun(records, sorted(logs, key=lambda g: (g.workflow, g.index)), makespan,
-                     wall, errors)
-
-
-def _sleep_until(t: float) -> None:
-    while True:
-        left = t - time.perf_counter()
-        if left <= 0:
-            return
-        time.sleep(min(left, 0.5))
+                     wall, run.errors)
 
 
 def _records(workflows: Sequence[Workflow], logs: Sequence[TurnLog]) -> list[WorkflowRecord]:

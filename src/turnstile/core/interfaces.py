@@ -78,8 +78,9 @@ class RoutingPolicy(Protocol):
 class AdmissionPolicy(Protocol):
     """Decides the order in which an engine admits the turns queued at it.
 
-    Returns a priority: lower runs first (vLLM's ``--scheduling-policy priority`` convention);
-    equal priorities are admitted in arrival order.
+    Returns a priority: lower runs first; equal priorities are admitted in arrival order. (An
+    engine that reads priorities another way, or ignores them, says so in its engine profile;
+    the driver translates.)
     """
 
     name: ClassVar[str]

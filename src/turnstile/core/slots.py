@@ -1,18 +1,21 @@
-"""Which llama.cpp slot a session's turn runs in: the gateway's choice and the server's.
+"""Which slot a session's turn runs in, on an engine that keeps one sequence per slot: the
+gateway's choice and the engine's.
 
-The gateway's llama.cpp adapter binds each turn to a slot (``id_slot``) from what it believes
-the slots hold; the simulator's slot-limited KV model makes the same choice, so that it predicts
-what the gateway will do. Both keep their own bookkeeping and call :func:`choose_slot`. A turn
-sent unbound gets the server's own pick, :func:`server_slot`, which the simulator's models of
-the server's slots (``sim.slot_pool``, ``sim.lanes``) share.
+A gateway in front of a slot-limited engine binds each turn to a slot from what it believes the
+slots hold; the simulator's slot-limited KV model makes the same choice, so that it predicts what
+the gateway will do. Both keep their own bookkeeping and call :func:`choose_slot`. A turn sent
+unbound gets the engine's own pick: a :data:`SlotRule`, which the engine's profile names
+(``turnstile.sim.engine_profile.EngineProfile.server_slot``); :func:`session_else_lru` is the
+rule of the engines profiled so far. The simulator's models of an engine's slots
+(``sim.slot_pool``, ``sim.lanes``) call the rule they are given.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol, TypeVar
 
-__all__ = ["GatewaySlot", "ServerSlot", "choose_slot", "server_slot"]
+__all__ = ["GatewaySlot", "ServerSlot", "SlotRule", "choose_slot", "session_else_lru"]
 
 
 class GatewaySlot(Protocol):
@@ -36,7 +39,7 @@ class GatewaySlot(Protocol):
 
 
 class ServerSlot(Protocol):
-    """What the server knows of one slot."""
+    """What the engine knows of one slot."""
 
     @property
     def busy(self) -> bool:
@@ -54,16 +57,19 @@ class ServerSlot(Protocol):
 S = TypeVar("S", bound=GatewaySlot)
 V = TypeVar("V", bound=ServerSlot)
 
+#: how an engine picks the idle slot of a request not bound to one: ``rule(slots, session)``,
+#: the slots in id order, returns one of the idle ones, or None when every slot is busy
+SlotRule = Callable[[Iterable[V], str], V | None]
 
-def server_slot(slots: Iterable[V], session: str) -> V | None:
-    """The idle slot llama.cpp's server gives an unbound request of ``session``: the one holding
-    the session's sequence (its longest-common-prefix pick), else the least recently used; None
-    when every slot is busy.
 
-    Ties go to the *last* such slot in ``slots``, as in the server's
-    ``get_available_slot``, which keeps a slot whose ``t_last_used <= t_last``: its slots start
-    never used (``t_last_used = -1``), so a fresh server fills them from the highest id down.
-    Which slots are busy sets how a step is cut into forward passes (:mod:`turnstile.sim.lanes`)."""
+def session_else_lru(slots: Iterable[V], session: str) -> V | None:
+    """The idle slot holding ``session``'s sequence (a longest-common-prefix pick finds it),
+    else the least recently used idle one; None when every slot is busy.
+
+    Ties go to the *last* such slot in ``slots`` (the rule keeps a slot whose ``last_used`` is
+    ``<=`` the best so far): slots that start never used are then filled from the highest id
+    down. Which slots are busy sets how a step is cut into forward passes
+    (:mod:`turnstile.sim.lanes`), so the tie-break is part of the rule."""
     lru = None
     for s in slots:
         if s.busy:
@@ -79,7 +85,7 @@ def choose_slot(slots: Iterable[S], session: str, now_s: float) -> tuple[S | Non
     """``(own, chosen)``: the slot the gateway believes holds ``session`` (None: none), and the
     slot to bind the turn to: ``own`` if no turn is bound there; else a slot with no bound turn
     and no pin, one believed empty first, then the least recently used; None when there is
-    none (every slot busy or pinned: the server picks)."""
+    none (every slot busy or pinned: the engine picks)."""
     own = best = None
     for s in slots:
         if s.owner == session:

@@ -15,10 +15,10 @@ from turnstile.workload.model import Turn, Workflow
 
 _T = TypeVar("_T")
 
-try:  # installed with mypy, where ``make compiled`` builds (see docs/benchmarks-sim-speed.md)
+try:  # installed with mypy, where ``make compiled`` builds (docs/results/*-sim-speed.md)
     from mypy_extensions import mypyc_attr
 except ImportError:  # the plain-Python install: the decorator only informs mypyc
-    def mypyc_attr(  # type: ignore[misc]
+    def mypyc_attr(
         *attrs: str, **kwattrs: object
     ) -> Callable[[_T], _T]:
         return lambda cls: cls
@@ -235,8 +235,8 @@ class EngineLoad:
         #: token (what a move to this engine re-prefills); 0 = unknown
         _set(self, "tpot_s", tpot_s)
         _set(self, "prefill_s_per_token", prefill_s_per_token)
-        #: sessions whose KV the engine keeps at once whatever their length (llama.cpp's
-        #: ``-np`` slots, one sequence each); 0 = bounded only by ``capacity_tokens``
+        #: sessions whose KV the engine keeps at once whatever their length (a slot-limited
+        #: engine's slots, one sequence each); 0 = bounded only by ``capacity_tokens``
         _set(self, "kv_slots", kv_slots)
         #: False while the engine drains (an elastic move): no new work is routed to it
         _set(self, "accepting", True)
@@ -380,7 +380,7 @@ def add_engine(view: ClusterView, engine: EngineLoad) -> None:
 
 def set_kv_slots(engine: EngineLoad, kv_slots: int) -> None:
     """The engine keeps ``kv_slots`` sessions' KV at once (0: not slot-limited), as found when
-    the driver met it (a llama.cpp server's ``/slots``)."""
+    the driver met it (e.g. from the server's own slot listing)."""
     _set(engine, "kv_slots", max(0, int(kv_slots)))
 
 

@@ -33,6 +33,8 @@ __all__ = [
     "CHATML_TEMPLATE",
     "SPECIAL_TOKENS",
     "bytes_to_unicode",
+    "suppressed_ids",
+    "tiny_tokens",
     "tiny_vocab",
     "write_tiny_gguf",
 ]
@@ -93,24 +95,30 @@ def _merge_pairs(count: int) -> list[tuple[str, str]]:
     return pairs[:count]
 
 
+def tiny_tokens(vocab_extra: int = 64) -> tuple[list[str], list[str]]:
+    """Return ``(tokens, merges)``: 256 byte tokens, ``vocab_extra`` merged tokens, then the
+    special tokens (the vocabulary of both tiny models, GGUF and Hugging Face)."""
+    b2u = bytes_to_unicode()
+    tokens = [b2u[b] for b in range(256)]
+    merges: list[str] = []
+    for left, right in _merge_pairs(vocab_extra):
+        tokens.append(left + right)
+        merges.append(f"{left} {right}")
+    return tokens + list(SPECIAL_TOKENS), merges
+
+
 def tiny_vocab(vocab_extra: int = 64) -> tuple[list[str], list[int], list[str]]:
     """Return ``(tokens, token_types, merges)``: 256 byte tokens, merges, then special tokens."""
     import gguf
 
-    b2u = bytes_to_unicode()
-    tokens = [b2u[b] for b in range(256)]
-    types = [int(gguf.TokenType.NORMAL)] * 256
-    merges: list[str] = []
-    for left, right in _merge_pairs(vocab_extra):
-        tokens.append(left + right)
-        types.append(int(gguf.TokenType.NORMAL))
-        merges.append(f"{left} {right}")
-    tokens += list(SPECIAL_TOKENS)
+    tokens, merges = tiny_tokens(vocab_extra)
+    types = [int(gguf.TokenType.NORMAL)] * (len(tokens) - len(SPECIAL_TOKENS))
     types += [int(gguf.TokenType.CONTROL)] * len(SPECIAL_TOKENS)
     return tokens, types, merges
 
 
-def _suppressed_ids(tokens: Sequence[str], *, eos_bias: bool, ascii_only: bool) -> list[int]:
+def suppressed_ids(tokens: Sequence[str], *, eos_bias: bool, ascii_only: bool) -> list[int]:
+    """Token ids the output layer makes unreachable (see the module docstring)."""
     index = {t: i for i, t in enumerate(tokens)}
     ids = [index["<|im_start|>"]]
     if eos_bias:
@@ -215,7 +223,7 @@ def write_tiny_gguf(
     writer.add_tensor("output_norm.weight", ones)
     head = mat(vocab, hidden, 2.0 / np.sqrt(hidden))
     head[:, 0] = 0.0
-    for tid in _suppressed_ids(tokens, eos_bias=eos_bias, ascii_only=ascii_only):
+    for tid in suppressed_ids(tokens, eos_bias=eos_bias, ascii_only=ascii_only):
         head[tid, :] = 0.0
         head[tid, 0] = _SUPPRESS_WEIGHT
     writer.add_tensor("output.weight", head.astype(np.float16))

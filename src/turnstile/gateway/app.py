@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from turnstile.gateway.config import GatewayConfig
+from turnstile.gateway.identity import read_body, request_identity
 from turnstile.gateway.overload import readiness
 from turnstile.gateway.protocol import (
     CHAT_PATH,
@@ -238,34 +239,14 @@ class GatewayApp:
     async def _parse(self, scope: Scope, receive: Receive, path: str) -> TurnRequest:
         if not self._authorized(scope):
             raise _unauthorized()
-        session_id: str | None = None
-        request_id: str | None = None
-        tenant = "default"
-        engine_hint: str | None = None
-        parent_session: str | None = None
-        session_end = False
-        length = -1
         header_bytes = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
         for k, v in scope["headers"]:
             header_bytes += len(k) + len(v) + 4
-            if k == b"x-session-id":
-                session_id = v.decode("latin-1") or None
-            elif k == b"x-request-id":
-                request_id = v.decode("latin-1") or None
-            elif k == b"content-length":
-                with contextlib.suppress(ValueError):
-                    length = int(v)
-            elif k == b"x-tenant-id":
-                tenant = v.decode("latin-1") or "default"
-            elif k == b"x-turnstile-engine":
-                engine_hint = v.decode("latin-1").strip() or None
-            elif k == b"x-turnstile-parent-session":
-                parent_session = v.decode("latin-1").strip() or None
-            elif k == b"x-turnstile-session-end":
-                session_end = v.strip().lower() in (b"1", b"true", b"yes")
         if header_bytes > self._max_header:
             raise GatewayError(431, f"request headers of {header_bytes} bytes exceed the limit "
                                f"of {self._max_header}", code="headers_too_large")
+        ident = request_identity(scope["headers"])
+        length = ident.content_length
         if length > self._max_body:
             raise _too_large(length, self._max_body)
         chunks: list[bytes] = []
@@ -297,10 +278,12 @@ class GatewayApp:
                                code="invalid_json")
         _validate(path, body)
         self.gateway.check_model(body)
-        if session_id is None:
-            user = body.get("user")
-            if isinstance(user, str) and user:
-                session_id = user if _HEADER_SAFE.fullmatch(user) else _hashed("user-", user)
+        read_body(ident, body)
+        session_id = ident.session_id
+        if (session_id is not None and ident.session_source in ("prompt_cache_key", "user")
+                and not _HEADER_SAFE.fullmatch(session_id)):
+            session_id = _hashed("user-", session_id)
+        parent_session, session_end = ident.parent_session, ident.session_end
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise GatewayError(400, "'stream' must be a boolean", code="invalid_value")
@@ -310,7 +293,8 @@ class GatewayApp:
                 recorder.note_parent(session_id, parent_session)
             if session_end:
                 recorder.note_end(session_id)
-        return TurnRequest(path, body, stream, session_id, request_id, tenant, engine_hint)
+        return TurnRequest(path, body, stream, session_id, ident.request_id, ident.tenant,
+                           ident.engine_hint)
 
 
 def _validate(path: str, body: dict[str, Any]) -> None:

@@ -7,16 +7,82 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from turnstile.gateway.config import GatewayConfig
 
 __all__ = ["main", "register"]
 
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
 def _fail(message: str) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(2)
+    from turnstile.bench.usage import fail
+
+    return fail(message)
+
+
+def _check_serve(cfg: GatewayConfig, log_level: str) -> None:
+    """Everything ``serve`` can check before it binds: flags by name, files, Redis, the port.
+
+    Raises ``ValueError`` with one line naming the flag or file.
+    """
+    import socket
+
+    from turnstile.bench.usage import check_out_file
+    from turnstile.gateway.adapters import ADAPTERS
+
+    if log_level.lower() not in LOG_LEVELS:
+        raise ValueError(f"--log-level {log_level!r}: use one of {', '.join(LOG_LEVELS)}")
+    if not 0 <= cfg.port <= 65535:
+        raise ValueError(f"--port {cfg.port}: a port is 0 to 65535")
+    for e in cfg.engines:
+        if e.kind.lower() not in ADAPTERS:
+            valid = ", ".join(sorted({c.kind for c in ADAPTERS.values()}))
+            raise ValueError(f"--engine {e.url},{e.kind}: unknown engine kind {e.kind!r}; "
+                             f"use one of {valid}")
+    if cfg.db:
+        check_out_file(Path(cfg.db), "--db")
+    if cfg.record:
+        from turnstile.gateway.recorder import SessionRecorder
+
+        check_out_file(Path(cfg.record), "--record")
+        try:
+            SessionRecorder(cfg.record).close()  # fails now on a file that is not a workload
+        except ValueError as e:
+            raise ValueError(f"--record {e}") from None
+    if cfg.state:
+        _check_redis(cfg.state)
+    if cfg.port:  # a port in use fails here, not after "gateway on ..."
+        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((cfg.host, cfg.port))
+            except OSError as e:
+                raise ValueError(f"--port {cfg.port}: cannot listen on {cfg.host}:{cfg.port} "
+                                 f"({e.strerror or e})") from None
+
+
+def _check_redis(url: str) -> None:
+    """``--state``: a Redis URL that answers PING within a few seconds."""
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"--state {url}: expected redis://HOST:PORT/DB")
+    import redis
+    from redis.exceptions import RedisError
+
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except (RedisError, OSError, ValueError) as e:
+        raise ValueError(f"--state {url}: cannot reach Redis ({e})") from None
 
 
 def serve(
@@ -30,7 +96,8 @@ def serve(
     policy: Annotated[str | None, typer.Option(help="Policy spec, e.g. cvar+kv-affinity+ttl")]
     = None,
     host: Annotated[str | None, typer.Option(help="Bind address (default 127.0.0.1)")] = None,
-    port: Annotated[int | None, typer.Option(help="Port (default 8000)")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default 8000; 0: any free port)")]
+    = None,
     max_held: Annotated[int | None, typer.Option(
         help="Accepted turns not yet released (held, queued, being admitted) before 429")] = None,
     max_inflight: Annotated[int | None, typer.Option(
@@ -60,7 +127,9 @@ def serve(
         Path | None, typer.Option(help="Append every finished session to this workload .jsonl "
                                   "(counts, times and prefix hashes; never content)")
     ] = None,
-    log_level: Annotated[str, typer.Option(help="uvicorn/gateway log level")] = "warning",
+    log_level: Annotated[
+        str, typer.Option(help="uvicorn/gateway log level: " + ", ".join(LOG_LEVELS))
+    ] = "warning",
 ) -> None:
     """Run the OpenAI-compatible scheduling gateway in front of engines."""
     import uvicorn
@@ -98,12 +167,9 @@ def serve(
             cfg.replica_id = replica_id
         if record is not None:
             cfg.record = str(record)
-        if cfg.record:
-            from turnstile.gateway.recorder import SessionRecorder
-
-            SessionRecorder(cfg.record).close()  # fails now on a file that is not a workload
         cfg.log_level = log_level
         cfg.validate()
+        _check_serve(cfg, log_level)
     except (ValueError, OSError) as e:
         raise _fail(str(e)) from None
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
@@ -124,7 +190,8 @@ def replay(
     ] = None,
     rate: Annotated[float, typer.Option(help="Poisson session arrival rate (sessions/s)")] = 1.0,
     workflows: Annotated[int, typer.Option(help="Sessions to play")] = 20,
-    out: Annotated[Path, typer.Option(help="Directory for results.json")] = Path("replay-out"),
+    out: Annotated[Path, typer.Option("-o", "--out", help="Directory for results.json")]
+    = Path("replay-out"),
     time_scale: Annotated[float, typer.Option(help="Multiply tool durations by this")] = 1.0,
     max_context: Annotated[
         int, typer.Option(help="Engine context per request (tokens): prompts are scaled to fit")
@@ -138,32 +205,65 @@ def replay(
     label: Annotated[
         str | None, typer.Option(help="Result label (default: the gateway's policy)")
     ] = None,
-    api_key: Annotated[str | None, typer.Option(envvar="TURNSTILE_AUTH_TOKEN")] = None,
+    auth_token: Annotated[
+        str | None, typer.Option(help="Send 'Authorization: Bearer TOKEN' (serve --auth-token)",
+                                 envvar="TURNSTILE_AUTH_TOKEN")
+    ] = None,
     subset: Annotated[str | None, typer.Option(help="agentcgroup subset")] = None,
     seed: Annotated[int, typer.Option()] = 0,
     timeout_s: Annotated[float, typer.Option(help="Per-request timeout")] = 300.0,
+    api_key: Annotated[str | None, typer.Option(hidden=True, help="Deprecated: --auth-token")]
+    = None,
 ) -> None:
     """Play a trace's workflows as closed-loop agents against a gateway or an engine."""
-    if rate <= 0 or workflows < 1 or time_scale < 0:
-        raise _fail("--rate must be > 0, --workflows >= 1, --time-scale >= 0")
+    for flag, bad in (("--rate must be > 0", rate <= 0), ("--workflows must be >= 1",
+                      workflows < 1), ("--time-scale must be >= 0", time_scale < 0),
+                      ("--max-context must be >= 2", max_context < 2),
+                      ("--max-tokens must be >= 1", max_tokens < 1),
+                      ("--timeout-s must be > 0", timeout_s <= 0)):
+        if bad:
+            raise _fail(flag)
+    if api_key is not None:
+        typer.echo("warning: --api-key is deprecated: use --auth-token", err=True)
+        auth_token = auth_token or api_key
     import asyncio
 
-    from turnstile.bench.replay import ReplaySpec, load_workflows, run_replay
+    import httpx
 
+    from turnstile.bench.replay import ReplaySpec, load_workflows, run_replay
+    from turnstile.bench.usage import check_out_dir
+
+    if not target.startswith(("http://", "https://")):
+        raise _fail(f"--target {target}: expected an http(s) URL")
     spec = ReplaySpec(target=target.rstrip("/"), trace=trace, rate=rate, workflows=workflows,
                       time_scale=time_scale, max_context=max_context, max_tokens=max_tokens,
                       max_turns=max_turns, model=model, stream=stream, arrivals=arrivals,
-                      label=label, api_key=api_key, subset=subset, seed=seed,
+                      label=label, api_key=auth_token, subset=subset, seed=seed,
                       timeout_s=timeout_s)
     try:
+        check_out_dir(out)
         wfs, trace_info = load_workflows(spec)
+        _check_target(spec.target)
     except (ValueError, OSError) as e:
         raise _fail(str(e)) from None
     typer.echo(f"replaying {len(wfs)} sessions from {trace_info['name']} against {target}",
                err=True)
-    path, summary = asyncio.run(run_replay(spec, wfs, trace_info, out))
+    try:
+        path, summary = asyncio.run(run_replay(spec, wfs, trace_info, out))
+    except httpx.HTTPError as e:
+        raise _fail(f"--target {target}: {type(e).__name__}: {e}") from None
     typer.echo(summary)
     typer.echo(f"wrote {path}")
+
+
+def _check_target(url: str) -> None:
+    """``--target`` must answer HTTP (any status) before the replay starts."""
+    import httpx
+
+    try:
+        httpx.get(f"{url}/v1/models", timeout=5.0)
+    except httpx.HTTPError as e:
+        raise ValueError(f"--target {url}: cannot connect ({e or type(e).__name__})") from None
 
 
 def register(app: typer.Typer) -> None:

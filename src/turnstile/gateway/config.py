@@ -39,12 +39,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from turnstile.policies import ADMISSION, RELEASE, RETENTION, ROUTING, PolicySet
+from turnstile.policies import PolicySet
 
-__all__ = ["EngineConfig", "GatewayConfig", "build_policies", "load_config", "parse_engine_flag"]
-
-_POLICY_REGISTRIES = {"release": RELEASE, "routing": ROUTING, "admission": ADMISSION,
-                      "retention": RETENTION}
+__all__ = ["EngineConfig", "GatewayConfig", "load_config", "parse_engine_flag"]
 
 
 @dataclass
@@ -97,7 +94,9 @@ class GatewayConfig:
     max_attempts: int = 3
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
-    health_interval_s: float = 2.0
+    #: an engine that is up is health-checked this often (a dead one's turns move at the next
+    #: check: keep it well under the 2 s a turn may wait for that)
+    health_interval_s: float = 1.0
     #: a failed engine is re-checked this often
     recheck_interval_s: float = 0.5
     #: scrape engines' /metrics for queue lengths this often (0: never)
@@ -135,7 +134,7 @@ class GatewayConfig:
             raise ValueError("max_body_bytes and max_header_bytes must be >= 1")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
-        build_policies(self.policy, self.policy_params)
+        PolicySet.from_spec(self.policy, self.policy_params)
 
 
 def parse_engine_flag(value: str) -> EngineConfig:
@@ -151,26 +150,6 @@ def parse_engine_flag(value: str) -> EngineConfig:
     if len(parts) > 3:
         raise ValueError(f"--engine {value!r}: expected URL[,kind[,name]]")
     return cfg
-
-
-def build_policies(spec: str, params: dict[str, dict[str, Any]] | None = None) -> PolicySet:
-    """``PolicySet.from_spec(spec)``, with constructor arguments for chosen kinds."""
-    ps = PolicySet.from_spec(spec)
-    if not params:
-        return ps
-    parts: dict[str, Any] = {k: getattr(ps, k) for k in _POLICY_REGISTRIES}
-    for kind, kw in params.items():
-        if kind not in _POLICY_REGISTRIES:
-            valid = ", ".join(_POLICY_REGISTRIES)
-            raise ValueError(f"unknown policy kind {kind!r}; valid: {valid}")
-        name = parts[kind].name
-        try:
-            parts[kind] = _POLICY_REGISTRIES[kind].create(name, **kw)
-        except TypeError as e:
-            raise ValueError(f"bad parameters for {kind} policy {name!r}: {e}") from None
-    if ps.admission is ps.release and "admission" not in params:
-        parts["admission"] = parts["release"]  # PLAS orders its own engine queues
-    return PolicySet(spec=spec, **parts)
 
 
 _ENGINE_KEYS = {f.name for f in fields(EngineConfig)} - {"options"}

@@ -76,7 +76,7 @@ class ReleaseDriver:
         queue = deque(actions)
         while queue:
             a = queue.popleft()
-            if type(a) is Release:
+            if isinstance(a, Release):
                 p = self.by_rec.get(a.turn)
                 if p is None:  # not ours (cannot happen)
                     log.error("release of an unknown turn %r", a.turn)

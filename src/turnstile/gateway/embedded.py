@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import uvicorn
 
@@ -24,7 +24,8 @@ class ServerThread:
     """
 
     def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0,
-                 lifespan: str = "auto", log_level: str = "warning") -> None:
+                 lifespan: Literal["auto", "on", "off"] = "auto",
+                 log_level: str = "warning") -> None:
         self.app = app
         # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets (else Nagle and
         # delayed ACKs add ~40 ms to every response written in two parts)
@@ -97,8 +98,9 @@ def start_gateway(engines: list[Any], *, policy: str = "eager", policies: Any = 
     ``backend``: a state backend object (else ``cfg['db']`` or none)."""
     from turnstile.gateway.adapters import EngineAdapter, make_adapter
     from turnstile.gateway.app import GatewayApp
-    from turnstile.gateway.config import EngineConfig, GatewayConfig, build_policies
+    from turnstile.gateway.config import EngineConfig, GatewayConfig
     from turnstile.gateway.service import Gateway
+    from turnstile.policies import PolicySet
 
     backend = cfg.pop("backend", None)
     cfg.setdefault("stats_interval_s", 0.0)
@@ -106,6 +108,6 @@ def start_gateway(engines: list[Any], *, policy: str = "eager", policies: Any = 
     adapters = [e if isinstance(e, EngineAdapter) else make_adapter(e, kind) for e in engines]
     config.engines = [EngineConfig(a.base_url, a.kind) for a in adapters]
     gw = Gateway(config, adapters=adapters, backend=backend,
-                 policies=policies or build_policies(policy, config.policy_params))
+                 policies=policies or PolicySet.from_spec(policy, config.policy_params))
     app = GatewayApp(gw)
     return GatewayServer(app, ServerThread(app, port=port).start())

@@ -1,5 +1,7 @@
 """A turn's size before it runs: prompt tokens from characters (a ratio learned from the
-engines' real ``usage.prompt_tokens``) or the engine's tokenizer, output from ``max_tokens``."""
+engines' real ``usage.prompt_tokens``) or the engine's tokenizer, output from ``max_tokens`` —
+or from the client's own expectation, Dynamo's ``nvext.agent_hints.osl``, capped by
+``max_tokens``."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any
 from turnstile.gateway.protocol import CHAT_PATH
 from turnstile.workload.model import Turn
 
-__all__ = ["TokenEstimator", "prompt_chars", "prompt_text"]
+__all__ = ["TokenEstimator", "output_hint", "prompt_chars", "prompt_text"]
 
 
 def prompt_chars(path: str, body: dict[str, Any]) -> int:
@@ -48,6 +50,16 @@ def prompt_text(path: str, body: dict[str, Any]) -> str:
 
 
 
+def output_hint(body: dict[str, Any]) -> int | None:
+    """Dynamo's ``nvext.agent_hints.osl``: the output tokens the client expects, when given."""
+    nvext = body.get("nvext")
+    hints = nvext.get("agent_hints") if isinstance(nvext, dict) else None
+    osl = hints.get("osl") if isinstance(hints, dict) else None
+    if isinstance(osl, int | float) and not isinstance(osl, bool) and osl >= 1:
+        return int(osl)
+    return None
+
+
 class TokenEstimator:
     """``tokenize`` (optional) counts a prompt exactly through an engine; None when it cannot."""
 
@@ -67,8 +79,11 @@ class TokenEstimator:
             if counted is not None:
                 prompt = max(1, counted)
         context = min(known_context_tokens, max(prompt - 1, 0))
-        out = body.get("max_completion_tokens") or body.get("max_tokens")
-        out = out if isinstance(out, int) and out > 0 else self.default_output_tokens
+        cap = body.get("max_completion_tokens") or body.get("max_tokens")
+        cap = cap if isinstance(cap, int) and cap > 0 else None
+        hint = output_hint(body)  # the client's expected output, within its cap
+        out = (min(hint, cap) if cap else hint) if hint is not None else (
+            cap or self.default_output_tokens)
         return Turn(input_tokens=prompt - context, output_tokens=out,
                     context_tokens=context), chars
 

@@ -3,6 +3,13 @@
 The scheduler hears about health only through ``engine_stats(healthy=...)``; an engine is never
 marked down when it is the last one up (routing needs one; a turn sent to a dead engine fails
 fast and is retried).
+
+An engine found dead — its health check refused or answered non-200, a turn's connection to it
+refused or reset, or two health checks in a row unanswered — has every request in flight to it
+dropped at once (:meth:`EngineAdapter.abort_inflight`): a turn that has streamed no token is
+re-routed by the service's retry loop, a streaming one ends with an error event. Without that, a
+process that stops serving but keeps its connections open (vLLM after SIGTERM, at times) holds
+its turns until the read timeout.
 """
 
 from __future__ import annotations
@@ -48,7 +55,9 @@ class HealthMonitor:
     def up(self, eid: str) -> bool:
         return self.engines[eid].up
 
-    def set_health(self, eid: str, up: bool) -> None:
+    def set_health(self, eid: str, up: bool, *, dead: bool = False) -> None:
+        """Record a health verdict; ``dead``: the engine is known not to serve (its in-flight
+        requests are dropped, see the module docstring)."""
         st = self.engines[eid]
         if st.up != up:
             log.warning("engine %s is %s", eid, "up" if up else "DOWN")
@@ -57,6 +66,11 @@ class HealthMonitor:
         st.next_check_s = self.now() + (self.config.health_interval_s if up
                                         else self.config.recheck_interval_s)
         self._sync()
+        if not up and dead:
+            dropped = self.adapters[eid].abort_inflight()
+            if dropped:
+                log.warning("engine %s is dead: dropped its %d requests in flight (re-routed "
+                            "where nothing was streamed)", eid, dropped)
 
     def _sync(self) -> None:
         view = self.scheduler.view
@@ -80,12 +94,16 @@ class HealthMonitor:
             self.models = list(dict.fromkeys(m for ms in found for m in ms))
 
     async def _check(self, eid: str) -> None:
-        self.set_health(eid, await self.adapters[eid].health())
+        state = await self.adapters[eid].health_state()
+        # unanswered twice in a row counts as dead; once may be a slow moment
+        silent_again = state == "silent" and self.engines[eid].failures >= 1
+        self.set_health(eid, state == "up", dead=state == "down" or silent_again)
 
     async def health_loop(self, on_round: Callable[[], None]) -> None:
         """Re-check engines when due; ``on_round`` runs after each round (a safety-net tick)."""
         while True:
-            await asyncio.sleep(min(self.config.recheck_interval_s, 0.5))
+            await asyncio.sleep(min(self.config.recheck_interval_s,
+                                    self.config.health_interval_s, 0.25))
             now = self.now()
             due = [eid for eid, st in self.engines.items() if st.next_check_s <= now]
             if due:

@@ -122,7 +122,7 @@ async def started(out: Outcome) -> Outcome:
 
 async def sse_from_response(path: str, resp: dict[str, Any]) -> AsyncGenerator[bytes, None]:
     """A complete (non-streamed) response replayed as an OpenAI SSE stream."""
-    base = {k: resp.get(k) for k in ("id", "created", "model") if k in resp}
+    base: dict[str, Any] = {k: resp.get(k) for k in ("id", "created", "model") if k in resp}
     chat = path == CHAT_PATH
     base["object"] = "chat.completion.chunk" if chat else "text_completion"
     for ch in resp.get("choices") or ():

@@ -41,11 +41,11 @@ class RecoveryHost(Protocol):
     durable: Durability | None
     replicas: ReplicaSync | None
 
-    def _ready(self, p: PendingTurn, turn: Turn, ready_s: float | None = None) -> None: ...
+    def make_ready(self, p: PendingTurn, turn: Turn, ready_s: float | None = None) -> None: ...
 
-    async def _serve(self, p: PendingTurn) -> Outcome: ...
+    async def serve(self, p: PendingTurn) -> Outcome: ...
 
-    async def _run(self, p: PendingTurn) -> Outcome: ...
+    async def run(self, p: PendingTurn) -> Outcome: ...
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]: ...
 
@@ -91,7 +91,7 @@ class Recovery:
             p.client_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
         s.active = p
         host.by_request[p.request_id] = p
-        host._ready(p, Turn(h.input_tokens, h.output_tokens, h.context_tokens), h.ready_s)
+        host.make_ready(p, Turn(h.input_tokens, h.output_tokens, h.context_tokens), h.ready_s)
 
     def serve_detached(self, p: PendingTurn) -> None:
         if p.detached_done is None:
@@ -107,7 +107,7 @@ class Recovery:
         host = self.host
         try:
             try:
-                out = await host._serve(p)
+                out = await host.serve(p)
             except GatewayError as e:
                 out = Outcome(e.status, [JSON_CT], body=e.body())
             assert out.body is not None
@@ -158,7 +158,7 @@ class Recovery:
                 p.body["stream"] = False
         if p.state == TurnState.READY and (p.waker is None or p.waker.done()):
             p.waker = asyncio.get_running_loop().create_future()
-        return await self.host._run(p)
+        return await self.host.run(p)
 
     async def cached_outcome(self, rid: str, req: TurnRequest) -> Outcome | None:
         cached = self.results.get(rid)

@@ -6,6 +6,13 @@ first streamed token, ``finished`` with the engine's real ``usage.completion_tok
 ``failed`` when an attempt failed before anything reached the client — then
 :class:`RetryableFailure` is raised and the service's one retry loop re-readies the turn. After
 bytes were streamed, a failure becomes an SSE error event (the HTTP status was already sent).
+
+Nothing reaches the client before the turn's first token: a stream's leading events (the role
+chunk) are held until a token, a finish or ``[DONE]`` arrives, so a turn whose engine dies or
+aborts it before its first token is re-routed, not cut short. A stream that ends without
+``[DONE]``, or that the engine marks aborted (:meth:`EngineAdapter.aborted_event`), ends with an
+error event; a whole reply the engine marks aborted (:meth:`EngineAdapter.aborted_reply`) is
+re-routed.
 """
 
 from __future__ import annotations
@@ -102,8 +109,13 @@ class Relay:
             self._end(adapter, hints)
             self.events.turn_finished(p, 0, None, cancelled=True)
             raise
-        self._end(adapter, hints)
         usage = None
+        with contextlib.suppress(ValueError):
+            if adapter.aborted_reply(resp.json()):
+                self._end(adapter, hints)
+                self.events.turn_failed(p, False, "the engine aborted the turn")
+                raise RetryableFailure(f"engine {p.engine} aborted the turn")
+        self._end(adapter, hints)
         with contextlib.suppress(ValueError, AttributeError, TypeError, IndexError):
             obj = resp.json()
             usage = obj.get("usage")
@@ -138,12 +150,24 @@ class Relay:
     async def _forward_stream(self, p: PendingTurn, adapter: EngineAdapter,
                               hints: ForwardHints) -> Outcome:
         gen = adapter.stream_batches(p.path, p.body, hints)
+        first: list[bytes] = []
         try:
-            first = await gen.__anext__()
+            while True:  # hold the leading events (a role chunk) until the first token
+                batch = await gen.__anext__()
+                first += batch
+                failed, begun = _leading(adapter, batch)
+                if failed is not None:
+                    await gen.aclose()
+                    self._end(adapter, hints)
+                    self.events.turn_failed(p, False, failed)
+                    raise RetryableFailure(f"engine {p.engine}: {failed}")
+                if begun:
+                    break
         except StopAsyncIteration:
             self._end(adapter, hints)
-            self.events.turn_failed(p, False, "empty stream")
-            raise RetryableFailure(f"engine {p.engine} closed the stream without data") from None
+            self.events.turn_failed(p, False, "stream ended before its first token")
+            raise RetryableFailure(f"engine {p.engine} closed the stream before its first "
+                                   "token") from None
         except (UpstreamHTTPError, UpstreamError) as e:
             return self._failed_before_reply(p, adapter, hints, e)
         except BaseException:
@@ -164,6 +188,7 @@ class Relay:
         usage: dict[str, Any] | None = None
         got_token = False
         completed = False
+        done = False  # [DONE] seen
         reply = p.reply_text
         args = p.reply_args if p.reply_args is not None else []
         batch = first
@@ -172,7 +197,12 @@ class Relay:
                 out: list[bytes] = []
                 for ev in batch:
                     forward = True
-                    if ev.startswith(b"data: {"):
+                    if adapter.aborted_event(ev):
+                        raise UpstreamError("the engine aborted the turn", engine_down=False,
+                                            streamed=True)
+                    if ev.startswith(b"data: [DONE]"):
+                        done = True
+                    elif ev.startswith(b"data: {"):
                         if not got_token or reply is not None or b'"usage"' in ev:
                             try:
                                 obj = json.loads(ev[6:])
@@ -201,6 +231,9 @@ class Relay:
                 try:
                     batch = await gen.__anext__()
                 except StopAsyncIteration:
+                    if not done:
+                        raise UpstreamError("the stream ended without [DONE]",
+                                            engine_down=False, streamed=True) from None
                     completed = True
                     return
         except UpstreamError as e:
@@ -215,6 +248,34 @@ class Relay:
             out_tokens = completion_tokens(usage)
             self.events.turn_finished(p, out_tokens if out_tokens is not None else chunks, usage,
                                  cancelled=not completed)
+
+
+def _leading(adapter: EngineAdapter, events: list[bytes]) -> tuple[str | None, bool]:
+    """Scan a stream's events before its first token: ``(failure, begun)`` — ``failure`` when
+    the engine reported an error or aborted the turn (nothing went to the client: re-route),
+    ``begun`` once a token, a finish or ``[DONE]`` arrived (the stream goes to the client)."""
+    for ev in events:
+        if ev.startswith(b"data: [DONE]"):
+            return None, True
+        if adapter.aborted_event(ev):
+            return "the engine aborted the turn", False
+        if not ev.startswith(b"data: {"):
+            continue
+        try:
+            obj = json.loads(ev[6:])
+        except ValueError:
+            continue
+        if not isinstance(obj, dict):
+            continue
+        if obj.get("error") is not None:
+            err = obj["error"]
+            msg = err.get("message") if isinstance(err, dict) else err
+            return f"error event before the first token: {msg}", False
+        choices = obj.get("choices")
+        if choices and (has_token(choices) or any(
+                isinstance(c, dict) and c.get("finish_reason") for c in choices)):
+            return None, True
+    return None, False
 
 
 def _collect(choices: list[Any], reply: list[str], args: list[str]) -> None:

@@ -45,7 +45,7 @@ class ReplicaHost(Protocol):
 
     async def cached_outcome(self, rid: str, req: TurnRequest) -> Outcome | None: ...
 
-    def _apply(self, actions: list[Action]) -> None: ...
+    def apply(self, actions: list[Action]) -> None: ...
 
 
 class ReplicaSync:
@@ -79,7 +79,7 @@ class ReplicaSync:
         peers, held = await self.state.exchange_load(own, sched.held_turns)
         for eid in sched.view.ids:
             peers.setdefault(eid, (0, 0, 0, 0))
-        self.host._apply(sched.peer_load(self.now(), peers, held))
+        self.host.apply(sched.peer_load(self.now(), peers, held))
         now = self.now()
         for flow_s, tool_s in await self.state.read_observations():
             sched.peer_observed(now, flow_time_s=flow_s, tool_time_s=tool_s)

@@ -15,7 +15,7 @@ Sessions come from ``x-session-id`` (or the body's ``user``), else from the conv
 after ``session_idle_s`` (their flow time is then recorded).
 
 Failures: an engine failing before anything was streamed to the client gets the turn re-routed
-by the one retry loop (:meth:`Gateway._serve`): the failed attempt is finished with 0 tokens and
+by the one retry loop (:meth:`Gateway.serve`): the failed attempt is finished with 0 tokens and
 the turn made READY again, so the routing policy, which now sees the engine down, picks another.
 After bytes were streamed the client gets an SSE error event. A client that goes away cancels the
 upstream request; a held turn whose client went away is finished without running when it is
@@ -39,7 +39,7 @@ from turnstile.gateway.affinity import (
     LocalKeyStore,
     last_user_text,
 )
-from turnstile.gateway.config import GatewayConfig, build_policies
+from turnstile.gateway.config import GatewayConfig
 from turnstile.gateway.driving import ReleaseDriver
 from turnstile.gateway.durability import Durability, OffsetClock
 from turnstile.gateway.estimate import TokenEstimator
@@ -65,11 +65,15 @@ from turnstile.gateway.shared import RedisState
 from turnstile.gateway.signals import engine_loads, tool_returns
 from turnstile.gateway.store import HeldTurnRow, SessionRow, StateBackend, Store
 from turnstile.policies import PolicySet
+from turnstile.transport.retry import RetryRule
 from turnstile.workload.model import Turn
 
 __all__ = ["CHAT_PATH", "COMPLETIONS_PATH", "Gateway", "GatewayError", "Outcome", "TurnRequest"]
 
 log = logging.getLogger("turnstile.gateway")
+#: the wait before a failed turn is made READY again (the one retry rule's backoff; the
+#: number of attempts is the config's max_attempts)
+_REROUTE = RetryRule(backoff_s=0.05, max_backoff_s=0.5)
 
 PENDING, READY, RELEASED, RUNNING, DONE = (TurnState.PENDING, TurnState.READY,
                                            TurnState.RELEASED, TurnState.RUNNING, TurnState.DONE)
@@ -100,7 +104,7 @@ class Gateway:
         self.adapters: dict[str, EngineAdapter] = {a.id: a for a in adapters}
         if len(self.adapters) != len(adapters):
             raise ValueError(f"engine ids must be unique: {[a.id for a in adapters]}")
-        self.policies = policies or build_policies(config.policy, config.policy_params)
+        self.policies = policies or PolicySet.from_spec(config.policy, config.policy_params)
         self.scheduler = Scheduler(
             self.policies,
             engine_loads(adapters, config.engines),
@@ -116,7 +120,7 @@ class Gateway:
         self.sessions = self.table.sessions
         self.by_request: dict[str, PendingTurn] = {}
         self.health = HealthMonitor(self.adapters, self.scheduler, config, self.clock.now,
-                                    self._apply)
+                                    self.apply)
         self.driver = ReleaseDriver(self)
         self.relay = Relay(self.adapters, self, self.metrics, self.clock.now)
         self.recovery = Recovery(self)
@@ -229,7 +233,11 @@ class Gateway:
         if not task.cancelled() and task.exception() is not None:
             log.error("gateway task failed", exc_info=task.exception())
 
-    def _apply(self, actions: list[Action]) -> None:
+    # the service's public face to its helpers (driving, recovery, replicas, health: each
+    # declares what it uses as a Protocol): apply, make_ready, serve, run, spawn and the rest
+    def apply(self, actions: list[Action]) -> None:
+        """Carry out the scheduler's actions (releases wake held turns; retains go to the
+        engines)."""
         self.driver.apply(actions)
 
     def adopt(self, h: HeldTurnRow, session: SessionRow | None = None) -> None:
@@ -288,13 +296,13 @@ class Gateway:
             turn, p.prompt_chars = await self.estimator.estimate(p.path, p.body,
                                                                  session.context_tokens)
             self.admitting -= 1
-            self._ready(p, turn)
+            self.make_ready(p, turn)
             if self.durable is None or not self.durable.backend.shared:
-                return await self._run(p)
+                return await self.run(p)
             # another replica serves it if this one dies (written in the next batch, not
             # waited for: until then its client's retry is what serves it elsewhere)
             self.durable.accepted(p)
-            out = await self._run(p)
+            out = await self.run(p)
             if out.events is None:
                 # marked answered before the answer goes out: a replica that dies now leaves
                 # nothing for another to run again
@@ -313,7 +321,7 @@ class Gateway:
                 return await a.tokenize(text)
         return None
 
-    def _ready(self, p: PendingTurn, turn: Turn, ready_s: float | None = None) -> None:
+    def make_ready(self, p: PendingTurn, turn: Turn, ready_s: float | None = None) -> None:
         """The turn becomes READY in the scheduler (again, after a failed attempt)."""
         p.turn = turn
         s = p.session
@@ -333,11 +341,11 @@ class Gateway:
                                                  ready_s=ready_s, tool_returns=tool_returns(p.body))
         p.rec = rec
         self.driver.track(rec, p)
-        self._apply(actions)
+        self.apply(actions)
         if p.state == READY and self.durable is not None:
             self.durable.held(p, now)
 
-    async def _serve(self, p: PendingTurn) -> Outcome:
+    async def serve(self, p: PendingTurn) -> Outcome:
         """The one retry loop: wait for release, forward, and on a failure before anything
         reached the client re-ready the turn (the routing policy then sees the engine down),
         up to ``max_attempts``."""
@@ -352,17 +360,18 @@ class Gateway:
             except RetryableFailure as r:
                 self.metrics.turns_failed.labels(p.engine, "upstream").inc()
                 if attempt >= self.config.max_attempts:
-                    self._apply(self._turn_over(p))
+                    self.apply(self._turn_over(p))
                     raise GatewayError(r.status, f"engine failed: {r}",
                                        type_="upstream_error", code="engine_failed") from None
                 self.metrics.turns_rerouted.inc()
-                await asyncio.sleep(min(0.05 * attempt, 0.5))
+                await asyncio.sleep(_REROUTE.delay_s(attempt))
                 assert p.turn is not None
-                self._ready(p, p.turn)
+                self.make_ready(p, p.turn)
 
-    async def _run(self, p: PendingTurn) -> Outcome:
+    async def run(self, p: PendingTurn) -> Outcome:
+        """:meth:`serve`, detaching the turn when its client goes away (cancellation)."""
         try:
-            return await self._serve(p)
+            return await self.serve(p)
         except asyncio.CancelledError:
             self._detach(p)
             raise
@@ -372,7 +381,7 @@ class Gateway:
         p.attached = False
         if p.state == PENDING:
             # between attempts (or never made READY): nothing in the scheduler to drop
-            self._apply(self._turn_over(p))
+            self.apply(self._turn_over(p))
         elif p.state == READY:
             self.metrics.turns_cancelled.labels("held").inc()
             if not p.keep_result and self.durable is not None:
@@ -382,7 +391,7 @@ class Gateway:
                 self.serve_detached(p)
             else:
                 self.metrics.turns_cancelled.labels("released").inc()
-                self._apply(self.drop_released(p))
+                self.apply(self.drop_released(p))
 
     def drop_released(self, p: PendingTurn) -> list[Action]:
         """A released turn nobody wants any more: finish it without running it."""
@@ -416,19 +425,19 @@ class Gateway:
         self.scheduler.turn_first_token(self.clock.now(), rec.workflow_id, rec.index)
 
     def engine_failed(self, engine_id: str) -> None:
-        self.health.set_health(engine_id, False)
+        self.health.set_health(engine_id, False, dead=True)
 
     def turn_failed(self, p: PendingTurn, engine_down: bool, reason: str) -> None:
         """Finish a failed attempt with 0 tokens; the retry loop re-readies the turn."""
         log.warning("turn %s on %s failed: %s", p.request_id, p.engine, reason)
         if engine_down:
-            self.health.set_health(p.engine, False)
+            self.health.set_health(p.engine, False, dead=True)
         rec = p.rec
         assert rec is not None
         self.driver.untrack(rec)
         p.state = PENDING
         p.waker = None
-        self._apply(self.scheduler.turn_finished(self.clock.now(), rec.workflow_id, rec.index, 0))
+        self.apply(self.scheduler.turn_finished(self.clock.now(), rec.workflow_id, rec.index, 0))
 
     def turn_finished(self, p: PendingTurn, output_tokens: int | None, usage: dict[str, Any] | None,
                  *, cancelled: bool = False) -> None:
@@ -464,7 +473,7 @@ class Gateway:
                             "".join(p.reply_args or ()), last_user_text(p.body), p.engine,
                             s.context_tokens)
         actions.extend(self._turn_over(p))
-        self._apply(actions)
+        self.apply(actions)
 
     # ================================================================== turn over
     def _turn_over(self, p: PendingTurn) -> list[Action]:
@@ -521,5 +530,5 @@ class Gateway:
             if s.active is None and not s.waiters and now - s.last_active_s > idle:
                 actions.extend(self._close(s))
         if actions:
-            self._apply(actions)
+            self.apply(actions)
         self.recovery.expire(now - self.config.result_ttl_s)

@@ -35,8 +35,8 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -125,7 +125,7 @@ class RedisState:
     async def open(self) -> None:
         r = self.redis
         await r.set(f"{self.ns}:clock_origin", repr(time.time()), nx=True)
-        self._origin = float(await r.get(f"{self.ns}:clock_origin"))
+        self._origin = float(cast(bytes, await r.get(f"{self.ns}:clock_origin")))
         await self.heartbeat()
         await r.sadd(f"{self.ns}:replicas", self.replica)
         self._claim = r.register_script(_CLAIM)
@@ -270,7 +270,7 @@ class RedisState:
             return None
         if not h:
             return None
-        return (int(h[b"status"]), bytes(h[b"body"]), float(h[b"at"]), _s(h[b"path"]))
+        return (int(h[b"status"]), cast(bytes, h[b"body"]), float(h[b"at"]), _s(h[b"path"]))
 
     async def turn_status(self, request_id: str) -> tuple[str | None, bool]:
         """(the replica that accepted the turn, whether it was answered); (None, False) for a
@@ -306,7 +306,7 @@ class RedisState:
         return await self._rows(rids)
 
     # ------------------------------------------------------------------ load exchange
-    async def exchange_load(self, own: dict[str, tuple[int, ...]], held: int
+    async def exchange_load(self, own: Mapping[str, tuple[int, ...]], held: int
                             ) -> tuple[dict[str, tuple[int, int, int, int]], int]:
         """Publish this replica's load (per engine: released turns, released tokens, paused
         context tokens, paused sessions); returns the sum of the other live replicas'. A
@@ -344,7 +344,9 @@ class RedisState:
     async def read_observations(self, count: int = 1000
                                 ) -> list[tuple[float | None, float | None]]:
         """The other replicas' observations since the last call: (flow time, tool time)."""
-        got = await self.redis.xread({f"{self.ns}:learn": self._learn_from}, count=count)
+        # a list of (stream, entries) with bytes keys and values (the client does not decode)
+        got = cast(list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]],
+                   await self.redis.xread({f"{self.ns}:learn": self._learn_from}, count=count))
         out: list[tuple[float | None, float | None]] = []
         for _, entries in got:
             for entry_id, fields in entries:

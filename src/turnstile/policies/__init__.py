@@ -7,7 +7,9 @@ kinds left out take their defaults. ``--policies`` takes several specs separated
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from turnstile.core.interfaces import (
     AdmissionPolicy,
@@ -15,6 +17,7 @@ from turnstile.core.interfaces import (
     RetentionPolicy,
     RoutingPolicy,
 )
+from turnstile.core.registry import Registry
 
 # importing the modules registers their policies
 from turnstile.policies import (  # noqa: F401
@@ -30,7 +33,9 @@ from turnstile.policies import (  # noqa: F401
 from turnstile.policies.base import ADMISSION, RELEASE, RETENTION, ROUTING
 
 DEFAULTS = {"release": "eager", "routing": "kv-affinity", "admission": "fcfs", "retention": "lru"}
-_BY_KIND = {"release": RELEASE, "routing": ROUTING, "admission": ADMISSION, "retention": RETENTION}
+_BY_KIND: dict[str, Registry[Any]] = {
+    "release": RELEASE, "routing": ROUTING, "admission": ADMISSION, "retention": RETENTION,
+}
 
 
 @dataclass
@@ -48,7 +53,22 @@ class PolicySet:
         self.retention.bind(self.release)
 
     @classmethod
-    def from_spec(cls, spec: str) -> PolicySet:
+    def from_spec(
+        cls,
+        spec: str,
+        params: Mapping[str, Mapping[str, Any]] | None = None,
+        *,
+        router: RoutingPolicy | None = None,
+    ) -> PolicySet:
+        """The one way to build a set: ``spec`` names the policies (``cvar+kv-affinity``),
+        ``params`` gives constructor arguments per kind (``{"release": {"budget": 8}}``, a
+        gateway's ``[policy.release]`` table), ``router`` an already-built routing policy
+        used in place of the one the spec names (a rollout ablation). Raises ValueError on an
+        unknown name or kind and on bad parameters."""
+        params = params or {}
+        for kind in params:
+            if kind not in _BY_KIND:
+                raise ValueError(f"unknown policy kind {kind!r}; valid: {', '.join(_BY_KIND)}")
         chosen = dict(DEFAULTS)
         given: dict[str, str] = {}
         for raw in spec.split("+"):
@@ -64,17 +84,26 @@ class PolicySet:
                 )
             given[kind] = name
             chosen[kind] = name
-        rel = RELEASE.create(chosen["release"])
+
+        def make(kind: str) -> Any:
+            if kind not in params:
+                return _BY_KIND[kind].create(chosen[kind])
+            try:
+                return _BY_KIND[kind].create(chosen[kind], **params[kind])
+            except TypeError as e:
+                bad = f"bad parameters for {kind} policy {chosen[kind]!r}: {e}"
+                raise ValueError(bad) from None
+
+        rel = make("release")
         # a release policy may declare the engine-queue order that goes with it (PLAS's
-        # levels); it applies unless the spec names an admission policy
-        adm = rel.admission_order() if "admission" not in given else None
-        if adm is None:
-            adm = ADMISSION.create(chosen["admission"])
+        # levels); it applies unless the spec names an admission policy or gives it parameters
+        own = "admission" in given or "admission" in params
+        adm = None if own else rel.admission_order()
         return cls(
             release=rel,
-            routing=ROUTING.create(chosen["routing"]),
-            admission=adm,
-            retention=RETENTION.create(chosen["retention"]),
+            routing=router if router is not None else make("routing"),
+            admission=adm if adm is not None else make("admission"),
+            retention=make("retention"),
             spec=spec,
         )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Literal
+from typing import ClassVar, Literal
 
 from turnstile.core.state import EngineLoad, TurnRecord
 from turnstile.policies.base import ADMISSION
@@ -23,7 +23,7 @@ KvTierFn = Callable[[TurnRecord, EngineLoad], KvTier]
 class FcfsAdmission:
     """Baseline: one priority for all, so the engine admits in arrival order."""
 
-    name = "fcfs"
+    name: ClassVar[str] = "fcfs"
 
     def priority(self, turn: TurnRecord, engine: EngineLoad, now: float) -> float:
         return 0.0
@@ -63,7 +63,7 @@ class TieredAgingAdmission:
     "on the engine the previous turn ran on" (GPU) or not (gone).
     """
 
-    name = "tiered-aging"
+    name: ClassVar[str] = "tiered-aging"
 
     def __init__(
         self,
@@ -115,7 +115,7 @@ class CompatBatchingAdmission:
     and the EMA (updated on every release, weight ``alpha``) stands in for that majority.
     """
 
-    name = "compat-batching"
+    name: ClassVar[str] = "compat-batching"
 
     def __init__(
         self, *, bucket_s: float = 0.5, split_ratio: float = 4.0, alpha: float = 0.1

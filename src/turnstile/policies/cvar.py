@@ -44,6 +44,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Iterator
+from typing import ClassVar
 
 import numpy as np
 
@@ -98,7 +99,7 @@ class OutputEstimator:
 
 @RELEASE.register("cvar")
 class CvarRelease:
-    name = "cvar"
+    name: ClassVar[str] = "cvar"
 
     def __init__(
         self,
@@ -418,7 +419,7 @@ class CvarRelease:
 class CvarFixedBudgetRelease(CvarRelease):
     """``cvar`` with the budget B held fixed (the ablation the paper compares against)."""
 
-    name = "cvar-fixed"
+    name: ClassVar[str] = "cvar-fixed"
 
     def __init__(self, **kw: float) -> None:
         kw.setdefault("adapt", False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator
+from typing import ClassVar
 
 from turnstile.core.interfaces import AdmissionPolicy
 from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, TurnState, WorkflowRecord
@@ -21,7 +22,7 @@ class _KeyedGatedRelease:
     ``max_inflight_per_engine × engines`` are in flight, or when some engine is idle. A turn
     held longer than ``starvation_s`` goes first (anti-starvation)."""
 
-    name = "keyed"
+    name: ClassVar[str] = "keyed"
 
     def __init__(self, max_inflight_per_engine: int = 16, starvation_s: float = 60.0) -> None:
         self.max_inflight_per_engine = max_inflight_per_engine
@@ -99,7 +100,7 @@ class FcfsWorkflowRelease(_KeyedGatedRelease):
     """Workflows first come, first served: a turn of an older workflow goes before any turn of
     a newer one, behind the fixed in-flight cap."""
 
-    name = "fcfs-workflow"
+    name: ClassVar[str] = "fcfs-workflow"
 
     def sort_key(self, turn: TurnRecord) -> float:
         return turn.workflow.arrival_s
@@ -114,7 +115,7 @@ class PlasRelease(_KeyedGatedRelease):
     workflow arrival inside a level; turns held longer than ``starvation_s`` go first.
     """
 
-    name = "plas"
+    name: ClassVar[str] = "plas"
 
     def __init__(
         self,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
+from typing import ClassVar
 
 from turnstile.core.interfaces import AdmissionPolicy
 from turnstile.core.state import ClusterView, TurnRecord, WorkflowRecord
@@ -14,7 +15,7 @@ from turnstile.policies.base import RELEASE
 class EagerRelease:
     """Baseline: release every ready turn at once, first come first served."""
 
-    name = "eager"
+    name: ClassVar[str] = "eager"
 
     def __init__(self) -> None:
         self._queue: deque[TurnRecord] = deque()

@@ -7,6 +7,8 @@ never read a tool's duration from the trace.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from turnstile.core.actions import LRU, RetentionDecision
 from turnstile.core.interfaces import ReleasePolicy
 from turnstile.core.state import EngineLoad, TurnRecord
@@ -20,7 +22,7 @@ __all__ = ["ToolLatencyEstimator", "tool_key"]
 class LruRetention:
     """Baseline: no pinning; the engine's prefix cache evicts least-recently-used blocks."""
 
-    name = "lru"
+    name: ClassVar[str] = "lru"
 
     def on_tool_start(self, turn: TurnRecord, engine: EngineLoad, now: float) -> RetentionDecision:
         return LRU
@@ -46,7 +48,7 @@ class TtlRetention:
     already above ``max_ttl_s`` gets LRU: pinning through a call that long wastes memory.
     """
 
-    name = "ttl"
+    name: ClassVar[str] = "ttl"
 
     def __init__(
         self,
@@ -101,7 +103,7 @@ class BudgetKeepRetention(TtlRetention):
     is not worth the memory: LRU.
     """
 
-    name = "budget-keep"
+    name: ClassVar[str] = "budget-keep"
 
     #: the bound release policy (see :meth:`bind`); None: no hold
     release: ReleasePolicy | None = None
@@ -141,7 +143,7 @@ class InferceptRetention:
     and InferCept's observation that short contexts are best discarded would be lost.
     """
 
-    name = "infercept"
+    name: ClassVar[str] = "infercept"
 
     def __init__(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, WorkflowRecord
 from turnstile.policies.base import ROUTING
@@ -30,7 +31,7 @@ def _healthy(view: ClusterView) -> list[EngineLoad]:
 class RoundRobinRouting(StatelessRouting):
     """Baseline: engines in turn, skipping unhealthy ones."""
 
-    name = "round-robin"
+    name: ClassVar[str] = "round-robin"
 
     def __init__(self) -> None:
         self._next = 0
@@ -50,7 +51,7 @@ class PinnedRouting(StatelessRouting):
     of a run whose engine choices are fixed beforehand (the fidelity protocol's static
     assignment). Not in the registry: it needs the map."""
 
-    name = "pinned"
+    name: ClassVar[str] = "pinned"
 
     def __init__(self, engines: dict[str, str]) -> None:
         self.engines = engines
@@ -70,7 +71,7 @@ class LeastLoadedRouting(StatelessRouting):
     Ties go to the engine listed first, so the choice is deterministic.
     """
 
-    name = "least-loaded"
+    name: ClassVar[str] = "least-loaded"
 
     def route(self, turn: TurnRecord, view: ClusterView, now: float) -> str:
         return min(_healthy(view), key=lambda e: e.outstanding_tokens / e.weight).id
@@ -98,7 +99,7 @@ class LeastLoadedShadowRouting(StatelessRouting):
     sessions as zero load). Ties go to the engine listed first.
     """
 
-    name = "least-loaded-shadow"
+    name: ClassVar[str] = "least-loaded-shadow"
 
     def __init__(self, *, shadow: float = 1.0) -> None:
         self.shadow = shadow
@@ -117,7 +118,7 @@ class KvAffinityRouting(StatelessRouting):
     outstanding_tokens / weight; otherwise, and for a workflow's first turn, least-loaded.
     """
 
-    name = "kv-affinity"
+    name: ClassVar[str] = "kv-affinity"
 
     def __init__(
         self, *, balance_abs_tokens: float = 32_768.0, balance_rel: float = 1.5
@@ -161,7 +162,7 @@ class CompositeRouting(StatelessRouting):
     ``composite-noshadow`` is the same with ``shadow=0``.
     """
 
-    name = "composite"
+    name: ClassVar[str] = "composite"
 
     def __init__(
         self,
@@ -222,7 +223,7 @@ class CompositeRouting(StatelessRouting):
 class CompositeNoShadowRouting(CompositeRouting):
     """``composite`` with ``shadow=0``: paused sessions count as zero load (ablation)."""
 
-    name = "composite-noshadow"
+    name: ClassVar[str] = "composite-noshadow"
 
     def __init__(self, *, shadow: float = 0.0, **kwargs: float) -> None:
         super().__init__(shadow=shadow, **kwargs)
@@ -238,7 +239,7 @@ class HintedRouting:
     unhealthy engine) ask the ``fallback`` routing policy (default ``kv-affinity``).
     """
 
-    name = "hinted"
+    name: ClassVar[str] = "hinted"
 
     def __init__(self, *, fallback: str = "kv-affinity", **fallback_params: object) -> None:
         if fallback == "hinted":

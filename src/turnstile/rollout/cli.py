@@ -30,15 +30,23 @@ def register(app: typer.Typer) -> None:
 
 
 def _fail(message: str) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {message}")
-    return typer.Exit(2)
+    from turnstile.bench.usage import fail
+
+    return fail(message)
 
 
-def _policies(text: str) -> list[str]:
+def _policies(text: str, old: str | None = None) -> list[str]:
+    """``--policies a,b`` (``--policy``, the old spelling, still works, with a warning)."""
+    if old is not None:
+        err_console.print("[yellow]warning:[/] --policy is deprecated: use --policies")
+        text = old
     out = [p.strip() for p in text.split(",") if p.strip()]
     if not out:
-        raise _fail("--policy needs at least one name")
+        raise _fail("--policies needs at least one name")
     return out
+
+
+_OLD_POLICY = typer.Option("--policy", hidden=True, help="Deprecated spelling of --policies")
 
 
 def render_sim(results: dict[str, Any], con: Console) -> None:
@@ -90,13 +98,14 @@ def render_sim(results: dict[str, Any], con: Console) -> None:
 @rollout_app.command("sim")
 def sim_cmd(
     steps: Annotated[int, typer.Option("--steps", min=1, help="RL steps to simulate")] = 5,
-    gpus: Annotated[int, typer.Option("--gpus", min=2, help="GPUs in the pool")] = 16,
-    policy: Annotated[
-        str, typer.Option("--policy", help="Comma-separated routing policies: least-open, "
+    gpus: Annotated[int, typer.Option("--gpus", help="GPUs in the pool (2 to 1,024)")] = 16,
+    policies: Annotated[
+        str, typer.Option("--policies", help="Comma-separated routing policies: least-open, "
                           "length-predict, cmlfq, cmlfq-adaptive (least-open:nosticky, "
                           "cmlfq-adaptive:notree ...)")
     ] = "least-open,cmlfq",
-    out: Annotated[Path | None, typer.Option("--out", help="Write results.json here")] = None,
+    out: Annotated[Path | None, typer.Option("-o", "--out", help="Write results.json here")]
+    = None,
     workload: Annotated[
         str, typer.Option(help="tool-heavy (fitted agent sessions), r2e-gym, search-r1 or "
                           "dapo-math (Libra-like)")
@@ -131,28 +140,29 @@ def sim_cmd(
     partial: Annotated[
         float, typer.Option(help="Partial rollout: a step ends when this fraction is done")
     ] = 1.0,
+    policy: Annotated[str | None, _OLD_POLICY] = None,
 ) -> None:
     """Simulate RL rollout steps for each policy; per-step makespan and plan (simulated)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from turnstile.bench.usage import check_out_dir
     from turnstile.core.registry import UnknownNameError
     from turnstile.rollout.experiment import RolloutSimRequest, run_rollout_sim
 
-    if mode not in ("off-policy", "sync"):
-        raise _fail("--mode must be off-policy or sync")
-    if not 0.0 < partial <= 1.0:
-        raise _fail("--partial must be in (0, 1]")
     req = RolloutSimRequest(
-        steps=steps, gpus=gpus, policies=_policies(policy), prompts=prompts, samples=samples,
-        workload=workload,
+        steps=steps, gpus=gpus, policies=_policies(policies, policy), prompts=prompts,
+        samples=samples, workload=workload,
         seed=seed, tool_time_scale=tool_time_scale, gpu=gpu, model=model, mix=mix,
         train_gpus=train_gpus, tiered=not any_mix, mode=mode, partial_frac=partial,
     )
     try:
+        req.validate()
+        if out is not None:
+            check_out_dir(out)
         # a step's trajectories: N prompts × G samples (drawing a batch only to count it
         # cost a policy's worth of workload draws)
         n = req.make_workload().spec.batch_size
-    except (ValueError, UnknownNameError) as e:
+    except (ValueError, KeyError, UnknownNameError) as e:
         raise _fail(str(e)) from None
     console.print(
         f"[bold]simulated[/] {steps} RL steps × {n} {workload} trajectories on {gpus}× {gpu}"
@@ -189,7 +199,8 @@ def live_cmd(
     model: Annotated[
         Path | None, typer.Option(help="GGUF model (default: the tiny random test model)")
     ] = None,
-    out: Annotated[Path | None, typer.Option(help="Write live.json here")] = None,
+    out: Annotated[Path | None, typer.Option("-o", "--out", help="Write live.json here")]
+    = None,
     steps: Annotated[int, typer.Option(min=1, help="Batches to run (the router learns)")] = 1,
 ) -> None:
     """Run tool-calling trajectories against two real llama.cpp engines (two buckets).

@@ -19,7 +19,10 @@ from turnstile.rollout.planner import Plan, PlannerConfig, RLLoop, StepRecord
 from turnstile.rollout.sim import SimConfig, parse_mix
 from turnstile.rollout.workload import RolloutSpec, RolloutTrajectory, RolloutWorkload
 
-__all__ = ["RolloutSimRequest", "SharedBatches", "make_router", "run_rollout_sim"]
+__all__ = ["MAX_GPUS", "RolloutSimRequest", "SharedBatches", "make_router", "run_rollout_sim"]
+
+#: the largest GPU pool ``rollout sim`` takes (the planner simulates layouts of the whole pool)
+MAX_GPUS = 1024
 
 
 #: ``name:option`` ablations the CLI accepts, as constructor arguments
@@ -72,6 +75,51 @@ class RolloutSimRequest:
     replan_every: int = 10
     spec_overrides: dict[str, Any] = field(default_factory=dict)
 
+    def validate(self) -> None:
+        """Check every knob before any work, naming the CLI flag (``ValueError``; an unknown
+        policy, GPU or model raises the registry's error listing the valid names)."""
+        from turnstile.bench.runner import check_tp
+        from turnstile.sim.roofline_perf import load_gpu, load_model
+
+        if self.steps < 1:
+            raise ValueError("--steps must be >= 1")
+        if not 2 <= self.gpus <= MAX_GPUS:
+            raise ValueError(f"--gpus {self.gpus}: the pool holds 2 to {MAX_GPUS:,} GPUs")
+        if not self.policies:
+            raise ValueError("--policies needs at least one name")
+        for p in self.policies:
+            make_router(p)
+        load_gpu(self.gpu)
+        load_model(self.model)
+        if self.tool_time_scale < 0:
+            raise ValueError(f"--tool-time-scale must be >= 0, got {self.tool_time_scale:g}")
+        if not 0.0 < self.partial_frac <= 1.0:
+            raise ValueError(f"--partial must be in (0, 1], got {self.partial_frac:g}")
+        if self.mode not in ("off-policy", "sync"):
+            raise ValueError(f"--mode must be off-policy or sync, got {self.mode!r}")
+        if self.train_gpus is not None and self.mix is None:
+            raise ValueError("--train-gpus needs --mix (without it the planner splits the GPUs)")
+        if self.train_gpus is not None and self.train_gpus < 0:
+            raise ValueError(f"--train-gpus must be >= 0, got {self.train_gpus}")
+        if self.mix is not None:
+            try:
+                mix = parse_mix(self.mix)
+            except ValueError as e:
+                raise ValueError(f"--mix {self.mix}: {e}") from None
+            for b in mix:
+                check_tp(self.model, b.tp, flag=f"--mix {self.mix}: TP")
+            self.planner_config()  # the mix and the training GPUs fit --gpus
+        elif self.mode == "off-policy":
+            from turnstile.rollout.planner import Planner
+            from turnstile.rollout.training import TrainModel
+
+            train = TrainModel.for_names(self.gpu, self.model)
+            if not Planner(self.planner_config(), self.sim_config(), train).splits():
+                raise ValueError(f"--gpus {self.gpus}: too few to hold a rollout engine and "
+                                 f"training ({self.model} trains on {train.min_gpus()} GPUs); "
+                                 "raise --gpus or use --mode sync")
+        self.make_workload()  # an unknown --workload lists the valid ones
+
     def rollout_spec(self) -> RolloutSpec:
         return RolloutSpec(n_prompts=self.prompts or 32, group_size=self.samples or 8,
                            seed=self.seed, tool_time_scale=self.tool_time_scale,
@@ -97,9 +145,12 @@ class RolloutSimRequest:
             mix = parse_mix(self.mix)
             rollout = sum(b.gpus for b in mix)
             train = self.gpus - rollout if self.train_gpus is None else self.train_gpus
+            if rollout > self.gpus:
+                raise ValueError(f"--mix {self.mix} needs {rollout} GPUs, more than --gpus "
+                                 f"{self.gpus}")
             if train < 0 or rollout + train > self.gpus:
-                raise ValueError(f"mix {self.mix} ({rollout} GPUs) + {train} training GPUs "
-                                 f"exceed --gpus {self.gpus}")
+                raise ValueError(f"--mix {self.mix} ({rollout} GPUs) and --train-gpus {train} "
+                                 f"need {rollout + train} GPUs, more than --gpus {self.gpus}")
             static = Plan(mix, train)
         return PlannerConfig(total_gpus=self.gpus, mode=self.mode,  # type: ignore[arg-type]
                              tiered=self.tiered, static=static, replan_every=self.replan_every)
@@ -134,10 +185,7 @@ def run_rollout_sim(
     on_step: Callable[[str, StepRecord], None] | None = None,
 ) -> dict[str, Any]:
     """Run every policy; returns the ``results.json`` document."""
-    if req.steps < 1:
-        raise ValueError("steps must be >= 1")
-    for p in req.policies:
-        make_router(p)  # validate names before any work
+    req.validate()  # every knob before any work
     # every policy runs the same seeded batches: drawn once, by the first policy that asks
     workload = SharedBatches(req.make_workload())
     spec = workload.spec

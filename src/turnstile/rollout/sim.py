@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from turnstile.core.state import WorkflowRecord
-from turnstile.policies import ADMISSION, RELEASE, RETENTION, ROUTING, PolicySet, RoutingPolicy
+from turnstile.policies import ROUTING, PolicySet, RoutingPolicy
 from turnstile.rollout.workload import RolloutTrajectory
 from turnstile.sim.cluster import ClusterSim, EngineGroup
 from turnstile.sim.perf import PerfModel
@@ -70,6 +70,8 @@ def parse_mix(text: str) -> tuple[Bucket, ...]:
         if not p.startswith("tp") or "x" not in p:
             raise ValueError(f"bad bucket {part!r}: expected tpNxM, e.g. tp2x4")
         tp_s, n_s = p[2:].split("x", 1)
+        if not (tp_s.isdigit() and n_s.isdigit()):
+            raise ValueError(f"bad bucket {part!r}: expected tpNxM, e.g. tp2x4")
         tp, n = int(tp_s), int(n_s)
         if tp < 1 or n < 0:
             raise ValueError(f"bad bucket {part!r}")
@@ -158,10 +160,7 @@ def _tp_perf(gpu: str, model: str, tp: int) -> PerfModel:
 
 def _policies(routing: RoutingPolicy | str) -> PolicySet:
     router = ROUTING.create(routing) if isinstance(routing, str) else routing
-    return PolicySet(
-        release=RELEASE.create("eager"), routing=router, admission=ADMISSION.create("fcfs"),
-        retention=RETENTION.create("lru"), spec=f"eager+{router.name}",
-    )
+    return PolicySet.from_spec(f"eager+{router.name}", router=router)
 
 
 class RolloutCluster:

@@ -4,8 +4,8 @@
 are not (yet) in the prefix cache; *cached* blocks are named (see below), shared by every
 request whose prompt starts with them, and *evictable* when no running request holds them and
 no retention pin protects them. Evictable units wait in an LRU list; an allocation that finds
-too few free blocks evicts the oldest (to the CPU tier when there is one, as vLLM's CPU offload
-connector; otherwise they are gone). The tier drops its own oldest blocks when full.
+too few free blocks evicts the oldest (to the CPU tier when there is one, as a CPU offload
+connector does; otherwise they are gone). The tier drops its own oldest blocks when full.
 
 How blocks are named (what makes two requests share KV):
 
@@ -15,12 +15,12 @@ How blocks are named (what makes two requests share KV):
   (refcounted) one hash block at a time.
 * Every later block (all of them without ``block_hashes``) is named by the session and its
   position: a session's turn n+1 extends turn n's prompt and output, so its blocks match. The
-  session-named blocks of a session form one :class:`Seg` that caches, evicts (tail first, as
-  vLLM frees blocks in reverse) and offloads as a range in O(1). The LRU therefore orders
-  segments and hash blocks, not single blocks: a segment's tail is evicted first, and a whole
+  session-named blocks of a session form one :class:`Seg` that caches, evicts (tail first, as paged
+  engines free a request's blocks in reverse) and offloads as a range in O(1). The LRU therefore
+  orders segments and hash blocks, not single blocks: a segment's tail is evicted first, and a whole
   segment is as recent as its last release.
 
-The scheduler uses it check-then-commit, as nano-vllm's block manager: :meth:`match_prefix`
+The scheduler uses it check-then-commit, like a minimal block manager: :meth:`match_prefix`
 (read-only) → :meth:`can_allocate` → :meth:`allocate` on admission; :meth:`take` for the blocks
 of a growing request; :meth:`release` (insert into the prefix cache) when a request finishes or
 is preempted. Retention (pin, offload, discard) is in :mod:`turnstile.sim.kv_retention`.

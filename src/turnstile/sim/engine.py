@@ -1,13 +1,13 @@
-"""An iteration-level model of a continuous-batching engine (vLLM-like).
+"""An iteration-level model of a continuous-batching engine.
 
 One :meth:`EngineModel.step` is one engine iteration: every running decode emits one token,
 chunked prefills continue, and waiting requests are admitted while the token budget,
 ``max_num_seqs`` and free KV blocks allow. Its duration comes from a
 :class:`~turnstile.sim.perf.PerfModel` fed with O(1) running sums.
 
-KV memory is paged in blocks of ``block_size`` tokens with a prefix cache (vLLM automatic
-prefix caching): the full blocks of a finished (or preempted) request stay cached, unused ones
-sit in an LRU list until an allocation evicts them (to the CPU offload tier when there is one),
+KV memory is paged in blocks of ``block_size`` tokens with a prefix cache (automatic prefix caching
+of whole blocks): the full blocks of a finished (or preempted) request stay cached, unused ones sit
+in an LRU list until an allocation evicts them (to the CPU offload tier when there is one),
 and a new request reuses the longest cached run of its leading blocks. Preemption is by
 recompute.
 
@@ -37,15 +37,15 @@ Contract with the driver (the cluster event loop):
   fields. ``num_output`` of a *decoding* request is only brought up to date at events
   (preemption, finish); everything else is exact at all times.
 
-The model is split as nano-vllm / vLLM v1 split their engines; this module is the façade:
+The model is split into small parts; this module is the façade:
 
 * :mod:`turnstile.sim.request`: :class:`SimRequest` and :class:`StepOutcome`;
 * :mod:`turnstile.sim.engine_config`: :class:`EngineConfig`;
 * :mod:`turnstile.sim.block_pool`: the block pool and prefix cache (check-then-commit
   ``match_prefix`` / ``can_allocate`` / ``allocate``, ``release`` inserts, ``evict``), with
   retention (pin / offload / discard) in :mod:`turnstile.sim.kv_retention`;
-* :mod:`turnstile.sim.slot_pool`: slot-limited KV instead (``EngineConfig.kv_slots``, llama.cpp:
-  one sequence per slot), behind the same interface;
+* :mod:`turnstile.sim.slot_pool`: slot-limited KV instead (``EngineConfig.kv_slots``: one
+  sequence per slot), behind the same interface;
 * :mod:`turnstile.sim.batch_scheduler`: waiting queue, running batch, admission, chunked
   prefill, preemption;
 * :mod:`turnstile.sim.step`: the step executor (``step`` and ``leap``).
@@ -62,8 +62,8 @@ Hot-path design (≥ 200k iterations/s for a decode-heavy engine): decodes advan
 so the engine never loops over running sequences. It keeps the number of decoders, the sum of
 their context lengths, a histogram of their positions modulo ``block_size`` (how many cross a
 block boundary, i.e. need a new block, at each iteration) and a bucket of decoders per finishing
-iteration. The session-named blocks of a session form one *segment* that caches, evicts (tail
-first, as vLLM frees blocks in reverse) and offloads as a range in O(1); hash-named blocks are
+iteration. The session-named blocks of a session form one *segment* that caches, evicts (tail first,
+as paged engines free blocks in reverse) and offloads as a range in O(1); hash-named blocks are
 cached one hash block at a time. The LRU therefore orders segments and hash blocks, not single
 blocks: a segment's tail is evicted first, and a whole segment is as recent as its last release.
 """
@@ -75,6 +75,7 @@ from typing import TYPE_CHECKING, Any
 from turnstile.sim.batch_scheduler import BatchScheduler
 from turnstile.sim.block_pool import BlockPool
 from turnstile.sim.engine_config import EngineConfig
+from turnstile.sim.engine_profile import EngineProfile, profile_for
 from turnstile.sim.lanes import Lanes
 from turnstile.sim.perf import PerfModel
 from turnstile.sim.request import NEW, SimRequest, StepOutcome
@@ -97,19 +98,28 @@ class EngineModel(StepExecutor):
         perf: PerfModel,
         *,
         session_marks: dict[str, int] | None = None,
+        profile: EngineProfile | None = None,
     ) -> None:
         """``session_marks`` (optional) maps session → tokens of its context ever computed; pass
         one dict to every engine of a cluster so a session re-prefilled on *another* engine
-        counts as recomputed too (by default recompute is judged per engine)."""
+        counts as recomputed too (by default recompute is judged per engine). ``profile``: what
+        the modelled engine does differently (default: the profile of the engine ``perf``
+        was fitted on, else the generic one); its ``server_slot`` rule places requests in
+        slots."""
         self.engine_id = engine_id
         self.config = config
         self.perf = perf
-        # slot-limited KV (llama.cpp) has the block pool's interface
-        self.pool = SlotPool(config) if config.kv_slots else BlockPool(config)
+        if profile is None:
+            profile = profile_for(getattr(perf, "engine", ""))
+        self.profile = profile
+        # slot-limited KV has the block pool's interface
+        self.pool = (SlotPool(config, profile.server_slot) if config.kv_slots
+                     else BlockPool(config))
         self.sched = BatchScheduler(config, self.pool, session_marks)
         lane_ubatch = int(getattr(perf, "lane_ubatch", 0) or 0)
         if lane_ubatch:  # the perf model prices the passes the slots cut a step into
-            self.sched.lanes = Lanes(config.kv_slots or config.max_num_seqs, lane_ubatch)
+            self.sched.lanes = Lanes(config.kv_slots or config.max_num_seqs, lane_ubatch,
+                                     profile.server_slot)
         self.reload_s_per_block = (
             config.block_size * perf.kv_bytes_per_token / (config.cpu_bandwidth_gbps * 1e9)
             if self.pool.cpu_cap

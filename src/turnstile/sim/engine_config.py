@@ -1,4 +1,4 @@
-"""The engine model's knobs (:class:`EngineConfig`), named after vLLM's."""
+"""The engine model's knobs (:class:`EngineConfig`), named as serving engines name them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from turnstile.sim.roofline_perf import GpuSpec, ModelSpec, as_model, kv_capacit
 
 @dataclass(slots=True, kw_only=True)
 class EngineConfig:
-    """Engine knobs, named after vLLM's. Keyword-only."""
+    """Engine knobs. Keyword-only."""
 
     num_gpu_blocks: int
     block_size: int = 16
@@ -27,10 +27,11 @@ class EngineConfig:
     #: tokens named by one entry of ``SimRequest.block_hashes`` (0 = ``block_size``); a
     #: multiple of ``block_size``, e.g. 512 for Mooncake's hash ids on 16-token KV blocks
     hash_block_tokens: int = 0
-    #: slot-limited KV, as llama.cpp's ``-np``: this many slots of ``slot_tokens`` each hold
+    #: slot-limited KV (an engine profile's ``slots`` layout): this many slots of ``slot_tokens``
+    #: each hold
     #: one sequence apiece (:mod:`turnstile.sim.slot_pool`); 0 = paged KV with a prefix cache
     kv_slots: int = 0
-    #: KV tokens of one slot (llama.cpp ``-c / -np``); 0 = ``capacity_tokens // kv_slots``
+    #: KV tokens of one slot; 0 = ``capacity_tokens // kv_slots``
     slot_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -41,7 +42,7 @@ class EngineConfig:
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_batched_tokens < self.max_num_seqs:
-            # as in vLLM: every running decode must fit in one iteration's budget
+            # every running decode must fit in one iteration's budget
             raise ValueError(
                 f"max_batched_tokens ({self.max_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs})"

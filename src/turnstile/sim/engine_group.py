@@ -3,11 +3,17 @@ and how it becomes each engine's configuration and performance model."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from turnstile.sim.engine import EngineConfig
 from turnstile.sim.perf import PerfModel
-from turnstile.sim.roofline_perf import RooflinePerf, kv_capacity_tokens, load_gpu, load_model
+from turnstile.sim.roofline_perf import (
+    RooflinePerf,
+    default_model,
+    kv_capacity_tokens,
+    load_gpu,
+    load_model,
+)
 
 __all__ = ["EngineGroup"]
 
@@ -17,7 +23,7 @@ class EngineGroup:
     """``count`` identical engines: one GPU type and model at tensor parallelism ``tp``."""
 
     gpu: str = "H100-SXM"
-    model: str = "llama-3.1-8b"
+    model: str = field(default_factory=default_model)
     tp: int = 1
     count: int = 1
     gpu_mem_util: float = 0.9
@@ -28,9 +34,10 @@ class EngineGroup:
     max_num_seqs: int = 256
     max_batched_tokens: int = 8192
     perf: PerfModel | None = None  # a fitted model overrides the roofline
-    #: slot-limited KV (llama.cpp ``-np``): this many slots, one sequence each; 0 = paged
+    #: slot-limited KV (an engine profile's ``slots`` layout): this many slots, one sequence
+    #: each; 0 = paged
     kv_slots: int = 0
-    #: KV tokens of one slot (llama.cpp ``-c / -np``); 0 = ``kv_tokens // kv_slots``
+    #: KV tokens of one slot; 0 = ``kv_tokens // kv_slots``
     slot_tokens: int = 0
 
     def build_perf(self) -> PerfModel:
@@ -43,7 +50,7 @@ class EngineGroup:
         if kv is None:
             kv = kv_capacity_tokens(load_gpu(self.gpu), load_model(self.model), self.tp,
                                     self.gpu_mem_util)
-        if self.kv_slots:  # counted in tokens, as llama.cpp's KV cells
+        if self.kv_slots:  # counted in tokens (block size 1)
             per_slot = self.slot_tokens or kv // self.kv_slots
             return EngineConfig(
                 block_size=1,

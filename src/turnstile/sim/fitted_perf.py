@@ -1,11 +1,12 @@
 """The fitted step-time model: coefficients fitted to step times measured on a real engine.
 
 :class:`FittedPerf` prices an engine iteration (the four features of
-:class:`~turnstile.sim.perf.PerfModel`) as ``b0 + b1·prefill + b2·decode + b3·kv_read +
-b4·attn2``, plus an optional small-chunk attention term ``b5`` and, for engines that run one
-iteration as several forward passes (llama.cpp's micro-batches), a fixed cost per pass
-(:func:`forward_passes`); :func:`turnstile.sim.profile_fit.fit_profile` fits it by
-non-negative least squares and :meth:`FittedPerf.to_profile` / :meth:`FittedPerf.from_profile`
+:class:`~turnstile.sim.perf.PerfModel`) as ``b0 + b1·prefill + b2·decode + b3·kv_read + b4·attn2``,
+plus an optional small-chunk attention term ``b5``, for engines that run one iteration as several
+forward passes (micro-batches), a fixed cost per pass (:func:`forward_passes`), and for engines
+whose caches go cold, a cold-step cost priced by the engine profile's
+:class:`~turnstile.sim.engine_profile.WarmRule`; :func:`turnstile.sim.profile_fit.fit_profile` fits
+it by non-negative least squares and :meth:`FittedPerf.to_profile` / :meth:`FittedPerf.from_profile`
 store it as a ``turnstile-profile`` JSON file.
 """
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from turnstile.sim.engine_profile import WarmRule, profile_for
 from turnstile.sim.perf import FEATURES
 
 PROFILE_FORMAT = "turnstile-profile"
@@ -29,29 +31,17 @@ PROFILE_VERSIONS_READ = (1, 2, 3)
 
 #: how the small-chunk attention term fades with the step's prefill tokens ``p`` (knee or
 #: threshold ``k``): ``knee``, smoothly, ``k / (k + p)``; ``below``, at once: all of it while
-#: ``p < k``, none from ``k`` on (llama.cpp's CPU flash attention switches to a tiled kernel for
-#: 64 query tokens or more: ``GGML_FA_TILE_Q``); ``tiles``, as ``below``, and from ``k`` on the
-#: attention is priced by the ``k × k`` tiles the tiled kernel computes (:func:`tile_pairs`)
-#: instead of by the causal pairs
+#: ``p < k``, none from ``k`` on (an attention kernel that switches to a tiled kernel from ``k``
+#: query tokens on: the engine profile's ``attention_tile_tokens``); ``tiles``, as ``below``, and
+#: from ``k`` on the attention is priced by the ``k × k`` tiles the tiled kernel computes
+#: (:func:`tile_pairs`) instead of by the causal pairs
 SMALL_CHUNK_RULES = ("knee", "below", "tiles")
 
-#: how an engine cuts one iteration's tokens into forward passes of at most ``ubatch_tokens``:
-#: ``simple``, in batch order (llama.cpp with one unified KV buffer, ``--kv-unified``);
-#: ``equal``, the same number of tokens from every sequence in a pass (llama.cpp ``-np N``
-#: without ``--kv-unified``: one KV stream per slot)
+#: how an engine cuts one iteration's tokens into forward passes of at most ``ubatch_tokens``
+#: (the engine profile's ``ubatch_split``): ``simple``, in batch order (one KV buffer for all
+#: sequences); ``equal``, the same number of tokens from every sequence in a pass, from a run of
+#: consecutive slots (one KV stream per slot: :mod:`turnstile.sim.lanes`)
 UBATCH_SPLITS = ("simple", "equal")
-
-#: A CPU engine keeps its weights in the last-level cache while it steps on small batches one
-#: after another, and loses them when it idles or computes a large prompt chunk (llama.cpp on a
-#: shared VM: a 1-token append right after a turn's decodes takes 4.5 ms, 11-12 ms after a
-#: 0.15 s pause or right after an 800-token prefill, 8.6 ms after two decodes; ``docs/
-#: calibration.md`` §1). A step runs *warm* after :data:`WARM_STEPS` iterations in a row of
-#: fewer than :data:`WARM_MAX_PREFILL` prompt tokens each, none after a pause of more than
-#: :data:`WARM_GAP_S`; any other step pays :attr:`FittedPerf.cold_step_s` more (the decodes
-#: right after a cold append too: 5.8 ms a token over the next seven, against 4.5 warm).
-WARM_GAP_S = 0.1
-WARM_STEPS = 3
-WARM_MAX_PREFILL = 64
 
 
 def forward_passes(
@@ -96,9 +86,9 @@ def tile_pairs(prefill_tokens: float, attn_pairs: float, tile: int) -> float:
     (attn_pairs − p(p+1)/2) / p`` computed tokens), with query and KV tiles of ``tile`` tokens:
     a query tile is padded to ``tile`` rows and reads every KV tile its last row reaches
     (wholly masked tiles are skipped), so it computes ``tile² · Σ_j ⌈(c + min(tile·(j+1), p)) /
-    tile⌉`` pairs, ``j`` over the ``⌈p / tile⌉`` query tiles. llama.cpp's CPU kernel
-    (``ggml_compute_forward_flash_attn_ext_tiled``, 64 × 64 tiles) runs 65 query tokens as two
-    full tiles: about as long as 128, a third longer than 64 (measured on the test model).
+    tile⌉`` pairs, ``j`` over the ``⌈p / tile⌉`` query tiles: 65 query tokens run as two full
+    tiles of 64, about as long as 128 (an engine profile's ``attention_tile_tokens`` names the
+    tile of an engine that has such a kernel).
 
     Taken as one chunk: a step with several is priced chunk by chunk where the engine model
     says what they are (:meth:`FittedPerf.step_time`'s ``prompts``, :func:`chunk_tile_pairs`);
@@ -127,18 +117,23 @@ class FittedPerf:
 
     With ``ubatch_tokens`` set the step is several forward passes (:func:`forward_passes`) and
     ``b0`` is paid once per pass; with ``b0_one`` set a pass of one token pays ``b0_one``
-    instead. Both are what llama.cpp on a CPU shows: its server cuts an iteration into
-    micro-batches (``-ub``, 512 tokens), per slot when each slot has its own KV stream (so a
-    step where decoders meet a newcomer's prompt is two passes, each paying the weights), and a
-    one-token pass (a lone decoder) costs a third of a two-token one.
+    instead: an engine that cuts an iteration into micro-batches, per slot when each slot has
+    its own KV stream (so a step where decoders meet a newcomer's prompt is two passes, each
+    paying the weights), and on a CPU runs a one-token pass (a lone decoder) as matrix-vector
+    products, cheaper than a two-token pass (the engine profile's ``ubatch_tokens``,
+    ``ubatch_split``, ``one_token_pass``).
 
-    The extra term is what a CPU engine shows (llama.cpp): a prefill chunk of a few tokens
+    The extra term is what a CPU engine shows: a prefill chunk of a few tokens
     appended to a long cached context pays more per attention pair than a large chunk (the
     attention runs as matrix-vector products instead of a tiled matrix product), so each pair
     costs ``b4 + b5`` when the step's prefill is much smaller than the knee ``k``
     (``small_chunk_tokens``) and ``b4`` when much larger. With ``small_chunk_rule = "below"`` the
     switch is a threshold instead, as in the engine's kernels: ``b4 + b5`` while the prefill is
     under ``k`` tokens, ``b4`` from ``k`` on. ``b5 = 0`` is the linear model.
+
+    With ``cold_step_s`` a step that starts with the engine's caches cold pays that much more;
+    ``warm`` says which steps run warm (default: the rule of the engine profile that
+    ``engine`` names; a cold-step cost needs one).
     """
 
     b0: float
@@ -161,7 +156,7 @@ class FittedPerf:
     small_chunk_rule: str = "knee"
     #: fixed seconds of a forward pass that computes one token (None: ``b0``)
     b0_one: float | None = None
-    #: the most tokens one forward pass computes (llama.cpp ``-ub``); 0: a step is one pass
+    #: the most tokens one forward pass computes (the micro-batch); 0: a step is one pass
     ubatch_tokens: int = 0
     #: how a step is cut into passes (:data:`UBATCH_SPLITS`)
     ubatch_split: str = "simple"
@@ -170,14 +165,16 @@ class FittedPerf:
     #: slots ``0..k-1`` and its prompt the next one, the layout the profile measures
     slot_passes: bool = True
     #: how much longer a step takes per other engine on the same host stepping at the same time
-    #: (engines sharing a CPU's cores, caches and memory bandwidth: llama.cpp engines on one
+    #: (engines sharing a CPU's cores, caches and memory bandwidth: CPU engines on one
     #: machine); 0.05 = 5% per co-running engine. Measured by ``turnstile profile --neighbour``;
     #: the simulator applies it among the engines of one group (see ``sim.cluster``)
     host_contention: float = 0.0
-    #: extra seconds of a step that starts with the engine's caches cold (:data:`WARM_STEPS`;
-    #: 0: every step warm, the model before it was measured). Fitted by ``turnstile profile``
+    #: extra seconds of a step that starts with the engine's caches cold (see ``warm``; 0:
+    #: every step warm, the model before it was measured). Fitted by ``turnstile profile``
     #: from appends sent right after a generation against the same appends after a prefill
     cold_step_s: float = 0.0
+    #: which steps run warm (None: the engine profile's rule, when ``cold_step_s`` is set)
+    warm: WarmRule | None = None
     _passes: bool = field(default=False, init=False, repr=False, compare=False)
     _tiles: bool = field(default=False, init=False, repr=False, compare=False)
     _per_chunk: bool = field(default=False, init=False, repr=False, compare=False)
@@ -193,6 +190,12 @@ class FittedPerf:
                              f"got {self.ubatch_split!r}")
         if not (self.cold_step_s >= 0 and math.isfinite(self.cold_step_s)):
             raise ValueError(f"cold_step_s must be finite and >= 0, got {self.cold_step_s}")
+        if self.cold_step_s and self.warm is None:
+            self.warm = profile_for(self.engine).warm
+            if self.warm is None:
+                raise ValueError(
+                    f"cold_step_s needs a warm rule: the engine profile of {self.engine!r} "
+                    "has none (name a profiled engine, or pass warm=WarmRule(...))")
         if not (self.host_contention >= 0 and math.isfinite(self.host_contention)):
             raise ValueError(f"host_contention must be finite and >= 0, "
                              f"got {self.host_contention}")
@@ -225,7 +228,7 @@ class FittedPerf:
     @property
     def lane_ubatch(self) -> int:
         """The micro-batch size by which the engine cuts a step per run of consecutive slots
-        (llama.cpp's ``equal`` split), so that the engine model tracks its requests' slots and
+        (the ``equal`` split), so that the engine model tracks its requests' slots and
         passes :meth:`step_time` the step's forward passes (:mod:`turnstile.sim.lanes`); 0 when
         the passes do not depend on the slots."""
         return self.ubatch_tokens if self.ubatch_split == "equal" and self.slot_passes else 0
@@ -312,6 +315,9 @@ class FittedPerf:
                 "b0_one_token_pass_s": self.b0_one,
                 "host_contention_per_engine": self.host_contention,
                 "cold_step_s": self.cold_step_s,
+                **({"warm_rule": {"gap_s": self.warm.gap_s, "steps": self.warm.steps,
+                                  "max_prefill_tokens": self.warm.max_prefill}}
+                   if self.warm is not None and self.cold_step_s else {}),
             },
             "forward_passes": {"ubatch_tokens": self.ubatch_tokens, "split": self.ubatch_split},
             "kv_bytes_per_token": self.kv_bytes_per_token,
@@ -356,8 +362,12 @@ class FittedPerf:
             raise ValueError(f"{p}: b0_one_token_pass_s must be finite and non-negative")
         passes = doc.get("forward_passes") or {}
         try:
+            wr = c.get("warm_rule")  # written since the rule moved to the engine profiles;
+            # older files take the profile's, which the rule they were fitted under was
+            warm = None if not isinstance(wr, dict) else WarmRule(
+                float(wr["gap_s"]), int(wr["steps"]), int(wr["max_prefill_tokens"]))
             return cls(
-                *b,
+                b0=b[0], b1=b[1], b2=b[2], b3=b[3], b4=b[4],
                 b5=b5 if knee > 0 else 0.0,
                 small_chunk_tokens=knee,
                 small_chunk_rule=rule,
@@ -366,11 +376,12 @@ class FittedPerf:
                 ubatch_split=str(passes.get("split", "simple")),
                 host_contention=float(c.get("host_contention_per_engine", 0.0)),
                 cold_step_s=float(c.get("cold_step_s", 0.0)),
+                warm=warm,
                 kv_bytes_per_token=float(doc.get("kv_bytes_per_token", 0.0)),
                 engine=str(doc.get("engine", "")),
                 model=str(doc.get("model", "")),
                 measured_at=str(doc.get("measured_at", "")),
                 meta=dict(doc.get("meta", {})),
             )
-        except ValueError as exc:
+        except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{p}: {exc}") from None

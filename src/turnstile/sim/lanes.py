@@ -1,18 +1,16 @@
-"""Which slot of a llama.cpp server each running request occupies, and how the server cuts a
-step into forward passes because of it.
+"""Which slot of an engine each running request occupies, and how the engine cuts a step into
+forward passes because of it.
 
-A llama.cpp server started with ``-np N`` and without ``--kv-unified`` keeps one KV stream per
-slot, and splits each iteration's batch with ``split_equal(n_ubatch, sequential=true)``: a
-forward pass (micro-batch) takes the same number of tokens from every sequence in it, and only
-from a run of *consecutive* slot ids. So the same four decoders cost one pass on slots
-``{0, 1, 2, 3}`` but two on ``{0, 1, 3}``; two decoders on ``{0, 2}`` are two one-token passes
-(matrix-vector products, cheaper on a CPU than one two-token pass). Measured on the tiny test
-model, one thread: three decoders 13.2 ms a step on ``{0, 1, 2}``, 16.7 ms on ``{0, 1, 3}``; two
-12.1 ms on ``{0, 1}``, 8.6 ms on ``{0, 2}``.
+An engine that keeps one KV stream per slot and cuts a step with the ``equal`` split (an engine
+profile's ``ubatch_split``): a forward pass (micro-batch) takes the same number of tokens from
+every sequence in it, and only from a run of *consecutive* slot ids. So the same four decoders
+cost one pass on slots ``{0, 1, 2, 3}`` but two on ``{0, 1, 3}``; two decoders on ``{0, 2}`` are
+two one-token passes (matrix-vector products, cheaper on a CPU than one two-token pass). The
+engine's profile module says what was measured.
 
 :func:`equal_split_passes` counts the passes of one step from its sequences' slots and tokens;
-:class:`Lanes` tracks the slots (the server's choice on a paged engine model, the slot pool's own
-on a slot-limited one) for a perf model that prices passes
+:class:`Lanes` tracks the slots (the engine's choice on a paged engine model, by its profile's
+rule; the slot pool's own on a slot-limited one) for a perf model that prices passes
 (:attr:`turnstile.sim.fitted_perf.FittedPerf.lane_ubatch`).
 """
 
@@ -20,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from turnstile.core.slots import server_slot
+from turnstile.core.slots import SlotRule, session_else_lru
 from turnstile.sim.request import SimRequest
 
 __all__ = ["Lane", "Lanes", "equal_split_passes"]
@@ -28,11 +26,10 @@ __all__ = ["Lane", "Lanes", "equal_split_passes"]
 
 def equal_split_passes(seqs: Sequence[tuple[int, int]], ubatch_tokens: int) -> tuple[int, int]:
     """``(passes of two or more tokens, passes of one token)`` of a step whose sequences are
-    ``seqs`` — ``(slot, tokens)`` in the server's batch order (the decoders by slot, then the
-    prompt chunks by slot) — as llama.cpp's ``split_equal(ubatch_tokens, sequential=true)``
-    cuts it. Each pass starts from the first sequence with tokens left, adds every later one
-    whose slot is the last added slot plus one, and takes from each
-    ``min(tokens left of any of them, ubatch_tokens // how many)`` tokens. A sequence's tokens
+    ``seqs`` — ``(slot, tokens)`` in the server's batch order (the decoders by slot, then the prompt
+    chunks by slot) — as the ``equal`` split cuts it. Each pass starts from the first sequence with
+    tokens left, adds every later one whose slot is the last added slot plus one, and takes from
+    each ``min(tokens left of any of them, ubatch_tokens // how many)`` tokens. A sequence's tokens
     are contiguous in the batch, so scanning sequences is scanning tokens."""
     left = [n for _, n in seqs]
     multi = one = 0
@@ -67,7 +64,7 @@ def equal_split_passes(seqs: Sequence[tuple[int, int]], ubatch_tokens: int) -> t
 
 
 class Lane:
-    """One slot as the server sees it (:class:`turnstile.core.slots.ServerSlot`)."""
+    """One slot as the engine sees it (:class:`turnstile.core.slots.ServerSlot`)."""
 
     __slots__ = ("busy", "id", "last_used", "session")
 
@@ -83,21 +80,23 @@ class Lanes:
     which slots decode (``decoding``, a bit per slot), the prompt chunks of the step being
     scheduled (``chunks``), and per slot the session it last held and when it was last used.
 
-    On a paged engine model the slot is the server's choice
-    (:func:`turnstile.core.slots.server_slot`: the idle slot that last held the request's
-    session, llama.cpp's longest-common-prefix pick, where with ``--cache-ram`` the rest of the
-    session is restored; else the least recently used idle slot). On a slot-limited one the slot
+    On a paged engine model the slot is the engine's choice, ``server_slot`` (its profile's
+    rule, e.g. :func:`turnstile.core.slots.session_else_lru`: the idle slot that last held the
+    request's session, else the least recently used idle slot). On a slot-limited one the slot
     pool has chosen and :meth:`admit` is told."""
 
-    __slots__ = ("chunks", "decoding", "lanes", "n", "of", "prompts", "tick", "ubatch_tokens")
+    __slots__ = ("chunks", "decoding", "lanes", "n", "of", "prompts", "server_slot", "tick",
+                 "ubatch_tokens")
 
-    def __init__(self, n: int, ubatch_tokens: int) -> None:
+    def __init__(self, n: int, ubatch_tokens: int,
+                 server_slot: SlotRule = session_else_lru) -> None:
         if n < 1:
             raise ValueError(f"an engine needs at least one slot, got {n}")
         if ubatch_tokens < 2:
             raise ValueError(f"ubatch_tokens must be >= 2, got {ubatch_tokens}")
         self.n = n
         self.ubatch_tokens = ubatch_tokens
+        self.server_slot = server_slot
         self.lanes = [Lane(i) for i in range(n)]
         self.of: dict[SimRequest, int] = {}
         self.tick = 0
@@ -107,14 +106,14 @@ class Lanes:
         self.prompts: list[tuple[int, int]] = []
 
     def choose(self, req: SimRequest) -> int:
-        """The idle slot the server gives ``req`` (see the class docstring)."""
-        lane = server_slot(self.lanes, req.session)
+        """The idle slot the engine gives ``req`` (see the class docstring)."""
+        lane = self.server_slot(self.lanes, req.session)
         if lane is None:
             raise RuntimeError(f"no idle slot for {req!r}: more running requests than slots")
         return lane.id
 
     def admit(self, req: SimRequest, slot: int = -1) -> int:
-        """``req`` starts running in ``slot`` (-1: the server's choice); returns the slot."""
+        """``req`` starts running in ``slot`` (-1: the engine's choice); returns the slot."""
         if slot < 0:
             slot = self.choose(req)
         lane = self.lanes[slot]

@@ -15,13 +15,13 @@ features, all cheap running sums the engine model keeps:
     already-computed ones, ``n·c + n(n+1)/2`` (causal).
 
 An engine that cuts an iteration into several forward passes by where its sequences live
-(llama.cpp's micro-batches over runs of consecutive slots) is priced from one more argument,
-``passes``: ``(passes of two or more tokens, passes of one token)``, which the engine model
-counts (:mod:`turnstile.sim.lanes`) and passes only to a model whose ``lane_ubatch`` attribute
-is set; other models never receive it. The same engine model also gives such a model the
-step's prompt chunks, ``prompts``: ``(n, c)`` for each, when there are two or more (the sums
-cannot say which kernel each chunk's attention runs: llama.cpp's CPU flash attention picks it
-by a sequence's query tokens in the pass).
+(micro-batches over runs of consecutive slots: the ``equal`` split) is priced from one more
+argument, ``passes``: ``(passes of two or more tokens, passes of one token)``, which the engine
+model counts (:mod:`turnstile.sim.lanes`) and passes only to a model whose ``lane_ubatch`` attribute
+is set; other models never receive it. The same engine model also gives such a model the step's
+prompt chunks, ``prompts``: ``(n, c)`` for each, when there are two or more (the sums
+cannot say which kernel each chunk's attention runs where the engine picks it by a sequence's
+query tokens in the pass: the engine profile's ``attention_tile_tokens``).
 
 Implementations of :class:`PerfModel`:
 
@@ -50,7 +50,7 @@ FEATURES: tuple[str, ...] = (
 class PerfModel(Protocol):
     """Seconds per engine iteration. ``step_time`` must be O(1): it runs once per iteration."""
 
-    #: a short label for reports (``roofline:llama-3.1-8b@H100-SXMx1``, ``fitted:llama.cpp/...``)
+    #: a short label for reports (``roofline:MODEL@GPUxTP``, ``fitted:ENGINE/MODEL``)
     name: str
     #: KV-cache bytes per token on *one* GPU of the tensor-parallel group (what one GPU stores
     #: and what one GPU's host link moves when the offload tier reloads a block)

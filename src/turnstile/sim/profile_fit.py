@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from turnstile.sim.engine_profile import WarmRule
 from turnstile.sim.fitted_perf import FittedPerf, forward_passes, tile_pairs
 from turnstile.sim.perf import FEATURES
 
@@ -90,6 +91,7 @@ def fit_profile(
     ubatch_split: str = "simple",
     one_token_pass: bool = False,
     cold: Sequence[bool] | None = None,
+    warm: WarmRule | None = None,
 ) -> FittedPerf:
     """Fit :class:`FittedPerf` to measured ``(features, step_time_s)`` samples.
 
@@ -107,8 +109,9 @@ def fit_profile(
     one token gets its own fixed cost ``b0_one`` (kept only when some sample has such a pass).
 
     ``cold`` says, sample by sample, whether the step ran with the engine's caches cold
-    (:data:`~turnstile.sim.fitted_perf.WARM_GAP_S`): with both kinds among the samples the
-    extra cost of a cold step, ``cold_step_s``, is fitted too (else it stays 0).
+    (the engine profile's :class:`~turnstile.sim.engine_profile.WarmRule`): with both kinds
+    among the samples the extra cost of a cold step, ``cold_step_s``, is fitted too (else it
+    stays 0); the result then needs a warm rule, ``warm`` or the profile of ``engine``.
 
     ``features`` is ``(prefill_tokens, decode_seqs, kv_read_tokens[, prefill_attn_tokens2])``.
     Coefficients are constrained non-negative (a negative per-token cost would make bigger
@@ -121,7 +124,7 @@ def fit_profile(
     rows: list[list[float]] = []
     ones: list[float] = []
     ys: list[float] = []
-    for feats, y in samples:
+    for feats, step_s in samples:
         f = [float(v) for v in feats]
         if len(f) == 3:
             f.append(0.0)
@@ -135,7 +138,7 @@ def fit_profile(
             multi, one = 1, 0
         rows.append([float(multi), *f])
         ones.append(float(one))
-        ys.append(float(y))
+        ys.append(float(step_s))
     if len(rows) < 2:
         raise ValueError(f"need at least 2 samples to fit, got {len(rows)}")
     x = np.asarray(rows)
@@ -187,13 +190,15 @@ def fit_profile(
         "one_token_pass_samples": int(sum(1 for o in ones if o)),
         "cold_samples": int(sum(map(bool, cold))) if with_cold and cold is not None else 0,
     }
+    b0, b1, b2, b3, b4 = (float(c) for c in coef[:5])
     return FittedPerf(
-        *(float(c) for c in coef[:5]),
+        b0=b0, b1=b1, b2=b2, b3=b3, b4=b4,
         b5=float(coef[-1]) if knee else 0.0,
         small_chunk_tokens=knee,
         small_chunk_rule=rule,
         b0_one=float(coef[5]) if with_one else None,
         cold_step_s=float(coef[6 if with_one else 5]) if with_cold else 0.0,
+        warm=warm,
         ubatch_tokens=ubatch_tokens,
         ubatch_split=ubatch_split,
         kv_bytes_per_token=kv_bytes_per_token,

@@ -90,7 +90,7 @@ class ModelSpec:
         """KV bytes per token on one GPU of a ``tp``-way group.
 
         KV heads are split across the group; when ``tp`` exceeds the KV heads each GPU keeps a
-        replica of one head (vLLM's behaviour), so the per-GPU size stops shrinking.
+        replica of one head (as serving engines shard them), so the per-GPU size stops shrinking.
         """
         heads_per_gpu = max(1, self.num_kv_heads // tp)
         return 2.0 * self.num_layers * heads_per_gpu * self.head_dim * self.dtype_bytes
@@ -135,6 +135,12 @@ def _lookup(kind: str, name: str) -> tuple[str, dict[str, Any]]:
             f"unknown {kind[:-1]} {name!r}; valid names: {', '.join(sorted(entries))}"
         )
     return canonical, entries[canonical]
+
+
+@cache
+def default_model() -> str:
+    """The model a simulation runs when none is named (``data/models.json``'s ``default``)."""
+    return str(json.loads((_DATA / "models.json").read_text())["default"])
 
 
 def gpu_names() -> list[str]:
@@ -199,7 +205,8 @@ def kv_capacity_tokens(
     gpu_mem_util: float = 0.9,
     reserve_gb: float = 1.0,
 ) -> int:
-    """KV-cache capacity in tokens of a ``tp``-GPU engine (vLLM's ``gpu_memory_utilization``).
+    """KV-cache capacity in tokens of a ``tp``-GPU engine (``gpu_mem_util``: the fraction of GPU
+    memory the engine may use).
 
     Per GPU: ``memory × gpu_mem_util − weights / tp − reserve_gb`` (activations, CUDA graphs),
     divided by the per-GPU KV bytes per token. Every GPU of the group holds the same tokens, so

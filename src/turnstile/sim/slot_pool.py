@@ -1,26 +1,28 @@
-"""The engine model's slot-limited KV memory (llama.cpp ``llama-server``): one sequence per slot.
+"""The engine model's slot-limited KV memory: one sequence per slot.
 
-A llama.cpp server started with ``-np N -c C`` has ``N`` slots of ``C / N`` KV tokens each, and
-keeps exactly one sequence per slot: across a tool call an engine holds at most ``N`` sessions,
-whatever their length, and a turn longer than ``C / N`` tokens cannot run. A request runs in an
-idle slot, and what it finds cached is the common prefix with that slot's previous contents: all
-of its session's last context if the slot held its session, nothing otherwise (or the leading
-``block_hashes`` the two share, for traces that name shared content). :class:`SlotPool` models
-that behind the same check-then-commit interface as the paged
+A slot-limited engine (an engine profile with ``kv_layout = "slots"``) has ``N`` slots of ``C / N``
+KV tokens each, and keeps exactly one sequence per slot: across a tool call an engine holds at most
+``N`` sessions, whatever their length, and a turn longer than ``C / N`` tokens cannot run. A request
+runs in an idle slot, and what it finds cached is the common prefix with that slot's previous
+contents: all of its session's last context if the slot held its session, nothing otherwise (or the
+leading ``block_hashes`` the two share, for traces that name shared content). :class:`SlotPool`
+models that behind the same check-then-commit interface as the paged
 :class:`~turnstile.sim.block_pool.BlockPool`, in tokens (the engine runs it with
 ``block_size == 1``), so the batch scheduler and the step executor run unchanged.
 
 Which slot a request gets is decided twice, as in front of a real server:
 
-* when it is forwarded (:meth:`SlotPool.forward`, at ``submit``), turnstile's gateway
-  (:class:`turnstile.gateway.adapters.LlamaCppAdapter`) picks from what *it* believes: the slot
+* when it is forwarded (:meth:`SlotPool.forward`, at ``submit``), turnstile's gateway (its
+  adapter for a slot-limited engine, :func:`turnstile.core.slots.choose_slot`) picks from what
+  *it* believes: the slot
   it last gave the session, if it counts no turn there; else a slot with no turn of its own
   and no pin: one it believes empty first, then the least recently used. The request is bound to
   that slot (``id_slot``) and runs there once the slot is idle. When there is no such slot
   (every one busy or pinned), the request goes unbound and the gateway forgets where the
   session's KV is;
-* an unbound request gets, when it is admitted, the server's choice: the idle slot holding its
-  session (llama.cpp's longest-common-prefix pick), else the least recently used idle one.
+* an unbound request gets, when it is admitted, the engine's choice: the rule its profile
+  names (``EngineProfile.server_slot``, e.g. :func:`turnstile.core.slots.session_else_lru`:
+  the idle slot holding its session, else the least recently used idle one).
 
 So the gateway's belief can go stale: an unbound request may overwrite a slot the gateway still
 thinks another session owns, and a session whose KV the gateway forgot looks like an empty
@@ -38,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from turnstile.core.slots import choose_slot, server_slot
+from turnstile.core.slots import SlotRule, choose_slot, session_else_lru
 from turnstile.sim.engine_config import EngineConfig
 from turnstile.sim.request import SimRequest
 
@@ -47,7 +49,7 @@ if TYPE_CHECKING:
 
 
 class Slot:
-    """One llama.cpp slot. The server's view: the sequence it holds (``session``, ``tokens``),
+    """One slot. The engine's view: the sequence it holds (``session``, ``tokens``),
     whether a request runs in it (``busy``), when it was last used (``last_used``, a counter).
     The gateway's view: the session it believes the slot holds (``owner``), the turns it bound
     there and that are not over (``bound``), when it last used it (``gw_last_used``, a counter)
@@ -91,8 +93,11 @@ class SlotMatch:
 class SlotPool:
     """The slots of one slot-limited engine (see the module docstring)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, server_slot: SlotRule = session_else_lru) -> None:
+        """``server_slot``: the engine's rule for a request not bound to a slot (its
+        profile's)."""
         c = config
+        self._server_slot = server_slot
         if c.block_size != 1:
             raise ValueError("a slot-limited engine counts KV in tokens: block_size must be 1")
         self.slot_tokens = c.slot_tokens
@@ -129,8 +134,8 @@ class SlotPool:
     # -- the gateway's choice, when a request is forwarded ---------------------------------------
 
     def forward(self, req: SimRequest, now: float) -> None:
-        """The gateway forwards ``req`` at ``now``: bind it to a slot, as
-        ``LlamaCppAdapter.begin`` does, or leave it to the server."""
+        """The gateway forwards ``req`` at ``now``: bind it to a slot, as its adapter's
+        ``begin`` does, or leave it to the engine."""
         own, slot = choose_slot(self.slots, req.session, now)
         if slot is None:
             self.unbound += 1
@@ -150,11 +155,11 @@ class SlotPool:
 
     def choose(self, req: SimRequest) -> Slot | None:
         """The slot ``req`` runs in if admitted now: its bound slot if idle, else (unbound) the
-        server's pick; ``None`` when there is none."""
+        engine's pick; ``None`` when there is none."""
         slot = self.bound.get(req)
         if slot is not None:
             return None if slot.busy else slot
-        return server_slot(self.slots, req.session)
+        return self._server_slot(self.slots, req.session)
 
     def match_prefix(self, req: SimRequest, target: int) -> SlotMatch:
         """The slot ``req`` would run in and the prefix it reuses there, leaving at least one of
@@ -235,7 +240,7 @@ class SlotPool:
         return None
 
     def retain(self, session: str, decision: RetentionDecision, now: float) -> None:
-        """As the gateway's llama.cpp adapter: ``pin`` keeps other sessions' requests off the
+        """As the gateway's slot adapter: ``pin`` keeps other sessions' requests off the
         slot it believes ``session`` owns until ``now + ttl_s``; ``discard`` erases that slot
         (when the gateway counts no turn there); ``offload``/``lru`` leave it."""
         action = decision.action

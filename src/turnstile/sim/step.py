@@ -3,7 +3,7 @@ fast-forward over event-free decode iterations (:meth:`StepExecutor.leap`; both 
 :meth:`StepExecutor.step_and_leap`), and the continuation of a leap that an unrelated event cut
 short (:meth:`StepExecutor.resume`).
 
-A step is schedule → time → apply, as nano-vllm's: the batch scheduler picks the decodes and
+A step is schedule → time → apply: the batch scheduler picks the decodes and
 prefill chunks, the :class:`~turnstile.sim.perf.PerfModel` prices them from O(1) running sums,
 and the effects (first tokens, finishes) land at the end of the step.
 """
@@ -14,7 +14,6 @@ import heapq
 
 from turnstile.sim.batch_scheduler import BatchScheduler
 from turnstile.sim.block_pool import BlockPool
-from turnstile.sim.fitted_perf import WARM_GAP_S, WARM_MAX_PREFILL, WARM_STEPS
 from turnstile.sim.leap_loop import EPS, NO_PLAN, LeapLoops, LeapPlan, LeapResult
 from turnstile.sim.leap_sums import LeapSums, first_at_or_after
 from turnstile.sim.perf import PerfModel
@@ -60,10 +59,19 @@ class StepExecutor(LeapLoops):
         self.lazy_end = 0.0
         self._lazy_until = _NEVER
         #: what a step costs more with the engine's caches cold (``FittedPerf.cold_step_s``; 0
-        #: for models without the term), and what decides it: the engine's last outcome (its
-        #: ``end_s`` and ``iterations`` as leaps extended them), whether its first iteration
-        #: computed a large prompt chunk, and the small iterations in a row before it
+        #: for models without the term), the rule that says which steps are cold (the perf
+        #: model's ``warm``, from the engine's profile: a pause longer than ``_warm_gap_s``, or
+        #: fewer than ``_warm_after`` small iterations in a row, small being under
+        #: ``_warm_max_prefill`` prompt tokens), and what decides it: the engine's last outcome
+        #: (its ``end_s`` and ``iterations`` as leaps extended them), whether its first
+        #: iteration computed a large prompt chunk, and the small iterations in a row before it
         self._cold_s = float(getattr(self.perf, "cold_step_s", 0.0))
+        warm = getattr(self.perf, "warm", None)
+        if self._cold_s and warm is None:
+            raise ValueError(f"engine {self.engine_id}: a cold-step cost without a warm rule")
+        self._warm_gap_s = warm.gap_s if warm is not None else 0.0
+        self._warm_after = warm.steps if warm is not None else 0
+        self._warm_max_prefill = warm.max_prefill if warm is not None else 0
         self._prev_out: StepOutcome | None = None
         self._prev_big = False
         self._warm_steps = 0
@@ -124,8 +132,8 @@ class StepExecutor(LeapLoops):
             dur += reload_blocks * self.reload_s_per_block
         if self._cold_s:  # after an idle spell or a large chunk the caches are cold
             self._warm_steps = self._warm_run(now)
-            self._prev_big = prefill_tokens >= WARM_MAX_PREFILL
-            if self._warm_steps < WARM_STEPS:
+            self._prev_big = prefill_tokens >= self._warm_max_prefill
+            if self._warm_steps < self._warm_after:
                 dur += self._cold_s
         if self.slowdown != 1.0:
             dur *= self.slowdown
@@ -354,14 +362,15 @@ class StepExecutor(LeapLoops):
     def _cooling(self, now: float) -> bool:
         """Whether an iteration at ``now`` runs cold: then it is stepped, not leapt over (a
         leap prices every iteration alike)."""
-        return bool(self._cold_s) and self._warm_run(now) < WARM_STEPS
+        return bool(self._cold_s) and self._warm_run(now) < self._warm_after
 
     def _warm_run(self, now: float) -> int:
-        """Small iterations (under ``WARM_MAX_PREFILL`` prompt tokens) the engine ran in a row
-        right before ``now``, none after a pause of more than ``WARM_GAP_S``: the last outcome's
-        first iteration, unless it was large, and its leap's decodes, after the run before."""
+        """Small iterations (under the warm rule's ``max_prefill`` prompt tokens) the engine ran
+        in a row right before ``now``, none after a pause of more than its ``gap_s``: the last
+        outcome's first iteration, unless it was large, and its leap's decodes, after the run
+        before."""
         prev = self._prev_out
-        if prev is None or now - prev.end_s > WARM_GAP_S:
+        if prev is None or now - prev.end_s > self._warm_gap_s:
             return 0
         return (0 if self._prev_big else self._warm_steps + 1) + prev.iterations - 1
 

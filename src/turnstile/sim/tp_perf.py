@@ -79,7 +79,8 @@ class InterconnectSpec:
     #: NCCL ring bus bandwidth for large messages, GB/s (≈80% of the one-way line rate)
     busbw_gbps: float
     nccl_latency_us: float
-    #: one-shot custom all-reduce (vLLM/SGLang) for decode-sized messages: intercept and slope
+    #: one-shot custom all-reduce (serving engines' own kernel) for decode-sized messages:
+    #: intercept and slope
     small_latency_us: float
     small_gbps: float
     #: for GPUs missing from gpus.json: the GPU they are derived from

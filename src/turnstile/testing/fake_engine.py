@@ -4,8 +4,10 @@
 with ``max_tokens`` one-character tokens after ``ttft_s`` and ``tpot_s`` per token, serves
 ``/health``, ``/v1/models``, ``/metrics`` (llama.cpp-style names) and ``/slots``, records
 every request, and can be told to fail (``fail = "status:503"``, ``"crash"`` before the
-response, ``"die_after:3"`` mid-stream). With zero delays it is the zero-cost target of the
-overhead benchmark.
+response, ``"die_after:3"`` mid-stream, ``"end_after:3"``: the stream closed cleanly after 3
+events, without ``[DONE]``) or stall (``stall = True``: requests in flight stop
+making progress but keep their connections open, as a dying engine's may). With zero delays it
+is the zero-cost target of the overhead benchmark.
 """
 
 from __future__ import annotations
@@ -49,9 +51,12 @@ class FakeEngine:
     tpot_s: float = 0.0
     default_max_tokens: int = 16
     slots: int = 4
-    #: failure to inject on the next requests: None, "status:CODE", "crash", "die_after:N"
+    #: failure to inject on the next requests: None, "status:CODE", "crash", "die_after:N",
+    #: "end_after:N"
     fail: str | None = None
     healthy: bool = True
+    #: requests in flight make no progress while set (their connections stay open)
+    stall: bool = False
     record: bool = True
     #: report ``prompt_tokens`` as characters / 4 of the request (else a constant 8)
     count_prompt: bool = False
@@ -169,10 +174,13 @@ class FakeEngine:
                 delay = self.ttft_s + self.tpot_s * n
                 if delay > 0:
                     await _sleep_or_disconnect(receive, delay)
+                await self._while_stalled(receive)
                 await _send(send, 200, _JSON, resp)
             else:
                 assert isinstance(resp, list)
                 die_after = int(fail.split(":")[1]) if fail and fail.startswith("die_after:") \
+                    else -1
+                end_after = int(fail.split(":")[1]) if fail and fail.startswith("end_after:") \
                     else -1
                 await send({"type": "http.response.start", "status": 200, "headers": _SSE})
                 if self.ttft_s > 0:
@@ -180,8 +188,11 @@ class FakeEngine:
                 for i, ev in enumerate(resp):
                     if i == die_after:
                         raise RuntimeError("injected death mid-stream")
+                    if i == end_after:
+                        break
                     if i and self.tpot_s > 0 and i < n:
                         await _sleep_or_disconnect(receive, self.tpot_s)
+                    await self._while_stalled(receive)
                     await send({"type": "http.response.body", "body": ev, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             self.completed += 1
@@ -189,6 +200,11 @@ class FakeEngine:
             self.cancelled += 1
         finally:
             self.in_flight -= 1
+
+
+    async def _while_stalled(self, receive: Receive) -> None:
+        while self.stall:
+            await _sleep_or_disconnect(receive, 0.02)
 
 
 class _Disconnected(Exception):

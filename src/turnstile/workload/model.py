@@ -101,6 +101,11 @@ class Workflow:
         )
 
 
+#: the most tokens (prompt + output) one turn may have: ten times the longest context any
+#: model serves today; more is a corrupt record, rejected when loaded, not half-way through a run
+MAX_TURN_TOKENS = 10_000_000
+
+
 def validate_workflow(wf: Workflow) -> list[str]:
     """Return human-readable problems with a workflow (empty when valid)."""
     problems: list[str] = []
@@ -119,6 +124,9 @@ def validate_workflow(wf: Workflow) -> list[str]:
                             f"{t.cached_tokens}")
         if t.output_tokens < 1:
             problems.append(f"{where}.output_tokens: must be >= 1, got {t.output_tokens}")
+        if t.prompt_tokens + t.output_tokens > MAX_TURN_TOKENS:
+            problems.append(f"{where}: {t.prompt_tokens + t.output_tokens:,} tokens (prompt + "
+                            f"output) is over the limit of {MAX_TURN_TOKENS:,} per turn")
         if t.parents is not None:
             for p in t.parents:
                 if not 0 <= p < i:

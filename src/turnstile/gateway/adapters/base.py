@@ -6,22 +6,19 @@ of adapter shares.
 from __future__ import annotations
 
 import json
+import logging
 import math
-import re
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from turnstile.core.actions import RetentionDecision
-from turnstile.gateway.http import (
-    BrokenResponse,
-    ConnectFailed,
-    FastHttpClient,
-    NothingReceived,
-    RawResponse,
-)
+from turnstile.transport.client import HttpTransport, Response
+from turnstile.transport.fast import BrokenResponse, EngineLost
+from turnstile.transport.retry import RetryRule
 
 __all__ = [
     "EngineAdapter",
@@ -35,6 +32,7 @@ __all__ = [
 ]
 
 JSON_HEADERS = {"content-type": "application/json"}
+log = logging.getLogger("turnstile.gateway")
 
 
 class UpstreamError(Exception):
@@ -102,30 +100,22 @@ class ForwardHints:
 
 
 # --------------------------------------------------------------------------- helpers
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-
-
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Prometheus text format → ``{metric name: value summed over label sets}``.
+    """Prometheus text format (parsed by prometheus-client) → ``{sample name: value summed over
+    label sets}``.
 
-    Histogram/summary series keep their suffixed names (``_bucket``, ``_sum``, ``_count``);
-    comments and unparsable lines are skipped.
+    Histogram/summary series keep their suffixed names (``_bucket``, ``_sum``, ``_count``),
+    counters theirs (``_total``); NaN samples are skipped. A malformed line ends the parse:
+    the samples before it are kept (an engine's stats are then partial, never an error).
     """
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        m = _SAMPLE.match(line)
-        if m is None:
-            continue
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        if math.isnan(value):
-            continue
-        name = m.group(1)
-        out[name] = out.get(name, 0.0) + value
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if not math.isnan(s.value):
+                    out[s.name] = out.get(s.name, 0.0) + s.value
+    except ValueError as e:
+        log.debug("malformed Prometheus text (%s); kept %d samples", e, len(out))
     return out
 
 
@@ -184,23 +174,17 @@ class EngineAdapter:
         self.base_url = base_url.rstrip("/")
         self.id = engine_id or httpx.URL(self.base_url).netloc.decode()
         self.weight = weight
-        self.retries = retries
         self.options = dict(options or {})
-        self.control_timeout = httpx.Timeout(control_timeout_s, connect=connect_timeout_s)
-        self._headers = {"content-type": "application/json"}
+        headers = {"content-type": "application/json"}
         if api_key:
-            self._headers["authorization"] = f"Bearer {api_key}"
-        self._owns_client = client is None
-        self.client = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s, pool=read_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            headers["authorization"] = f"Bearer {api_key}"
+        #: the one HTTP transport (its fast path for plain http; resent at once, ``retries``
+        #: times, only while the engine sent nothing back)
+        self.transport = HttpTransport(
+            self.base_url, headers=headers, client=client, connect_timeout_s=connect_timeout_s,
+            read_timeout_s=read_timeout_s, control_timeout_s=control_timeout_s,
+            retry=RetryRule(retries=retries, backoff_s=0.0),
         )
-        #: forwarding goes through the lean client unless an httpx client was given (tests
-        #: pass one with a MockTransport) or the engine is behind https
-        self.fast: FastHttpClient | None = None
-        if client is None and self.base_url.startswith("http://"):
-            self.fast = FastHttpClient(self.base_url, connect_timeout_s=connect_timeout_s,
-                                       read_timeout_s=read_timeout_s)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id} {self.base_url}>"
@@ -210,10 +194,7 @@ class EngineAdapter:
         """Discover what the engine offers (slots, …); called once, errors are not fatal."""
 
     async def aclose(self) -> None:
-        if self.fast is not None:
-            await self.fast.aclose()
-        if self._owns_client:
-            await self.client.aclose()
+        await self.transport.aclose()
 
     # ------------------------------------------------------------------ forwarding
     def prepare(self, body: dict[str, Any], hints: ForwardHints) -> dict[str, Any]:
@@ -229,8 +210,16 @@ class EngineAdapter:
     async def retain(self, session_id: str, decision: RetentionDecision, now_s: float) -> None:
         """Carry out a retention decision for a session paused in a tool call."""
 
+    def aborted_reply(self, reply: Any) -> bool:
+        """A 2xx whole reply that the engine itself aborted (no real answer: re-route it)."""
+        return False
+
+    def aborted_event(self, event: bytes) -> bool:
+        """A streamed event saying the engine aborted the turn (cheap: runs on every event)."""
+        return False
+
     def _request_headers(self, hints: ForwardHints) -> dict[str, str]:
-        return {**self._headers, "x-request-id": hints.request_id}
+        return {"x-request-id": hints.request_id}
 
     def _content(self, path: str, body: dict[str, Any], hints: ForwardHints) -> bytes:
         return json.dumps(self.prepare(body, hints), separators=(",", ":")).encode()
@@ -239,34 +228,15 @@ class EngineAdapter:
         self, path: str, body: dict[str, Any], hints: ForwardHints
     ) -> UpstreamResponse:
         """POST a non-streaming request; raises UpstreamError / UpstreamHTTPError."""
-        content = self._content(path, body, hints)
-        headers = self._request_headers(hints)
-        if self.fast is not None:
-            resp = await self._fast_post(path, content, headers)
-            try:
-                data = await resp.read()
-            except (BrokenResponse, TimeoutError) as e:
-                raise self._error(e) from e
-            if resp.status >= 300:
-                raise UpstreamHTTPError(resp.status, data, resp.content_type)
-            return UpstreamResponse(resp.status, data, resp.content_type)
-        attempt = 0
-        while True:
-            try:
-                r = await self.client.post(self.base_url + path, content=content,
-                                           headers=headers)
-                break
-            except (httpx.ConnectError, httpx.RemoteProtocolError) as e:
-                # nothing came back: the request may be sent again
-                if attempt >= self.retries or not _nothing_received(e):
-                    raise self._error(e) from e
-                attempt += 1
-            except httpx.TransportError as e:
-                raise self._error(e) from e
-        ctype = r.headers.get("content-type", "application/json")
-        if r.status_code >= 300:
-            raise UpstreamHTTPError(r.status_code, r.content, ctype)
-        return UpstreamResponse(r.status_code, r.content, ctype)
+        resp = await self._send(path, self._content(path, body, hints),
+                                self._request_headers(hints))
+        try:
+            data = await resp.read()
+        except (BrokenResponse, EngineLost, TimeoutError, httpx.TransportError) as e:
+            raise self._error(e) from e
+        if resp.status >= 300:
+            raise UpstreamHTTPError(resp.status, data, resp.content_type)
+        return UpstreamResponse(resp.status, data, resp.content_type)
 
     async def stream(
         self, path: str, body: dict[str, Any], hints: ForwardHints
@@ -285,20 +255,9 @@ class EngineAdapter:
     ) -> AsyncGenerator[list[bytes], None]:
         """Like :meth:`stream`, but yields every event already received at once (a burst of
         tokens costs one write downstream instead of one each)."""
-        content = self._content(path, body, hints)
-        headers = self._request_headers(hints)
-        if self.fast is not None:
-            resp = await self._fast_post(path, content, headers)
-            chunks = resp.iter_raw()
-            status = resp.status
-            ctype = resp.content_type
-            closer = resp.aclose
-        else:
-            hresp = await self._httpx_send(path, content, headers)
-            chunks = hresp.aiter_bytes()
-            status = hresp.status_code
-            ctype = hresp.headers.get("content-type", "application/json")
-            closer = hresp.aclose
+        resp = await self._send(path, self._content(path, body, hints),
+                                self._request_headers(hints))
+        chunks, status, ctype = resp.chunks(), resp.status, resp.content_type
         streamed = False
         try:
             if status >= 300:
@@ -312,12 +271,12 @@ class EngineAdapter:
                     if events:
                         streamed = True
                         yield events
-            except (BrokenResponse, TimeoutError, httpx.TransportError) as e:
+            except (BrokenResponse, EngineLost, TimeoutError, httpx.TransportError) as e:
                 raise self._error(e, streamed=streamed) from e
             if buf.strip():
                 yield [bytes(buf) + b"\n\n"]
         finally:
-            await closer()
+            await resp.aclose()
 
     def _error(self, e: BaseException, *, streamed: bool = False) -> UpstreamError:
         if isinstance(e, TimeoutError | httpx.TimeoutException) and not isinstance(
@@ -327,51 +286,41 @@ class EngineAdapter:
         return UpstreamError(f"{self.id}: {type(e).__name__}: {e}", engine_down=True,
                              streamed=streamed)
 
-    async def _fast_post(self, path: str, content: bytes, headers: dict[str, str]
-                         ) -> RawResponse:
-        assert self.fast is not None
-        attempt = 0
-        while True:
-            try:
-                return await self.fast.post(path, content, headers)
-            except (ConnectFailed, NothingReceived) as e:
-                # nothing came back: the request may be sent again
-                if attempt >= self.retries:
-                    raise self._error(e) from e
-                attempt += 1
-            except (BrokenResponse, TimeoutError) as e:
-                raise self._error(e) from e
+    async def _send(self, path: str, content: bytes, headers: dict[str, str]) -> Response:
+        try:
+            return await self.transport.post(path, content, headers)
+        except (ConnectionError, TimeoutError, httpx.TransportError) as e:
+            raise self._error(e) from e
 
-    async def _httpx_send(self, path: str, content: bytes, headers: dict[str, str]
-                          ) -> httpx.Response:
-        request = self.client.build_request("POST", self.base_url + path, content=content,
-                                            headers=headers)
-        attempt = 0
-        while True:
-            try:
-                return await self.client.send(request, stream=True)
-            except (httpx.ConnectError, httpx.RemoteProtocolError) as e:
-                if attempt >= self.retries or not _nothing_received(e):
-                    raise self._error(e) from e
-                attempt += 1
-            except httpx.TransportError as e:
-                raise self._error(e) from e
+    def abort_inflight(self) -> int:
+        """The gateway declared the engine dead: drop every request in flight to it now, so
+        that each fails at once (and is re-routed, or ends its stream with an error event)
+        instead of waiting for a read timeout. Returns how many were dropped. (Requests sent
+        through an injected ``httpx`` client are not tracked.)"""
+        fast = self.transport.fast
+        return fast.abort() if fast is not None else 0
 
     # ------------------------------------------------------------------ control
     async def _get(self, path: str) -> httpx.Response:
-        return await self.client.get(self.base_url + path, headers=self._headers,
-                                     timeout=self.control_timeout)
+        return await self.transport.get(path)
 
     async def _post_json(self, path: str, body: Any) -> httpx.Response:
-        return await self.client.post(self.base_url + path, json=body, headers=self._headers,
-                                      timeout=self.control_timeout)
+        return await self.transport.post_json(path, body)
 
     async def health(self) -> bool:
+        return await self.health_state() == "up"
+
+    async def health_state(self) -> str:
+        """``"up"`` (the health endpoint answered 200); ``"down"`` (refused, reset, or a
+        non-200 answer: the engine is not serving); ``"silent"`` (no answer within the
+        control timeout: hung, or only slow)."""
         try:
             resp = await self._get(self.health_path)
+        except httpx.TimeoutException:
+            return "silent"
         except httpx.HTTPError:
-            return False
-        return resp.status_code == 200
+            return "down"
+        return "up" if resp.status_code == 200 else "down"
 
     async def models(self) -> list[str]:
         """Model ids served (``GET /v1/models``); empty when unknown."""
@@ -416,10 +365,3 @@ class EngineAdapter:
     async def tokenize(self, text: str) -> int | None:
         """Token count of ``text`` by the engine's tokenizer; None when unsupported."""
         return None
-
-
-def _nothing_received(exc: Exception) -> bool:
-    """True when the engine sent no response byte (safe to send the request again)."""
-    if isinstance(exc, httpx.ConnectError):
-        return True
-    return "without sending" in str(exc).lower() or "disconnected" in str(exc).lower()

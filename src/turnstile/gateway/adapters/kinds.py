@@ -189,6 +189,15 @@ class VllmAdapter(EngineAdapter):
         out["priority"] = _int_priority(hints.priority, self.priority_scale)
         return out
 
+    # vLLM finishes the requests it drops (shutdown, engine error) with these reasons, as a 200
+    def aborted_reply(self, reply: Any) -> bool:
+        choices = reply.get("choices") if isinstance(reply, dict) else None
+        return any(isinstance(c, dict) and c.get("finish_reason") in _VLLM_ABORTED
+                   for c in choices or ())
+
+    def aborted_event(self, event: bytes) -> bool:
+        return b'"finish_reason":"abort"' in event or b'"finish_reason":"error"' in event
+
     async def tokenize(self, text: str) -> int | None:
         try:
             resp = await self._post_json("/tokenize", {"prompt": text})
@@ -198,6 +207,9 @@ class VllmAdapter(EngineAdapter):
             return int(data.get("count", len(data.get("tokens", ()))))
         except (httpx.HTTPError, ValueError, TypeError, AttributeError):
             return None
+
+
+_VLLM_ABORTED = ("abort", "error")
 
 
 def _int_priority(priority: float, scale: float) -> int:

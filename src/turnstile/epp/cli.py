@@ -1,0 +1,78 @@
+"""``turnstile epp``: run the endpoint picker (:func:`register` adds it to a Typer app)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+__all__ = ["epp", "register"]
+
+
+def epp(
+    endpoint: Annotated[
+        list[str] | None,
+        typer.Option("--endpoint", help="Engine endpoint IP:PORT (repeat): the InferencePool's "
+                     "pods"),
+    ] = None,
+    endpoints_file: Annotated[
+        Path | None, typer.Option(help="File of endpoints (one IP:PORT a line, or a JSON list), "
+                                  "re-read when it changes")
+    ] = None,
+    engine_kind: Annotated[str, typer.Option(help="llama.cpp, vllm, sglang or openai")]
+    = "llama.cpp",
+    config: Annotated[Path | None, typer.Option(help="Gateway TOML file for the scheduling "
+                                                "settings ([gateway], [policy])")] = None,
+    policy: Annotated[str | None, typer.Option(help="Policy spec, e.g. cvar+kv-affinity+ttl")]
+    = None,
+    host: Annotated[str, typer.Option(help="Bind address")] = "127.0.0.1",
+    grpc_port: Annotated[int, typer.Option(help="ext_proc + gRPC health port")] = 9002,
+    metrics_port: Annotated[int, typer.Option(help="Prometheus /metrics and /health port "
+                                              "(-1: none)")] = 9090,
+    max_held: Annotated[int | None, typer.Option(help="Held + queued turns before 429")] = None,
+    fallbacks: Annotated[int, typer.Option(help="Fallback endpoints listed after the picked "
+                                           "one (0 for an ORIGINAL_DST cluster)")] = 0,
+    pool_name: Annotated[str, typer.Option(help="The InferencePool this picker serves")] = "",
+    record: Annotated[Path | None, typer.Option(help="Append every finished session to this "
+                                                "workload .jsonl")] = None,
+    log_level: Annotated[str, typer.Option()] = "warning",
+) -> None:
+    """Run the scheduler as an Envoy ext_proc endpoint picker (Gateway API Inference Extension)."""
+    import asyncio
+
+    from turnstile.epp.server import EppConfig, serve_forever
+    from turnstile.gateway.config import GatewayConfig, load_config
+
+    try:
+        gcfg = load_config(config) if config is not None else GatewayConfig()
+        if policy is not None:
+            gcfg.policy = policy
+        if max_held is not None:
+            gcfg.max_held = max_held
+        if record is not None:
+            gcfg.record = str(record)
+        gcfg.log_level = log_level
+        cfg = EppConfig(gateway=gcfg, host=host, grpc_port=grpc_port,
+                        metrics_port=None if metrics_port < 0 else metrics_port,
+                        endpoints=list(endpoint or []),
+                        endpoints_file=str(endpoints_file) if endpoints_file else None,
+                        engine_kind=engine_kind, pool_name=pool_name,
+                        fallbacks=fallbacks)
+        if not cfg.endpoints and not cfg.endpoints_file:
+            raise ValueError("give --endpoint IP:PORT (repeat) or --endpoints-file")
+        from turnstile.gateway.config import build_policies
+
+        build_policies(gcfg.policy, gcfg.policy_params)
+    except (ValueError, OSError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve_forever(cfg))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("epp")(epp)

@@ -1,0 +1,264 @@
+"""The Envoy ext_proc stream of the endpoint-picker protocol (Gateway API Inference Extension,
+``docs/proposals/004-endpoint-picker-protocol``), served with ``grpc.aio``.
+
+One gRPC stream per HTTP request. Envoy's filter is configured (``deploy/envoy.yaml``,
+:mod:`.envoy`) to send request headers, the **buffered** request body, response headers and the
+**streamed** response body:
+
+* request headers: answered at once (CONTINUE); the identity (session, tenant, parent, hints)
+  is read from them as ``serve`` reads it (:mod:`turnstile.gateway.identity`). A request with no
+  body (``GET /v1/models``) is routed to any ready endpoint right there;
+* request body: the turn becomes READY in the scheduler. The answer waits until the release
+  policy releases it — that wait *is* release control — then sets
+  ``x-gateway-destination-endpoint: ip:port,fallback,…`` and the same value under the
+  ``envoy.lb`` dynamic metadata namespace, and replaces the body when the engine's adapter added
+  fields (llama.cpp ``id_slot``). Admission sheds with an ``ImmediateResponse`` 429 +
+  ``Retry-After``; no ready endpoint (in the ``x-gateway-destination-endpoint-subset`` given as
+  ``envoy.lb.subset_hint`` filter metadata or as a request header) is a 503;
+* response headers and body chunks: passed on unchanged, reported to the scheduler (first token,
+  usage, finish); the stream's end without a complete response is a client that went away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from turnstile.epp.picker import SERVED_HEADER, Exchange, Picker, is_scheduled
+from turnstile.gateway.identity import Identity, read_body, request_identity
+from turnstile.gateway.protocol import GatewayError, error_body
+
+__all__ = ["DEST_HEADER", "LB_NAMESPACE", "SUBSET_HEADER", "SUBSET_NAMESPACE", "ExtProc"]
+
+log = logging.getLogger("turnstile.epp")
+
+DEST_HEADER = "x-gateway-destination-endpoint"
+SUBSET_HEADER = "x-gateway-destination-endpoint-subset"
+LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+
+
+def _headers(msg: pb.HttpHeaders) -> list[tuple[bytes, bytes]]:
+    out = []
+    for h in msg.headers.headers:
+        out.append((h.key.lower().encode("latin-1"), h.raw_value or h.value.encode("latin-1")))
+    return out
+
+
+def _header(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode("latin-1")),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+
+
+def _subset(req: pb.ProcessingRequest, headers: list[tuple[bytes, bytes]]) -> set[str] | None:
+    """The endpoints the data plane allows (filter metadata first, then a request header)."""
+    md = req.metadata_context.filter_metadata
+    if SUBSET_NAMESPACE in md:
+        v = md[SUBSET_NAMESPACE].fields.get(SUBSET_HEADER)
+        if v is not None:
+            if v.HasField("list_value"):
+                return {x.string_value.strip() for x in v.list_value.values}
+            return {x.strip() for x in v.string_value.split(",") if x.strip()}
+    for k, val in headers:
+        if k == SUBSET_HEADER.encode():
+            return {x.strip() for x in val.decode("latin-1").split(",") if x.strip()}
+    return None
+
+
+def _status_of(headers: list[tuple[bytes, bytes]]) -> tuple[int, str | None]:
+    status, served = 0, None
+    for k, v in headers:
+        if k == b":status":
+            with contextlib.suppress(ValueError):
+                status = int(v)
+        elif k == SERVED_HEADER.encode():
+            served = v.decode("latin-1").strip() or None
+    return status, served
+
+
+def immediate(status: int, message: str, type_: str, code: str | None = None,
+              headers: list[tuple[bytes, bytes]] | None = None) -> pb.ProcessingResponse:
+    """An answer to the client from the picker itself (429, 503, 400, 404)."""
+    mut = pb.HeaderMutation(set_headers=[_header("content-type", "application/json")]
+                            + [_header(k.decode(), v.decode()) for k, v in headers or ()])
+    return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=status), headers=mut,
+        body=error_body(message, type_, code), details=f"turnstile_epp_{status}"))
+
+
+def routed(dest: str, *, body: bytes | None = None, phase: str = "request_body"
+           ) -> pb.ProcessingResponse:
+    """Continue to ``dest`` (``ip:port[,fallback…]``): the header and the envoy.lb metadata."""
+    sets = [_header(DEST_HEADER, dest)]
+    common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=sets))
+    if body is not None:
+        common.body_mutation.body = body
+        common.header_mutation.set_headers.append(_header("content-length", str(len(body))))
+    md = struct_pb2.Struct()
+    md.get_or_create_struct(LB_NAMESPACE)[DEST_HEADER] = dest
+    if phase == "request_headers":
+        return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common),
+                                     dynamic_metadata=md)
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common),
+                                 dynamic_metadata=md)
+
+
+_CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+_CONTINUE_RESP_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+_CONTINUE_RESP_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
+_CONTINUE_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+
+
+class ExtProc(pb_grpc.ExternalProcessorServicer):
+    """``envoy.service.ext_proc.v3.ExternalProcessor`` over a :class:`Picker`."""
+
+    def __init__(self, picker: Picker, metrics: Any = None) -> None:
+        self.picker = picker
+        self.metrics = metrics
+
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
+        ex: Exchange | None = None
+        ident: Identity | None = None
+        headers: list[tuple[bytes, bytes]] = []
+        method = path = ""
+        subset: set[str] | None = None
+        scheduled = False
+        complete = False
+        try:
+            async for req in request_iterator:
+                kind = req.WhichOneof("request")
+                if kind == "request_headers":
+                    headers = _headers(req.request_headers)
+                    for k, v in headers:
+                        if k == b":method":
+                            method = v.decode("latin-1")
+                        elif k == b":path":
+                            path = v.decode("latin-1")
+                    subset = _subset(req, headers)
+                    scheduled = is_scheduled(method, path)
+                    if not scheduled or req.request_headers.end_of_stream:
+                        yield self._unscheduled(subset, "request_headers")
+                        scheduled = False
+                    else:
+                        ident = request_identity(headers)
+                        yield _CONTINUE_HEADERS
+                elif kind == "request_body":
+                    if not scheduled or ex is not None:
+                        yield _CONTINUE_BODY
+                        continue
+                    assert ident is not None
+                    t0 = time.perf_counter()
+                    ex, answer = await self._route(ident, path.split("?", 1)[0],
+                                                   req.request_body.body, subset)
+                    if self.metrics is not None:
+                        self.metrics.decision(time.perf_counter() - t0, answer)
+                    yield answer
+                    if ex is None:
+                        return
+                elif kind == "response_headers":
+                    if ex is None:
+                        yield _CONTINUE_RESP_HEADERS
+                        continue
+                    ex.response_headers(*_status_of(_headers(req.response_headers)))
+                    if req.response_headers.end_of_stream:
+                        ex.response_body(b"", True, self.picker)
+                        complete = True
+                    yield _response_headers(ex)
+                elif kind == "response_body":
+                    if ex is not None:
+                        b = req.response_body
+                        ex.response_body(b.body, b.end_of_stream, self.picker)
+                        complete = complete or b.end_of_stream
+                    yield _CONTINUE_RESP_BODY
+                elif kind == "request_trailers":
+                    yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+                elif kind == "response_trailers":
+                    if ex is not None:
+                        ex.response_body(b"", True, self.picker)
+                        complete = True
+                    yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+        finally:
+            if ex is not None:
+                await self._close(ex, complete)
+
+    def _unscheduled(self, subset: set[str] | None, phase: str) -> pb.ProcessingResponse:
+        dest = self.picker.any_endpoint(subset)
+        if dest is None:
+            return immediate(503, "no ready endpoint", "upstream_error", "no_endpoint")
+        return routed(dest, phase=phase)
+
+    async def _route(self, ident: Identity, path: str, raw: bytes, subset: set[str] | None
+                     ) -> tuple[Exchange | None, pb.ProcessingResponse]:
+        """Schedule one request: wait for its release, answer with its destination."""
+        try:
+            body = json.loads(raw) if raw else None
+        except (ValueError, UnicodeDecodeError) as e:
+            return None, immediate(400, f"request body is not valid JSON: {e}",
+                                   "invalid_request_error", "invalid_json")
+        if not isinstance(body, dict):
+            return None, immediate(400, "request body must be a JSON object",
+                                   "invalid_request_error", "invalid_json")
+        read_body(ident, body)
+        try:
+            ex = self.picker.submit(ident, path, body, subset)
+        except GatewayError as e:
+            return None, _error(e)
+        assert ex.task is not None
+        try:
+            await asyncio.wait([ex.route, ex.task], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the client (or Envoy) went away while it was held
+            ex.finish(False)
+            ex.task.cancel()
+            raise
+        if not ex.route.done():
+            ex.route.cancel()
+            exc = ex.task.exception()
+            if isinstance(exc, GatewayError):
+                return None, _error(exc)
+            log.error("scheduling failed", exc_info=exc)
+            return None, immediate(500, f"picker error: {exc}", "server_error")
+        r = ex.route.result()
+        dest = ",".join([r.endpoint, *r.fallbacks])
+        return ex, routed(dest, body=r.body)
+
+    async def _close(self, ex: Exchange, complete: bool) -> None:
+        """The stream is over: a response that never completed is a client that went away."""
+        ex.finish(complete)
+        task = ex.task
+        if task is None:
+            return
+        if not complete and not task.done() and not ex.route.done():
+            task.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(task)
+
+
+def _response_headers(ex: Exchange) -> pb.ProcessingResponse:
+    """What ``serve`` tells its clients, added to the engine's response headers."""
+    p = ex.pending
+    if p is None:
+        return _CONTINUE_RESP_HEADERS
+    rec = p.rec
+    hold_ms = 0.0 if rec is None else max(rec.released_s - rec.ready_s, 0.0) * 1e3
+    sets = [_header("x-session-id", p.session.id), _header("x-turnstile-engine", p.engine),
+            _header("x-turnstile-hold-ms", f"{hold_ms:.3f}")]
+    return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
+        response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=sets))))
+
+
+def _error(e: GatewayError) -> pb.ProcessingResponse:
+    return immediate(e.status, e.message, e.type, e.code, e.headers)

@@ -1,0 +1,16 @@
+"""The one HTTP transport every edge uses: the gateway's engine adapters, the replayer and the
+calibration client.
+
+* :mod:`.retry` — the one retry rule (send again only while nothing came back; bounded
+  attempts and backoff).
+* :mod:`.client` — :class:`~.client.HttpTransport`, async: the measured fast path
+  (:mod:`.fast`) for plain ``http``, ``httpx`` otherwise (imports ``httpx``: the gateway extra).
+* :mod:`.blocking` — the same rule for blocking callers that time-stamp every streamed line
+  (the calibration client's threads); standard library only.
+
+It imports nothing of turnstile: every layer may use it.
+"""
+
+from turnstile.transport.retry import RetryRule, retry_async, retry_sync
+
+__all__ = ["RetryRule", "retry_async", "retry_sync"]

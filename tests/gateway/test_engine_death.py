@@ -1,0 +1,127 @@
+"""An engine that stops serving with turns in flight, on fake engines (fast; the real-engine
+versions are in test_vllm_real.py and test_real_engine.py).
+
+The dying engine keeps its connections open and answers its health check with 503, as vLLM
+does at times after SIGTERM: before the gateway dropped a dead engine's requests, every turn
+on it hung until the read timeout (600 s) although the engine was marked DOWN at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from turnstile.gateway.adapters import make_adapter
+from turnstile.gateway.embedded import GatewayServer
+from turnstile.testing.fake_engine import FakeServer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _turn(url: str, name: str, *, stream: bool, engine: str, max_tokens: int,
+          out: dict[str, dict[str, Any]], first_token: threading.Event | None = None) -> None:
+    """One turn through the gateway; records how it ended and when."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": name}],
+            "max_tokens": max_tokens, "stream": stream}
+    headers = {"x-session-id": name, "x-turnstile-engine": engine}
+    rec: dict[str, Any] = {"stream": stream}
+    try:
+        with httpx.Client(timeout=8) as c:
+            if stream:
+                with c.stream("POST", url + "/v1/chat/completions", json=body,
+                              headers=headers) as r:
+                    rec["status"], rec["engine"] = r.status_code, r.headers.get(
+                        "x-turnstile-engine")
+                    tokens, events = 0, []
+                    for line in r.iter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        events.append(line)
+                        if '"content"' in line:
+                            tokens += 1
+                            if first_token is not None:
+                                first_token.set()
+                    rec["tokens"], rec["last"] = tokens, events[-1] if events else ""
+            else:
+                r = c.post(url + "/v1/chat/completions", json=body, headers=headers)
+                rec["status"], rec["engine"] = r.status_code, r.headers.get("x-turnstile-engine")
+                rec["tokens"] = r.json()["usage"]["completion_tokens"] if r.is_success else 0
+    except httpx.HTTPError as e:
+        rec["error"] = type(e).__name__
+    rec["ended"] = time.monotonic()
+    out[name] = rec
+
+
+def test_dead_engine_turns_rerouted_or_ended_within_2s(
+        fake_engines: Callable[..., FakeServer], gateways: Callable[..., GatewayServer]) -> None:
+    dying = fake_engines(ttft_s=1.0, tpot_s=0.02)
+    healthy = fake_engines(tpot_s=0.001)
+    gw = gateways([make_adapter(dying.url, "llama.cpp", engine_id="a"),
+                   make_adapter(healthy.url, "llama.cpp", engine_id="b")],
+                  policy="eager+hinted")
+    out: dict[str, dict[str, Any]] = {}
+    streaming = threading.Event()
+    threads = [threading.Thread(target=_turn, args=(gw.url, name),
+                                kwargs={"stream": name.startswith("s"), "engine": "a",
+                                        "max_tokens": 200, "out": out,
+                                        "first_token": streaming})
+               for name in ("s1", "s2", "p1", "p2")]
+    for t in threads:
+        t.start()
+    assert streaming.wait(5), "the dying engine never streamed"
+    time.sleep(0.1)
+    # two more turns that will not have streamed a token when the engine dies
+    late = [threading.Thread(target=_turn, args=(gw.url, name),
+                             kwargs={"stream": name.startswith("s"), "engine": "a",
+                                     "max_tokens": 200, "out": out})
+            for name in ("s3", "p3")]
+    for t in late:
+        t.start()
+    time.sleep(0.3)
+    assert dying.engine.in_flight == 6
+    died = time.monotonic()
+    dying.engine.stall = True  # connections stay open, nothing more is sent
+    dying.engine.healthy = False
+    for t in threads + late:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads + late), "a turn hung"
+
+    took = {k: round(v["ended"] - died, 2) for k, v in out.items()}
+    assert all(v.get("error") is None for v in out.values()), out
+    # streams that had tokens end with an OpenAI-shaped error event within 2 s
+    for name in ("s1", "s2"):
+        r = out[name]
+        assert r["status"] == 200 and r["engine"] == "a" and 0 < r["tokens"] < 200, r
+        assert '"error"' in r["last"] and "upstream_error" in r["last"], r
+        assert took[name] < 2.0, took
+    # turns with no token yet went to the healthy engine and ran to the end there, within 2 s
+    # of the death plus their run time (~0.2 s)
+    for name in ("s3", "p1", "p2", "p3"):
+        r = out[name]
+        assert r["status"] == 200 and r["engine"] == "b" and r["tokens"] == 200, (name, r)
+        assert took[name] < 2.5, took
+    # none served twice: the healthy engine saw each re-routed turn once, and nothing else
+    served = Counter(req.body["messages"][0]["content"] for req in healthy.engine.requests)
+    assert served == Counter({"s3": 1, "p1": 1, "p2": 1, "p3": 1}), served
+    m = gw.gateway.metrics
+    assert m.turns_rerouted._value.get() == 4
+    assert gw.gateway.engine_up["a"] is False
+
+
+def test_engine_that_ends_a_stream_early_gives_an_error_event(
+        fake_engines: Callable[..., FakeServer], gateways: Callable[..., GatewayServer]) -> None:
+    """A stream that stops without [DONE] (an engine aborting it on shutdown closes the
+    response cleanly) is not passed off as complete."""
+    eng = fake_engines(fail="end_after:5")
+    gw = gateways([make_adapter(eng.url, "llama.cpp", engine_id="a")], policy="eager")
+    out: dict[str, dict[str, Any]] = {}
+    _turn(gw.url, "s", stream=True, engine="a", max_tokens=20, out=out)
+    r = out["s"]
+    assert r["status"] == 200 and r["tokens"] == 5
+    assert "failed mid-stream" in r["last"] and "without [DONE]" in r["last"], r

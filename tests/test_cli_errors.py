@@ -1,0 +1,160 @@
+"""Ordinary command-line mistakes: one ``error:`` line naming the flag or file, exit code 2.
+
+Each row is a mistake a new user makes (issue 29's list). The command runs through the real
+entry point (:func:`turnstile.cli.main`, what the ``turnstile`` script calls) and must end
+with exit code 2, exactly one line on stderr that names the flag or file, no traceback, and
+nothing on stdout: every check runs before any work is printed or started.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from turnstile.cli import main
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("cli-errors")
+    existing = d / "existing.txt"
+    existing.write_text("hello\n")
+    bad_json = d / "bad.json"
+    bad_json.write_text("{not json\n")
+    not_profile = d / "not_profile.json"
+    not_profile.write_text('{"hello": 1}\n')
+    huge = d / "huge.jsonl"
+    turn = {"input_tokens": 100_000_000_000, "context_tokens": 0, "output_tokens": 10}
+    huge.write_text(json.dumps({"format": "turnstile-workload", "version": 1}) + "\n"
+                    + json.dumps({"id": "w0", "arrival_s": 0.0, "turns": [turn]}) + "\n")
+    bad_record = d / "bad_record.jsonl"
+    bad_record.write_text('{"x": 1}\n')
+    return {"dir": str(d), "existing": str(existing), "bad_json": str(bad_json),
+            "not_profile": str(not_profile), "huge": str(huge), "bad_record": str(bad_record),
+            "under_file": str(existing / "sub")}
+
+
+ENGINE = "http://127.0.0.1:9"  # never contacted: every row fails before
+B = ["bench", "--workflows", "5"]
+R = ["rollout", "sim", "--steps", "1"]
+S = ["serve", "--engine", f"{ENGINE},llama.cpp", "--port", "0"]
+
+#: (case id, argv with {placeholders} from ``files``, text the one line must contain)
+CASES: list[tuple[str, list[str], str]] = [
+    ("bench-profile-missing", [*B, "--profile", "/missing/profile.json"], "--profile"),
+    ("bench-profile-malformed", [*B, "--profile", "{bad_json}"], "--profile"),
+    ("bench-profile-not-a-profile", [*B, "--profile", "{not_profile}"], "--profile"),
+    ("bench-kv-tokens-too-small", [*B, "--kv-tokens", "10"], "--kv-tokens"),
+    ("bench-trace-turn-1e11-tokens", [*B, "--trace", "{huge}"], "huge.jsonl"),
+    ("bench-out-existing-file", [*B, "--out", "{existing}"], "--out"),
+    ("bench-out-uncreatable", [*B, "--out", "{under_file}"], "--out"),
+    ("bench-workflows-0", ["bench", "--workflows", "0"], "--workflows"),
+    ("bench-tp-3-8b", [*B, "--tp", "3"], "--tp"),
+    ("bench-tp-over-a-node", [*B, "--tp", "16"], "--tp"),
+    ("bench-rate-0-no-internal-name", [*B, "--rate", "0"], "--rate"),
+    ("bench-load-negative", [*B, "--load", "-1"], "--load"),
+    ("bench-unknown-policy", [*B, "--policies", "banana"], "banana"),
+    ("bench-unknown-gpu", [*B, "--gpu", "banana"], "banana"),
+    ("bench-unknown-option", [*B, "--banana"], "--banana"),
+    ("synth-out-missing-dir", ["traces", "synth", "-o", "/missing/dir/x.jsonl"], "--out"),
+    ("synth-n-huge", ["traces", "synth", "-o", "{dir}/x.jsonl", "-n", "100000000000"],
+     "--workflows"),
+    ("synth-rate-0", ["traces", "synth", "-o", "{dir}/x.jsonl", "--rate", "0"], "--rate"),
+    ("convert-missing-trace", ["traces", "convert", "/missing/trace", "-o", "{dir}/c.jsonl"],
+     "/missing/trace"),
+    ("serve-engine-kind-banana", ["serve", "--engine", f"{ENGINE},banana", "--port", "0"],
+     "--engine"),
+    ("serve-port-99999", [*S[:3], "--port", "99999"], "--port"),
+    ("serve-log-level-banana", [*S, "--log-level", "banana"], "--log-level"),
+    ("serve-state-unreachable", [*S, "--state", "redis://127.0.0.1:1/0"], "--state"),
+    ("serve-record-malformed", [*S, "--record", "{bad_record}"], "--record"),
+    ("serve-record-missing-dir", [*S, "--record", "/missing/dir/s.jsonl"], "--record"),
+    ("serve-db-missing-dir", [*S, "--db", "/missing/dir/g.sqlite3"], "--db"),
+    ("serve-unknown-policy", [*S, "--policy", "banana"], "banana"),
+    ("serve-no-engine", ["serve", "--port", "0"], "--engine"),
+    ("replay-target-unreachable", ["replay", "--target", "http://127.0.0.1:1", "--workflows",
+                                   "2", "-o", "{dir}/replay"], "--target"),
+    ("replay-out-existing-file", ["replay", "--target", "http://127.0.0.1:1", "-o",
+                                  "{existing}"], "--out"),
+    ("rollout-gpus-1000000", [*R, "--gpus", "1000000"], "--gpus"),
+    ("rollout-train-gpus-negative", [*R, "--mix", "tp2x2", "--train-gpus", "-4"],
+     "--train-gpus"),
+    ("rollout-mix-over-gpus", [*R, "--gpus", "16", "--mix", "tp8x3"], "--mix"),
+    ("rollout-mix-tp-3", [*R, "--mix", "tp3x2"], "--mix"),
+    ("rollout-mix-malformed", [*R, "--mix", "tp2xq"], "--mix"),
+    ("rollout-too-few-gpus", [*R, "--gpus", "4"], "--gpus"),
+    ("rollout-tool-time-negative", [*R, "--tool-time-scale", "-1"], "--tool-time-scale"),
+    ("rollout-unknown-policy", [*R, "--policies", "banana"], "banana"),
+    ("rollout-unknown-workload", [*R, "--workload", "banana"], "banana"),
+    ("rollout-out-existing-file", [*R, "--out", "{existing}"], "--out"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("argv", "names"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_mistake_is_one_line_and_exit_2(argv: list[str], names: str, files: dict[str, str],
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    args = [a.format(**files) for a in argv]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2, (out, err)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ") and names in lines[0], err
+    assert "Traceback" not in err + out
+    assert "rate_per_s" not in err  # the flag's name, not an internal one
+    assert out == "", out  # checked before any work is printed
+
+
+def test_bench_out_checked_before_the_run(tmp_path: Path, capsys) -> None:
+    """An unwritable --out fails before the simulation, not after it (results lost)."""
+    target = tmp_path / "file"
+    target.write_text("x")
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--workflows", "200", "--out", str(target)])
+    assert e.value.code == 2
+    out, _ = capsys.readouterr()
+    assert "simulated" not in out
+
+
+def test_good_commands_still_exit_0(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["traces", "synth", "-o", str(tmp_path / "s.jsonl"), "-n", "3"])
+    assert e.value.code == 0
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--workflows", "3", "-o", str(tmp_path / "b")])
+    assert e.value.code == 0
+    assert (tmp_path / "b" / "results.json").is_file()
+
+
+def test_deprecated_policy_alias_still_works(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["rollout", "sim", "--steps", "1", "--gpus", "8", "--prompts", "2", "--samples",
+              "2", "--mix", "tp2x2", "--policy", "least-open", "-o", str(tmp_path)])
+    assert e.value.code == 0
+    _, err = capsys.readouterr()
+    assert "--policy is deprecated" in err
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert list(doc["policies"]) == ["least-open"]
+
+
+def test_version_flag(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    out, _ = capsys.readouterr()
+    from turnstile import __version__
+
+    assert out.startswith(__version__)
+
+
+def test_entry_point_is_main() -> None:
+    """The installed ``turnstile`` script calls :func:`main` (one-line usage errors)."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    doc = tomllib.loads((root / "pyproject.toml").read_text())
+    assert doc["project"]["scripts"]["turnstile"] == "turnstile.cli:main"
