@@ -46,7 +46,7 @@ import httpx
 
 from turnstile.engines.llama_server import LlamaServerProcess, find_llama_server, free_port
 from turnstile.engines.tiny_model import write_tiny_gguf
-from turnstile.testing.fault_proxy import FaultProxy
+from turnstile.testing.fault_proxy import Generation, ProxyProcess
 from turnstile.testing.redis_server import RedisServer, find_redis_server
 from turnstile.testing.replicas import GatewayProcess, write_config
 
@@ -113,6 +113,7 @@ def peak_rss_mb(pid: int) -> float:
 class Attempt:
     start_s: float
     head_s: float = -1.0  # response status received
+    engine: str = ""  # x-turnstile-engine
     events: list[float] = field(default_factory=list)  # body pieces
     end_s: float = -1.0
     outcome: str = ""
@@ -158,6 +159,7 @@ class Clients:
             try:
                 async with self.http.stream("POST", url, json=body, headers=headers) as r:
                     a.head_s = time.monotonic()
+                    a.engine = r.headers.get("x-turnstile-engine", "")
                     log.statuses.append(r.status_code)
                     data = b""
                     async for piece in r.aiter_bytes():
@@ -193,6 +195,53 @@ class Clients:
             await asyncio.sleep(tool_s)
 
 
+async def raw_stream(targets: list[str], rid: str, body: bytes, deadline_s: float,
+                     home: int) -> TurnLog:
+    """One streamed turn over a plain socket (``Connection: close``), retried with the same
+    request id (after ``Retry-After`` on a 429) until ``deadline_s``."""
+    log = TurnLog(rid, time.monotonic())
+    tries = 0
+    while time.monotonic() - log.sent_s < deadline_s:
+        host, port = targets[(home + tries) % len(targets)].removeprefix("http://").split(":")
+        tries += 1
+        a = Attempt(time.monotonic())
+        log.attempts.append(a)
+        wait = 0.2
+        w = None
+        try:
+            r, w = await asyncio.open_connection(host, int(port), limit=1 << 20)
+            w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
+                    b"Content-Type: application/json\r\nConnection: close\r\n"
+                    b"x-request-id: " + rid.encode() + b"\r\nContent-Length: "
+                    + str(len(body)).encode() + b"\r\n\r\n" + body)
+            head = await r.readuntil(b"\r\n\r\n")
+            a.head_s = time.monotonic()
+            status = int(head.split(b" ", 2)[1])
+            log.statuses.append(status)
+            data = b""
+            while chunk := await r.read(65536):
+                a.events.append(time.monotonic())
+                data += chunk
+            if status == 200 and b"data: [DONE]" in data and b'"error"' not in data:
+                a.outcome = "ok"
+            else:
+                a.outcome = f"http {status}"
+                if status == 429:
+                    wait = 1.0
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                ValueError, IndexError) as e:
+            a.outcome = type(e).__name__
+        finally:
+            if w is not None:
+                w.close()
+        a.end_s = time.monotonic()
+        if a.outcome == "ok":
+            log.done_s = a.end_s
+            return log
+        await asyncio.sleep(wait)
+    return log
+
+
 # ============================================================================ phases
 @dataclass
 class Row:
@@ -210,7 +259,7 @@ class Row:
     note: str = ""
 
 
-def judge(row: Row, logs: list[TurnLog], proxies: list[FaultProxy], faults: list[float],
+def judge(row: Row, logs: list[TurnLog], gens: list[Generation], faults: list[float],
           wall_s: float) -> Row:
     rids = {t.rid for t in logs}
     row.sent = len(logs)
@@ -218,11 +267,10 @@ def judge(row: Row, logs: list[TurnLog], proxies: list[FaultProxy], faults: list
     row.lost = row.sent - row.completed
     complete: dict[str, int] = {}
     cut: dict[str, int] = {}
-    for p in proxies:
-        for g in p.generations:
-            if g.request_id in rids:
-                d = complete if g.complete else cut
-                d[g.request_id] = d.get(g.request_id, 0) + 1
+    for g in gens:
+        if g.request_id in rids:
+            d = complete if g.complete else cut
+            d[g.request_id] = d.get(g.request_id, 0) + 1
     row.duplicated = sum(1 for n in complete.values() if n > 1)
     row.partial = sum(1 for rid in cut if rid in complete)
     answered, recovered = 0.0, 0.0
@@ -242,12 +290,13 @@ def judge(row: Row, logs: list[TurnLog], proxies: list[FaultProxy], faults: list
     return row
 
 
-async def streaming(clients: Clients, timeout_s: float = 3.0) -> None:
-    """Wait (a little) until some attempt is mid-response: the fault then hits a stream."""
+async def streaming(clients: Clients, engine: str = "", timeout_s: float = 3.0) -> None:
+    """Wait (a little) until some attempt is mid-response (on ``engine`` when given): the
+    fault then hits a stream."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if any(a.head_s >= 0 and a.end_s < 0 and a.events for t in clients.turns
-               for a in t.attempts[-1:]):
+        if any(a.head_s >= 0 and a.end_s < 0 and a.events and engine in a.engine
+               for t in clients.turns for a in t.attempts[-1:]):
             return
         await asyncio.sleep(0.005)
 
@@ -261,10 +310,13 @@ class Suite:
             raise SystemExit("llama-server not found (make engine, or TURNSTILE_LLAMA_SERVER)")
         model = None if args.fake else write_tiny_gguf(tmp / "tiny.gguf")
         self.engines = [Engine(model, free_port(), tmp).start() for _ in range(2)]
-        self.proxies = [FaultProxy("127.0.0.1", e.port).start() for e in self.engines]
+        self.proxies = [ProxyProcess("127.0.0.1", e.port) for e in self.engines]
         self.gateways: list[GatewayProcess] = []
         self.rows: list[Row] = []
         self.peak_mb = 0.0
+
+    def generations(self) -> list[Generation]:
+        return [g for p in self.proxies for g in p.generations()]
 
     def targets(self) -> list[str]:
         return [g.url for g in self.gateways]
@@ -284,7 +336,9 @@ class Suite:
 
     async def phase(self, name: str, inject: Callable[[], Any] | None,
                     heal: Callable[[], Any] | None = None, *, injected: int = 1,
-                    extra: Callable[[], Any] | None = None) -> Row:
+                    extra: Callable[[], Any] | None = None, engine: bool = False) -> Row:
+        """Agents run while ``inject`` is called once (when a stream is under way, on the first
+        engine if ``engine``), then ``heal`` after ``--heal-s``."""
         a = self.args
         clients = Clients(self.targets, a.max_tokens, a.turn_deadline_s)
         t_start = time.monotonic()
@@ -294,7 +348,7 @@ class Suite:
         note = ""
         if inject is not None:
             await asyncio.sleep(a.fault_at_s)
-            await streaming(clients)
+            await streaming(clients, f":{self.proxies[0].port}" if engine else "")
             faults.append(time.monotonic())
             note = str(await asyncio.to_thread(inject) or "")
             if heal is not None:
@@ -308,7 +362,7 @@ class Suite:
         await asyncio.gather(*pending, return_exceptions=True)
         await clients.aclose()
         self.note_memory()
-        row = judge(Row(name, injected, note=note), clients.turns, self.proxies, faults,
+        row = judge(Row(name, injected, note=note), clients.turns, self.generations(), faults,
                     time.monotonic() - t_start)
         row.peak_mb = self.peak_mb
         self.rows.append(row)
@@ -343,19 +397,21 @@ class Suite:
             f"{s}:{n}" for s, n in sorted(codes.items()))
 
     async def streams(self, n: int) -> Row:
-        """``n`` concurrent one-turn streams (no session, no tools)."""
-        clients = Clients(self.targets, self.args.max_tokens, self.args.turn_deadline_s)
-        body = {"model": "tiny", "max_tokens": self.args.max_tokens, "stream": True}
+        """``n`` concurrent one-turn streams (no session, no tools), each retried with its
+        request id until ``--load-deadline-s``; a plain socket client (httpx costs too much CPU
+        for thousands of streams on a small machine)."""
+        a = self.args
         t0 = time.monotonic()
-        await asyncio.gather(*(clients.turn(
-            f"load{n}-{i}", {**body, "messages": [{"role": "user", "content": f"q {i}"}]}, {})
-            for i in range(n)))
+        logs = await asyncio.gather(*(raw_stream(
+            self.targets(), f"load{n}-{i}", json.dumps(
+                {"model": "tiny", "max_tokens": a.load_max_tokens, "stream": True,
+                 "messages": [{"role": "user", "content": f"question {i}"}]}).encode(),
+            a.load_deadline_s, i) for i in range(n)))
         wall = time.monotonic() - t0
-        await clients.aclose()
         self.note_memory()
-        shed = sum(s == 429 for t in clients.turns for s in t.statuses)
-        row = judge(Row(f"{n} concurrent streams", n, note=f"{shed} x 429 then retried"),
-                    clients.turns, self.proxies, [], wall)
+        shed = sum(s == 429 for t in logs for s in t.statuses)
+        row = judge(Row(f"{n} concurrent streams", n, note=f"{shed} x 429, retried"),
+                    list(logs), self.generations(), [], wall)
         row.peak_mb, row.answered_s, row.recovered_s = self.peak_mb, float("nan"), wall
         self.rows.append(row)
         print(f"  streams {n}: {row}", file=sys.stderr, flush=True)
@@ -366,15 +422,17 @@ class Suite:
         db = self.tmp / "gateway.sqlite3"
         gw = self.gateway("single", db=str(db))
         self.gateways = [gw]
-        await self.phase("engine SIGKILL", self.kill_engine(signal.SIGKILL), self.restart_engine)
-        await self.phase("engine SIGTERM", self.kill_engine(signal.SIGTERM), self.restart_engine)
+        await self.phase("engine SIGKILL", self.kill_engine(signal.SIGKILL), self.restart_engine,
+                         engine=True)
+        await self.phase("engine SIGTERM", self.kill_engine(signal.SIGTERM), self.restart_engine,
+                         engine=True)
         p0 = self.proxies[0]
-        await self.phase("engine 5xx", lambda: setattr(p0, "fail_status", 503),
-                         lambda: setattr(p0, "fail_status", 0))
-        await self.phase("slow engine", lambda: setattr(p0, "delay_s", a.delay_s),
-                         lambda: setattr(p0, "delay_s", 0.0))
+        await self.phase("engine 5xx", lambda: p0.set(fail_status=503),
+                         lambda: p0.set(fail_status=0), engine=True)
+        await self.phase("slow engine", lambda: p0.set(delay_s=a.delay_s),
+                         lambda: p0.set(delay_s=0.0), engine=True)
         await self.phase("stalled engine",
-                         lambda: setattr(p0, "stall_until", time.monotonic() + a.stall_s))
+                         lambda: p0.set(stall_until=time.monotonic() + a.stall_s), engine=True)
 
         def restart_gateway() -> None:
             port = self.gateways[0].port
@@ -448,12 +506,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--turn-deadline-s", type=float, default=60.0)
     ap.add_argument("--hostile", type=int, default=300)
     ap.add_argument("--streams", type=int, nargs="*", default=[500, 2000])
+    ap.add_argument("--load-max-tokens", type=int, default=8)
+    ap.add_argument("--load-deadline-s", type=float, default=300.0)
     ap.add_argument("--no-redis", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="write table.md and rows.json here")
     a = ap.parse_args(argv)
     if a.smoke:
         a.sessions, a.turns, a.tool_s, a.hostile, a.streams = 6, 3, 0.2, 40, [100]
         a.heal_s, a.stall_s, a.fault_at_s, a.phase_s, a.turn_deadline_s = 1.0, 1.5, 0.3, 30, 20
+        a.load_deadline_s = 30.0
     return a
 
 

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
 import socket
 import struct
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["FaultProxy", "Generation"]
+__all__ = ["FaultProxy", "Generation", "ProxyProcess"]
 
 
 @dataclass
@@ -202,3 +204,61 @@ def _reset(cw: asyncio.StreamWriter) -> None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     cw.close()
+
+
+class ProxyProcess:
+    """A :class:`FaultProxy` in a process of its own (a load generator in the parent process
+    cannot starve it, nor the engine health checks that go through it). ``set(...)`` changes
+    its fault attributes; ``generations()`` fetches its log."""
+
+    def __init__(self, upstream_host: str, upstream_port: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._lock = threading.Lock()
+        self.proc = ctx.Process(target=_proxy_child, args=(child, upstream_host, upstream_port),
+                                daemon=True, name="fault-proxy")
+        self.proc.start()
+        self.port: int = self._conn.recv()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _ask(self, *msg: object) -> object:
+        with self._lock:
+            self._conn.send(msg)
+            return self._conn.recv()
+
+    def set(self, **faults: float) -> None:
+        self._ask("set", faults)
+
+    def generations(self) -> list[Generation]:
+        return self._ask("generations")  # type: ignore[return-value]
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            with contextlib.suppress(OSError, EOFError):
+                self._ask("stop")
+            self.proc.join(5)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
+def _proxy_child(conn: Any, host: str, port: int) -> None:
+    proxy = FaultProxy(host, port).start()
+    conn.send(proxy.port)
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg[0] == "set":
+            for k, v in msg[1].items():
+                setattr(proxy, k, v)
+            conn.send(None)
+        elif msg[0] == "generations":
+            conn.send(list(proxy.generations))
+        else:
+            conn.send(None)
+            break
+    proxy.stop()
