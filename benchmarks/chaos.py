@@ -17,8 +17,9 @@ agents, a replica SIGKILLed, Redis restarted (no persistence: its state is lost)
 
 * turns sent / completed / lost (the client gave up) / duplicated (a request id generated to
   its end more than once at the engines) / partial re-runs (generated again after a cut);
-* answered (s): for the attempts streaming when the fault hit, the longest wait for their next
-  byte or their end (an error the client can retry); recovered (s): until the first turn sent
+* answered (s): over the attempts under way in the 5 s after the fault, the longest silence
+  (no status, no byte, no end) after it — how long the fault leaves a client waiting before it
+  hears something (an error it can retry counts); recovered (s): until the first turn sent
   after the fault completed;
 * peak memory (max RSS of the gateway processes) and requests/s completed.
 
@@ -39,6 +40,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -251,6 +253,9 @@ class Row:
     completed: int = 0
     lost: int = 0
     duplicated: int = 0
+    #: of ``duplicated``: the earlier complete generation ended within 1 s before the fault (a
+    #: gateway or replica killed while its answer was in transit or not yet marked answered)
+    dup_at_fault: int = 0
     partial: int = 0
     answered_s: float = 0.0
     recovered_s: float = 0.0
@@ -260,45 +265,54 @@ class Row:
 
 
 def judge(row: Row, logs: list[TurnLog], gens: list[Generation], faults: list[float],
-          wall_s: float) -> Row:
+          wall_s: float, window_s: float = 5.0) -> Row:
+    """The row's figures. ``answered``: over the attempts under way within ``window_s`` after a
+    fault, the longest silence (no status, byte or end) after the fault."""
     rids = {t.rid for t in logs}
     row.sent = len(logs)
     row.completed = sum(1 for t in logs if t.done_s >= 0)
     row.lost = row.sent - row.completed
-    complete: dict[str, int] = {}
+    complete: dict[str, list[float]] = {}
     cut: dict[str, int] = {}
     for g in gens:
         if g.request_id in rids:
-            d = complete if g.complete else cut
-            d[g.request_id] = d.get(g.request_id, 0) + 1
-    row.duplicated = sum(1 for n in complete.values() if n > 1)
+            if g.complete:
+                complete.setdefault(g.request_id, []).append(g.ended_s)
+            else:
+                cut[g.request_id] = cut.get(g.request_id, 0) + 1
+    dups = [sorted(ends) for ends in complete.values() if len(ends) > 1]
+    row.duplicated = len(dups)
+    row.dup_at_fault = sum(1 for ends in dups if any(
+        all(t0 - 1.0 <= e <= t0 + 0.05 for e in ends[:-1]) for t0 in faults))
     row.partial = sum(1 for rid in cut if rid in complete)
     answered, recovered = 0.0, 0.0
     for t0 in faults:
-        waits = []
         for t in logs:
             for a in t.attempts:
-                if 0 <= a.head_s <= t0 and (a.end_s < 0 or a.end_s > t0):
-                    after = [e for e in a.events if e > t0]
-                    nxt = after[0] if after else (a.end_s if a.end_s > 0 else time.monotonic())
-                    waits.append(nxt - t0)
-        answered = max([answered, *waits])
+                if a.start_s > t0 + window_s or 0 <= a.end_s <= t0:
+                    continue
+                end = a.end_s if a.end_s >= 0 else time.monotonic()
+                ev = sorted([max(a.start_s, t0), end, *(e for e in (a.head_s, *a.events)
+                                                        if e > t0)])
+                answered = max(answered, *(y - x for x, y in pairwise(ev)))
         later = [t.done_s for t in logs if t.sent_s >= t0 and t.done_s >= 0]
-        recovered = max(recovered, (min(later) - t0) if later else float("nan"))
+        recovered = (min(later) - t0) if later else float("nan")
     row.answered_s, row.recovered_s = answered, recovered
     row.rps = row.completed / wall_s if wall_s > 0 else 0.0
     return row
 
 
-async def streaming(clients: Clients, engine: str = "", timeout_s: float = 3.0) -> None:
-    """Wait (a little) until some attempt is mid-response (on ``engine`` when given): the
-    fault then hits a stream."""
+async def streaming(clients: Clients, timeout_s: float = 3.0) -> str:
+    """Wait (a little) until some attempt is mid-response, so that the fault hits a stream;
+    returns the engine serving it ("" when none was found in time)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if any(a.head_s >= 0 and a.end_s < 0 and a.events and engine in a.engine
-               for t in clients.turns for a in t.attempts[-1:]):
-            return
+        for t in clients.turns:
+            a = t.attempts[-1] if t.attempts else None
+            if a is not None and a.head_s >= 0 and a.end_s < 0 and a.events and a.engine:
+                return a.engine
         await asyncio.sleep(0.005)
+    return ""
 
 
 class Suite:
@@ -334,11 +348,11 @@ class Suite:
             if g.proc is not None and g.proc.poll() is None:
                 self.peak_mb = max(self.peak_mb, peak_rss_mb(g.proc.pid))
 
-    async def phase(self, name: str, inject: Callable[[], Any] | None,
-                    heal: Callable[[], Any] | None = None, *, injected: int = 1,
-                    extra: Callable[[], Any] | None = None, engine: bool = False) -> Row:
-        """Agents run while ``inject`` is called once (when a stream is under way, on the first
-        engine if ``engine``), then ``heal`` after ``--heal-s``."""
+    async def phase(self, name: str, inject: Callable[[int], Any] | None,
+                    heal: Callable[[int], Any] | None = None, *, injected: int = 1,
+                    extra: Callable[[], Any] | None = None) -> Row:
+        """Agents run while ``inject(i)`` is called once, when a stream is under way (``i``:
+        the index of the engine serving it), then ``heal(i)`` after ``--heal-s``."""
         a = self.args
         clients = Clients(self.targets, a.max_tokens, a.turn_deadline_s)
         t_start = time.monotonic()
@@ -348,12 +362,13 @@ class Suite:
         note = ""
         if inject is not None:
             await asyncio.sleep(a.fault_at_s)
-            await streaming(clients, f":{self.proxies[0].port}" if engine else "")
+            engine = await streaming(clients)
+            i = next((k for k, p in enumerate(self.proxies) if engine.endswith(f":{p.port}")), 0)
             faults.append(time.monotonic())
-            note = str(await asyncio.to_thread(inject) or "")
+            note = str(await asyncio.to_thread(inject, i) or "")
             if heal is not None:
                 await asyncio.sleep(a.heal_s)
-                await asyncio.to_thread(heal)
+                await asyncio.to_thread(heal, i)
         if extra is not None:
             note = str(await extra() or "")
         _, pending = await asyncio.wait(load, timeout=a.phase_s)
@@ -370,11 +385,11 @@ class Suite:
         return row
 
     # ------------------------------------------------------------------ faults
-    def kill_engine(self, sig: int) -> Callable[[], None]:
-        return lambda: self.engines[0].signal(sig)
+    def kill_engine(self, sig: int) -> Callable[[int], None]:
+        return lambda i: self.engines[i].signal(sig)
 
-    def restart_engine(self) -> None:
-        self.engines[0].start()
+    def restart_engine(self, i: int) -> None:
+        self.engines[i].start()
 
     async def hostile(self) -> str:
         from turnstile.testing.hostile import corpus
@@ -422,19 +437,17 @@ class Suite:
         db = self.tmp / "gateway.sqlite3"
         gw = self.gateway("single", db=str(db))
         self.gateways = [gw]
-        await self.phase("engine SIGKILL", self.kill_engine(signal.SIGKILL), self.restart_engine,
-                         engine=True)
-        await self.phase("engine SIGTERM", self.kill_engine(signal.SIGTERM), self.restart_engine,
-                         engine=True)
-        p0 = self.proxies[0]
-        await self.phase("engine 5xx", lambda: p0.set(fail_status=503),
-                         lambda: p0.set(fail_status=0), engine=True)
-        await self.phase("slow engine", lambda: p0.set(delay_s=a.delay_s),
-                         lambda: p0.set(delay_s=0.0), engine=True)
+        px = self.proxies
+        await self.phase("engine SIGKILL", self.kill_engine(signal.SIGKILL), self.restart_engine)
+        await self.phase("engine SIGTERM", self.kill_engine(signal.SIGTERM), self.restart_engine)
+        await self.phase("engine 5xx", lambda i: px[i].set(fail_status=503),
+                         lambda i: px[i].set(fail_status=0))
+        await self.phase("slow engine", lambda i: px[i].set(delay_s=a.delay_s),
+                         lambda i: px[i].set(delay_s=0.0))
         await self.phase("stalled engine",
-                         lambda: p0.set(stall_until=time.monotonic() + a.stall_s), engine=True)
+                         lambda i: px[i].set(stall_until=time.monotonic() + a.stall_s))
 
-        def restart_gateway() -> None:
+        def restart_gateway(_: int) -> None:
             port = self.gateways[0].port
             self.gateways[0].kill()
             self.gateways[0] = GatewayProcess(self.gateways[0].config, replica_id="single",
@@ -452,14 +465,14 @@ class Suite:
             self.gateways = [self.gateway(f"r{i}", state=redis.url, replica_ttl_s=1.0)
                              for i in range(2)]
 
-            def kill_replica() -> None:
+            def kill_replica(_: int) -> None:
                 self.gateways[0].kill()
                 self.gateways = self.gateways[1:]
 
             await self.phase("replica SIGKILL", kill_replica)
             self.gateways.append(self.gateway("r0", state=redis.url, replica_ttl_s=1.0))
 
-            def restart_redis() -> None:
+            def restart_redis(_: int) -> None:
                 redis.stop()
                 redis.start()
 
@@ -482,8 +495,9 @@ def table(rows: list[Row]) -> str:
             "| answered (s) | recovered (s) | peak MB | req/s | note |")
     out = [head, "|" + "---|" * 12]
     for r in rows:
+        dup = f"{r.duplicated}" + (f" ({r.dup_at_fault} at the kill)" if r.dup_at_fault else "")
         out.append(f"| {r.fault} | {r.injected} | {r.sent} | {r.completed} | {r.lost} "
-                   f"| {r.duplicated} | {r.partial} | {r.answered_s:.3f} | {r.recovered_s:.2f} "
+                   f"| {dup} | {r.partial} | {r.answered_s:.3f} | {r.recovered_s:.2f} "
                    f"| {r.peak_mb:.0f} | {r.rps:.1f} | {r.note} |")
     return "\n".join(out)
 
@@ -512,7 +526,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=None, help="write table.md and rows.json here")
     a = ap.parse_args(argv)
     if a.smoke:
-        a.sessions, a.turns, a.tool_s, a.hostile, a.streams = 6, 3, 0.2, 40, [100]
+        a.sessions, a.turns, a.tool_s, a.hostile, a.streams = 6, 4, 0.2, 40, [100]
         a.heal_s, a.stall_s, a.fault_at_s, a.phase_s, a.turn_deadline_s = 1.0, 1.5, 0.3, 30, 20
         a.load_deadline_s = 30.0
     return a

@@ -37,6 +37,7 @@ class Generation:
     started_s: float
     complete: bool = False
     status: int = 0
+    ended_s: float = -1.0
 
 
 @dataclass
@@ -111,20 +112,26 @@ class FaultProxy:
                     if self.fail_status:
                         await _answer(cw, self.fail_status)
                         continue
-                if up is None:
-                    try:
-                        up = await asyncio.open_connection(self.upstream_host,
-                                                           self.upstream_port, limit=1 << 20)
-                    except OSError:
-                        _reset(cw)
-                        return
-                ur, uw = up
-                uw.write(head + body)
-                if gen is not None:
-                    self.generations.append(gen)
-                if not await self._relay(ur, cw, gen):
+                for fresh in (up is None, True):  # a kept-alive upstream may have closed
+                    if up is None:
+                        try:
+                            up = await asyncio.open_connection(
+                                self.upstream_host, self.upstream_port, limit=1 << 20)
+                        except OSError:
+                            _reset(cw)
+                            return
+                    up[1].write(head + body)
+                    ok = await self._relay(up[0], cw, gen)
+                    if ok is not None or fresh:
+                        break
+                    up[1].close()
+                    up = None
+                if not ok:
                     _reset(cw)
                     return
+                if ok == "close":
+                    up[1].close()
+                    up = None
         except (ConnectionError, asyncio.IncompleteReadError):
             _reset(cw)
         finally:
@@ -140,15 +147,20 @@ class FaultProxy:
             await asyncio.sleep(self.delay_s)
 
     async def _relay(self, ur: asyncio.StreamReader, cw: asyncio.StreamWriter,
-                     gen: Generation | None) -> bool:
-        """One response, upstream to client; False when upstream broke before its end."""
+                     gen: Generation | None) -> bool | str | None:
+        """One response, upstream to client: True (or "close" when the upstream closes the
+        connection after it), False when upstream broke after its head, None when it sent
+        nothing at all (not logged as a generation)."""
         try:
             head = await ur.readuntil(b"\r\n\r\n")
-        except (asyncio.IncompleteReadError, ConnectionError):
-            return False
+        except asyncio.IncompleteReadError as e:
+            return False if e.partial else None
+        except ConnectionError:
+            return None
         status = int(head.split(b" ", 2)[1])
         if gen is not None:
             gen.status = status
+            self.generations.append(gen)
         await self._pace()
         cw.write(head)
         length = _header_int(head, b"content-length")
@@ -161,7 +173,11 @@ class FaultProxy:
                 break
             data = await ur.read(65536 if chunked or length < 0 else min(left, 65536))
             if not data:
-                return not chunked and length < 0  # a body framed by close
+                if not chunked and length < 0:  # a body framed by close: complete
+                    if gen is not None:
+                        gen.complete, gen.ended_s = status == 200, time.monotonic()
+                    return "close"
+                return False
             await self._pace()
             cw.write(data)
             await cw.drain()
@@ -173,8 +189,10 @@ class FaultProxy:
                 break
         if gen is not None and not sse:
             gen.complete = status == 200  # the whole body went through
+        if gen is not None and gen.complete:
+            gen.ended_s = time.monotonic()
         await cw.drain()
-        return True
+        return "close" if _header(head, b"connection").lower() == "close" else True
 
 
 def _header(head: bytes, name: bytes) -> str:
