@@ -128,6 +128,18 @@ def test_deeply_nested_and_malformed_bodies_are_400_in_openai_shape(
               json.dumps({"model": 7, "messages": [{"role": "user", "content": "x"}]}).encode(),
               json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                           "stream_options": 1, "stream": True}).encode()]
+    # wrong types llama.cpp answers with a 500 ("Failed to parse messages/tools")
+    user = {"role": "user", "content": "x"}
+    call = {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for msgs, extra in [([{**user, "tool_call_id": []}], {}), ([{**user, "name": 5}], {}),
+                        ([{"role": "user", "content": [{"type": "text", "text": 5}]}], {}),
+                        ([user, {"role": "assistant", "tool_calls": [{**call, "id": 5}]}], {}),
+                        ([user, {"role": "assistant", "tool_calls": [
+                            {**call, "function": {"name": 5, "arguments": "{}"}}]}], {}),
+                        ([user], {"tools": [{"type": "function"}]}),
+                        ([user], {"tools": [5]}),
+                        ([user], {"tools": [{"type": "function", "function": {"name": 5}}]})]:
+        bodies.append(json.dumps({"model": "tiny", "messages": msgs, **extra}).encode())
     with httpx.Client(base_url=gw.url, timeout=20) as c:
         for raw in bodies:
             r = c.post("/v1/chat/completions", content=raw,
