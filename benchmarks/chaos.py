@@ -265,9 +265,11 @@ class Row:
 
 
 def judge(row: Row, logs: list[TurnLog], gens: list[Generation], faults: list[float],
-          wall_s: float, window_s: float = 5.0) -> Row:
+          wall_s: float, window_s: float = 5.0, engine: str = "") -> Row:
     """The row's figures. ``answered``: over the attempts under way within ``window_s`` after a
-    fault, the longest silence (no status, byte or end) after the fault."""
+    fault, the longest silence (no status, byte or end) after the fault; for a fault of one
+    ``engine`` (its id's ``:port``), only the attempts that ran there or whose turn the fault
+    touched (an attempt failed)."""
     rids = {t.rid for t in logs}
     row.sent = len(logs)
     row.completed = sum(1 for t in logs if t.done_s >= 0)
@@ -288,9 +290,12 @@ def judge(row: Row, logs: list[TurnLog], gens: list[Generation], faults: list[fl
     answered, recovered = 0.0, 0.0
     for t0 in faults:
         for t in logs:
+            touched = any(a.outcome not in ("", "ok") and a.end_s > t0 for a in t.attempts)
             for a in t.attempts:
                 if a.start_s > t0 + window_s or 0 <= a.end_s <= t0:
                     continue
+                if engine and not touched and not a.engine.endswith(engine):
+                    continue  # an engine fault: the turns it touched or that ran there
                 end = a.end_s if a.end_s >= 0 else time.monotonic()
                 ev = sorted([max(a.start_s, t0), end, *(e for e in (a.head_s, *a.events)
                                                         if e > t0)])
@@ -328,6 +333,7 @@ class Suite:
         self.gateways: list[GatewayProcess] = []
         self.rows: list[Row] = []
         self.peak_mb = 0.0
+        self.hostile_failures: list[str] = []
 
     def generations(self) -> list[Generation]:
         return [g for p in self.proxies for g in p.generations()]
@@ -350,7 +356,7 @@ class Suite:
 
     async def phase(self, name: str, inject: Callable[[int], Any] | None,
                     heal: Callable[[int], Any] | None = None, *, injected: int = 1,
-                    extra: Callable[[], Any] | None = None) -> Row:
+                    extra: Callable[[], Any] | None = None, on_engine: bool = False) -> Row:
         """Agents run while ``inject(i)`` is called once, when a stream is under way (``i``:
         the index of the engine serving it), then ``heal(i)`` after ``--heal-s``."""
         a = self.args
@@ -360,10 +366,12 @@ class Suite:
                 for i in range(a.sessions)]
         faults: list[float] = []
         note = ""
+        engine = ""
         if inject is not None:
             await asyncio.sleep(a.fault_at_s)
             engine = await streaming(clients)
             i = next((k for k, p in enumerate(self.proxies) if engine.endswith(f":{p.port}")), 0)
+            engine = f":{self.proxies[i].port}" if on_engine else ""
             faults.append(time.monotonic())
             note = str(await asyncio.to_thread(inject, i) or "")
             if heal is not None:
@@ -378,7 +386,7 @@ class Suite:
         await clients.aclose()
         self.note_memory()
         row = judge(Row(name, injected, note=note), clients.turns, self.generations(), faults,
-                    time.monotonic() - t_start)
+                    time.monotonic() - t_start, engine=engine)
         row.peak_mb = self.peak_mb
         self.rows.append(row)
         print(f"  {name}: {row}", file=sys.stderr, flush=True)
@@ -397,16 +405,21 @@ class Suite:
         bodies = corpus(self.args.hostile, seed=1)
         codes: dict[int, int] = {}
         sem = asyncio.Semaphore(16)
-        async with httpx.AsyncClient(timeout=30) as c:
+        failed: list[str] = []
+        async with httpx.AsyncClient(timeout=self.args.turn_deadline_s) as c:
             async def one(raw: bytes) -> None:
                 async with sem:
                     try:
                         r = await c.post(self.targets()[0] + "/v1/chat/completions",
                                          content=raw, headers={"content-type": "application/json"})
-                        codes[r.status_code] = codes.get(r.status_code, 0) + 1
-                    except httpx.HTTPError:
-                        codes[0] = codes.get(0, 0) + 1
+                        code, text = r.status_code, r.text[:300]
+                    except httpx.HTTPError as e:
+                        code, text = 0, repr(e)
+                    codes[code] = codes.get(code, 0) + 1
+                    if code >= 500 or code == 0:
+                        failed.append(f"{code} {text} <- {raw[:300]!r}")
             await asyncio.gather(*(one(b) for b in bodies))
+        self.hostile_failures = failed
         bad = sum(n for s, n in codes.items() if s >= 500 or s == 0)
         return f"{bad} of {len(bodies)} bodies got a 5xx/no answer; " + ", ".join(
             f"{s}:{n}" for s, n in sorted(codes.items()))
@@ -438,14 +451,18 @@ class Suite:
         gw = self.gateway("single", db=str(db))
         self.gateways = [gw]
         px = self.proxies
-        await self.phase("engine SIGKILL", self.kill_engine(signal.SIGKILL), self.restart_engine)
-        await self.phase("engine SIGTERM", self.kill_engine(signal.SIGTERM), self.restart_engine)
+        await self.phase("no fault (baseline)", lambda i: None)
+        await self.phase("engine SIGKILL", self.kill_engine(signal.SIGKILL), self.restart_engine,
+                         on_engine=True)
+        await self.phase("engine SIGTERM", self.kill_engine(signal.SIGTERM), self.restart_engine,
+                         on_engine=True)
         await self.phase("engine 5xx", lambda i: px[i].set(fail_status=503),
-                         lambda i: px[i].set(fail_status=0))
+                         lambda i: px[i].set(fail_status=0), on_engine=True)
         await self.phase("slow engine", lambda i: px[i].set(delay_s=a.delay_s),
-                         lambda i: px[i].set(delay_s=0.0))
+                         lambda i: px[i].set(delay_s=0.0), on_engine=True)
         await self.phase("stalled engine",
-                         lambda i: px[i].set(stall_until=time.monotonic() + a.stall_s))
+                         lambda i: px[i].set(stall_until=time.monotonic() + a.stall_s),
+                         on_engine=True)
 
         def restart_gateway(_: int) -> None:
             port = self.gateways[0].port
@@ -526,7 +543,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=None, help="write table.md and rows.json here")
     a = ap.parse_args(argv)
     if a.smoke:
-        a.sessions, a.turns, a.tool_s, a.hostile, a.streams = 6, 4, 0.2, 40, [100]
+        a.sessions, a.turns, a.tool_s, a.hostile, a.streams = 6, 3, 0.15, 40, [100]
         a.heal_s, a.stall_s, a.fault_at_s, a.phase_s, a.turn_deadline_s = 1.0, 1.5, 0.3, 30, 20
         a.load_deadline_s = 30.0
     return a
@@ -544,7 +561,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "table.md").write_text(table(suite.rows) + "\n")
-        (a.out / "rows.json").write_text(json.dumps([r.__dict__ for r in suite.rows], indent=1))
+        (a.out / "rows.json").write_text(json.dumps(
+            {"argv": sys.argv[1:] if argv is None else argv,
+             "rows": [r.__dict__ for r in suite.rows],
+             "hostile_failures": suite.hostile_failures}, indent=1))
     return suite.rows
 
 

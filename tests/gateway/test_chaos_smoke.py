@@ -25,8 +25,8 @@ def test_chaos_smoke(llama_server_binary: Path) -> None:
         sys.path.remove(str(BENCH))
     argv = ["--smoke"] + ([] if find_redis_server() else ["--no-redis"])
     rows = {r.fault: r for r in chaos.main(argv)}
-    expected = {"engine SIGKILL", "engine SIGTERM", "engine 5xx", "slow engine",
-                "stalled engine", "gateway SIGKILL+restart", "hostile bodies",
+    expected = {"no fault (baseline)", "engine SIGKILL", "engine SIGTERM", "engine 5xx",
+                "slow engine", "stalled engine", "gateway SIGKILL+restart", "hostile bodies",
                 "100 concurrent streams"}
     if find_redis_server():
         expected |= {"replica SIGKILL", "Redis restart"}
