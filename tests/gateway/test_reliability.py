@@ -15,6 +15,7 @@ import pytest
 
 from turnstile.gateway.embedded import GatewayServer
 from turnstile.testing.fake_engine import FakeServer, chat_body
+from turnstile.testing.redis_server import find_redis_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -300,3 +301,52 @@ def test_a_user_field_with_control_characters_is_a_hashed_session(fake_engines: 
         assert r.status_code == 200 and r.headers["x-session-id"].startswith("user-")
     r = httpx.post(gw.url + "/v1/chat/completions", json=chat_body(user="agent-7"), timeout=10)
     assert r.headers["x-session-id"] == "agent-7"
+
+
+def test_a_hung_redis_costs_a_lookup_two_seconds_at_most() -> None:
+    """A Redis that accepts connections and never answers (partitioned, overloaded): a
+    request's session lookup gives up within ~2 s (redis-py's defaults: 5 s per call)."""
+    import socket
+
+    from turnstile.gateway.shared import RedisState
+
+    async def lookup(url: str) -> float:
+        state = RedisState(url, replica_id="a")
+        t0 = time.monotonic()
+        assert await state.lookup_session("s") is None
+        await state.redis.aclose()
+        return time.monotonic() - t0
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        assert asyncio.run(lookup(f"redis://127.0.0.1:{silent.getsockname()[1]}/0")) < 3.0
+
+
+@pytest.mark.skipif(find_redis_server() is None, reason="redis-server not installed")
+def test_with_redis_away_requests_stay_quick_and_ready_says_why(fake_engines: Any,
+                                                                 gateways: Any) -> None:
+    """redis-py's default retries a call 10 times with backoff: every request's session lookup
+    stalled for seconds while Redis restarted. Now a lookup fails fast (answered as unknown)
+    and /ready reports the state store."""
+    from turnstile.gateway.shared import RedisState
+    from turnstile.testing.redis_server import RedisServer
+
+    redis = RedisServer().start()
+    try:
+        gw = gateways([fake_engines().url],
+                      backend=RedisState(redis.url, replica_id="alone", replica_ttl_s=1.0))
+        hdr = {"x-session-id": "s"}
+        assert httpx.post(gw.url + "/v1/chat/completions", json=chat_body(), headers=hdr,
+                          timeout=10).status_code == 200
+        assert httpx.get(gw.url + "/ready").json()["state"] == "ok"
+        redis.stop()
+        for i in range(3):
+            t0 = time.monotonic()
+            r = httpx.post(gw.url + "/v1/chat/completions", json=chat_body(f"q{i}"),
+                           headers={**hdr, "x-request-id": f"r{i}"}, timeout=30)
+            assert r.status_code == 200 and time.monotonic() - t0 < 2.0
+        r = httpx.get(gw.url + "/ready", timeout=10)
+        assert r.status_code == 503 and r.json()["state"] == "failing"
+    finally:
+        redis.stop()
