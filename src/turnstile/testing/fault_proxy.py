@@ -30,6 +30,8 @@ from typing import Any
 
 __all__ = ["FaultProxy", "Generation", "ProxyProcess"]
 
+_LIVE: set[asyncio.Task[Any] | None] = set()
+
 
 @dataclass
 class Generation:
@@ -97,6 +99,8 @@ class FaultProxy:
     # ------------------------------------------------------------------ serving
     async def _serve(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
         up: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        me = asyncio.current_task()
+        _LIVE.add(me)  # a strong reference while it waits on a peer that may vanish
         try:
             while True:
                 try:
@@ -135,6 +139,7 @@ class FaultProxy:
         except (ConnectionError, asyncio.IncompleteReadError):
             _reset(cw)
         finally:
+            _LIVE.discard(me)
             if up is not None:
                 up[1].close()
             cw.close()
