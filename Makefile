@@ -64,4 +64,4 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(COMPILED) build/compiled .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(COMPILED) build/compiled .pytest_cache .ruff_cache .mypy_cache
