@@ -229,6 +229,10 @@ def bench(
     seed: Annotated[int, typer.Option()] = 0,
     out: Annotated[Path | None, typer.Option("-o", "--out",
                                              help="Write results.json and plots here")] = None,
+    save_detailed: Annotated[
+        bool, typer.Option("--save-detailed", help="Also write every workflow's and turn's "
+                           "samples into results.json (to re-plot or recompute later)")
+    ] = False,
 ) -> None:
     """Simulate every policy on the same workload and compare them side by side (simulated)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -291,6 +295,7 @@ def bench(
             wfs, specs, groups, on_policy_start=start,
             on_progress=lambda n: bar.update(task, completed=n),
             hash_block_tokens=trace_info.get("hash_block_tokens", 0),
+            detailed=save_detailed,
         )
     render_table(results, console)
     if out is not None:
@@ -298,11 +303,22 @@ def bench(
             wspec, groups, specs, workload_sha256=runner.workload_digest(wfs)
         )
         path = write_results(out, results, config, trace_info)
+        from turnstile.bench.html_report import write_html_report
         from turnstile.bench.plots import plot_flow_cdf
+        from turnstile.bench.report import load_results
 
-        plot_flow_cdf(results, out / "flow_cdf.png",
-                      title=f"Workflow flow time (simulated), {trace_info['name']}")
-        console.print(f"wrote {path} and {out / 'flow_cdf.png'}")
+        html = write_html_report(out, load_results(path), policies=results,
+                                 title=f"turnstile bench: {trace_info['name']}")
+        wrote = [path, html]
+        try:
+            wrote.append(plot_flow_cdf(results, out / "flow_cdf.png",
+                                       title=f"Workflow flow time (simulated), "
+                                       f"{trace_info['name']}"))
+        except ImportError as e:
+            from rich.markup import escape
+
+            err_console.print(f"[dim]{escape(str(e))}; flow_cdf.png skipped[/]")
+        console.print("wrote " + ", ".join(str(p) for p in wrote))
 
 
 @app.command("policies")

@@ -140,8 +140,12 @@ def run_bench(
     hash_block_tokens: int = 0,
     on_policy_start: Callable[[str], None] | None = None,
     on_progress: Callable[[int], None] | None = None,
+    detailed: bool = False,
 ) -> list[dict[str, Any]]:
-    """Run each policy spec on the same workflows; one result dict per policy."""
+    """Run each policy spec on the same workflows; one result dict per policy.
+
+    ``detailed``: add every workflow's and turn's samples (``--save-detailed``,
+    :mod:`turnstile.bench.detailed`)."""
     from turnstile.bench.metrics import compute_metrics
 
     gpu = load_gpu(groups[0].gpu)
@@ -170,6 +174,10 @@ def run_bench(
                     "iterations_per_s": res.iterations / max(res.wall_s, 1e-9)},
             "engines": res.engine_stats,
         })
+        if detailed:
+            from turnstile.bench.detailed import DETAILED_KEY, detailed_samples
+
+            results[-1][DETAILED_KEY] = detailed_samples(res.workflows)
     return results
 
 

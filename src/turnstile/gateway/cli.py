@@ -192,6 +192,10 @@ def replay(
     subset: Annotated[str | None, typer.Option(help="agentcgroup subset")] = None,
     seed: Annotated[int, typer.Option()] = 0,
     timeout_s: Annotated[float, typer.Option(help="Per-request timeout")] = 300.0,
+    save_detailed: Annotated[
+        bool, typer.Option("--save-detailed", help="Also write every workflow's and turn's "
+                           "samples into results.json")
+    ] = False,
     api_key: Annotated[str | None, typer.Option(hidden=True, help="Deprecated: --auth-token")]
     = None,
 ) -> None:
@@ -219,7 +223,7 @@ def replay(
                       time_scale=time_scale, max_context=max_context, max_tokens=max_tokens,
                       max_turns=max_turns, model=model, stream=stream, arrivals=arrivals,
                       label=label, api_key=auth_token, subset=subset, seed=seed,
-                      timeout_s=timeout_s)
+                      timeout_s=timeout_s, save_detailed=save_detailed)
     try:
         check_out_dir(out)
         wfs, trace_info = load_workflows(spec)
@@ -233,7 +237,7 @@ def replay(
     except httpx.HTTPError as e:
         raise _fail(f"--target {target}: {type(e).__name__}: {e}") from None
     typer.echo(summary)
-    typer.echo(f"wrote {path}")
+    typer.echo(f"wrote {path} and {path.with_name('report.html')}")
 
 
 def _check_target(url: str) -> None:
