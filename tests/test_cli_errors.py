@@ -29,10 +29,14 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     turn = {"input_tokens": 100_000_000_000, "context_tokens": 0, "output_tokens": 10}
     huge.write_text(json.dumps({"format": "turnstile-workload", "version": 1}) + "\n"
                     + json.dumps({"id": "w0", "arrival_s": 0.0, "turns": [turn]}) + "\n")
+    mooncake = d / "mooncake_huge.jsonl"  # another loader than the workload JSONL's
+    mooncake.write_text("".join(json.dumps({"timestamp": i, "input_length": 10 ** 11 if i == 3
+                                            else 500, "output_length": 20, "hash_ids": [i]})
+                                + "\n" for i in range(8)))
     bad_record = d / "bad_record.jsonl"
     bad_record.write_text('{"x": 1}\n')
     return {"dir": str(d), "existing": str(existing), "bad_json": str(bad_json),
-            "not_profile": str(not_profile), "huge": str(huge), "bad_record": str(bad_record),
+            "not_profile": str(not_profile), "huge": str(huge), "mooncake": str(mooncake), "bad_record": str(bad_record),
             "under_file": str(existing / "sub")}
 
 
@@ -48,6 +52,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("bench-profile-not-a-profile", [*B, "--profile", "{not_profile}"], "--profile"),
     ("bench-kv-tokens-too-small", [*B, "--kv-tokens", "10"], "--kv-tokens"),
     ("bench-trace-turn-1e11-tokens", [*B, "--trace", "{huge}"], "huge.jsonl"),
+    ("bench-mooncake-turn-1e11-tokens", [*B, "--trace", "{mooncake}"], "mooncake_huge.jsonl"),
+    ("info-mooncake-turn-1e11-tokens", ["traces", "info", "{mooncake}"], "mooncake_huge.jsonl"),
     ("bench-out-existing-file", [*B, "--out", "{existing}"], "--out"),
     ("bench-out-uncreatable", [*B, "--out", "{under_file}"], "--out"),
     ("bench-workflows-0", ["bench", "--workflows", "0"], "--workflows"),

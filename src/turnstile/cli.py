@@ -67,13 +67,21 @@ def _load(path: Path, subset: str | None, progress: bool,
     if group_by:
         kw["group_by"] = group_by
     try:
-        return load_trace(path, **kw)
+        loaded = load_trace(path, **kw)
     except (ValueError, OSError, TypeError) as e:
         raise _fail(str(e)) from None
+    from turnstile.workload.model import check_turn_sizes
+
+    try:  # every loader, not only the JSONL one, gets the same bound
+        check_turn_sizes(loaded.workflows, path)
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    return loaded
 
 
-#: ``traces synth -n``: more workflows than this would not fit in memory
-MAX_SYNTH_WORKFLOWS = 1_000_000
+#: ``traces synth -n``, ``bench --workflows``: 10k synthetic workflows take ~250 MB and ~30 s, so
+#: more than this would not fit in a laptop's memory
+MAX_SYNTH_WORKFLOWS = 100_000
 
 _GROUP_BY_HELP = ("request logs: session field (dotted path), 'prefix' (shared message "
                   "prefixes) or 'auto'")

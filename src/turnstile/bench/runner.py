@@ -19,7 +19,7 @@ import numpy as np
 from turnstile.sim.cluster import EngineGroup, run_sim
 from turnstile.sim.roofline_perf import RooflinePerf, load_gpu, load_model
 from turnstile.workload import synth
-from turnstile.workload.model import Workflow
+from turnstile.workload.model import Workflow, check_turn_sizes
 
 LOAD_LEVELS = {"light": 0.3, "medium": 0.7, "high": 1.2, "overload": 2.0}
 
@@ -110,6 +110,7 @@ def build_workload(
     spec: WorkloadSpec, groups: Sequence[EngineGroup]
 ) -> tuple[list[Workflow], dict[str, Any]]:
     base, info = load_base_workflows(spec)
+    check_turn_sizes(base, spec.trace)
     if spec.arrivals == "trace":
         wfs = sorted(base, key=lambda w: w.arrival_s)[: spec.workflows]
         info.update(arrivals="trace", rate=None)
