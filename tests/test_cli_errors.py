@@ -35,8 +35,14 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
                                 + "\n" for i in range(8)))
     bad_record = d / "bad_record.jsonl"
     bad_record.write_text('{"x": 1}\n')
+    bad_line_record = d / "bad_line_record.jsonl"
+    bad_line_record.write_text('{"format": "turnstile-workload", "version": 1}\n{garbage\n')
+    future_record = d / "future_record.jsonl"
+    future_record.write_text('{"format": "turnstile-workload", "version": 99}\n')
     return {"dir": str(d), "existing": str(existing), "bad_json": str(bad_json),
-            "not_profile": str(not_profile), "huge": str(huge), "mooncake": str(mooncake), "bad_record": str(bad_record),
+            "not_profile": str(not_profile), "huge": str(huge), "mooncake": str(mooncake),
+            "bad_record": str(bad_record),
+            "bad_line_record": str(bad_line_record), "future_record": str(future_record),
             "under_file": str(existing / "sub")}
 
 
@@ -76,6 +82,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("serve-log-level-banana", [*S, "--log-level", "banana"], "--log-level"),
     ("serve-state-unreachable", [*S, "--state", "redis://127.0.0.1:1/0"], "--state"),
     ("serve-record-malformed", [*S, "--record", "{bad_record}"], "--record"),
+    ("serve-record-malformed-line", [*S, "--record", "{bad_line_record}"], "--record"),
+    ("serve-record-future-version", [*S, "--record", "{future_record}"], "--record"),
     ("serve-record-missing-dir", [*S, "--record", "/missing/dir/s.jsonl"], "--record"),
     ("serve-db-missing-dir", [*S, "--db", "/missing/dir/g.sqlite3"], "--db"),
     ("serve-unknown-policy", [*S, "--policy", "banana"], "banana"),
@@ -164,3 +172,14 @@ def test_entry_point_is_main() -> None:
     root = Path(__file__).resolve().parents[1]
     doc = tomllib.loads((root / "pyproject.toml").read_text())
     assert doc["project"]["scripts"]["turnstile"] == "turnstile.cli:main"
+
+
+def test_a_malformed_record_file_is_left_untouched(tmp_path: Path, capsys) -> None:
+    """serve --record on a file that is not a whole workload fails and does not modify it (the
+    recorder would otherwise cut what looks like a torn last line)."""
+    f = tmp_path / "binary.jsonl"
+    f.write_bytes(b"\x00\x01 not a workload")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--engine", f"{ENGINE},openai", "--port", "0", "--record", str(f)])
+    assert e.value.code == 2
+    assert f.read_bytes() == b"\x00\x01 not a workload"

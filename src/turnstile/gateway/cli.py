@@ -49,12 +49,17 @@ def _check_serve(cfg: GatewayConfig, log_level: str) -> None:
         check_out_file(Path(cfg.db), "--db")
     if cfg.record:
         from turnstile.gateway.recorder import SessionRecorder
+        from turnstile.workload.jsonl import check_workload_file
 
-        check_out_file(Path(cfg.record), "--record")
-        try:
-            SessionRecorder(cfg.record).close()  # fails now on a file that is not a workload
-        except ValueError as e:
-            raise ValueError(f"--record {e}") from None
+        record_path = Path(cfg.record)
+        check_out_file(record_path, "--record")
+        if record_path.exists() and record_path.stat().st_size:
+            try:  # read-only: a file that is not a whole workload is left as it is
+                check_workload_file(record_path, allow_torn_tail=True)
+            except ValueError as e:
+                raise ValueError(f"--record {e} (not a turnstile workload: record to a new "
+                                 "file)") from None
+        SessionRecorder(cfg.record).close()
     if cfg.state:
         _check_redis(cfg.state)
     if cfg.port:  # a port in use fails here, not after "gateway on ..."
