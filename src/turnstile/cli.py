@@ -68,7 +68,11 @@ def _load(path: Path, subset: str | None, progress: bool,
         kw["group_by"] = group_by
     try:
         loaded = load_trace(path, **kw)
-    except (ValueError, OSError, TypeError) as e:
+    except TypeError:  # the format's loader takes no such option
+        flags = " and ".join(f for f, v in (("--subset", subset), ("--group-by", group_by)) if v)
+        raise _fail(f"{path}: {flags or 'an option'} does not apply to this trace format "
+                    "(--subset: AgentCgroup; --group-by: request logs)") from None
+    except (ValueError, OSError) as e:
         raise _fail(str(e)) from None
     from turnstile.workload.model import check_turn_sizes
 
@@ -135,8 +139,13 @@ def traces_convert(
     group_by: Annotated[str | None, typer.Option(help=_GROUP_BY_HELP)] = None,
 ) -> None:
     """Convert a real trace (or agent logs) to turnstile's JSONL workload format."""
+    from turnstile.bench.usage import check_out_file
     from turnstile.workload.jsonl import write_workload
 
+    try:
+        check_out_file(out)
+    except ValueError as e:
+        raise _fail(str(e)) from None
     loaded = _load(path, subset, progress=True, group_by=group_by)
     meta: dict[str, object] = {"source": str(path), "trace": loaded.name, "notes": loaded.notes}
     if loaded.hash_block_tokens:
@@ -191,9 +200,14 @@ def traces_fit(
     name: Annotated[str | None, typer.Option(help="Spec name (default: the trace's)")] = None,
 ) -> None:
     """Fit the synthetic generator's spec to a trace and write it as JSON (refits the default)."""
+    from turnstile.bench.usage import check_out_file
     from turnstile.workload.synth_fit import fit_spec
     from turnstile.workload.synth_spec import save_spec
 
+    try:
+        check_out_file(out)
+    except ValueError as e:
+        raise _fail(str(e)) from None
     loaded = _load(path, subset, progress=True)
     spec = fit_spec(loaded.workflows, name=name or loaded.name)
     spec.info["source"] = f"{loaded.name}: {loaded.counts.get('sessions', len(loaded))} sessions"

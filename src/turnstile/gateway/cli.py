@@ -40,6 +40,13 @@ def _check_serve(cfg: GatewayConfig, log_level: str) -> None:
         raise ValueError(f"--log-level {log_level!r}: use one of {', '.join(LOG_LEVELS)}")
     if not 0 <= cfg.port <= 65535:
         raise ValueError(f"--port {cfg.port}: a port is 0 to 65535")
+    import httpx
+
+    ids = [e.name or httpx.URL(e.url).netloc.decode() for e in cfg.engines]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise ValueError(f"--engine: {', '.join(dup)} given twice; name each engine "
+                         "(--engine URL,kind,NAME) to serve the same address twice")
     for e in cfg.engines:
         if e.kind.lower() not in ADAPTERS:
             valid = ", ".join(sorted({c.kind for c in ADAPTERS.values()}))
@@ -103,7 +110,8 @@ def serve(
     host: Annotated[str | None, typer.Option(help="Bind address (default 127.0.0.1)")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default 8000; 0: any free port)")]
     = None,
-    max_held: Annotated[int | None, typer.Option(help="Held + queued turns before 429")] = None,
+    max_held: Annotated[int | None, typer.Option(min=1, help="Held + queued turns before 429")]
+    = None,
     auth_token: Annotated[
         str | None, typer.Option(help="Require 'Authorization: Bearer TOKEN'",
                                  envvar="TURNSTILE_AUTH_TOKEN")
@@ -132,7 +140,12 @@ def serve(
     from turnstile.gateway.config import GatewayConfig, load_config, parse_engine_flag
 
     try:
-        cfg = load_config(config) if config is not None else GatewayConfig()
+        if config is not None and not config.is_file():
+            raise ValueError(f"--config {config}: no such file")
+        try:
+            cfg = load_config(config) if config is not None else GatewayConfig()
+        except ValueError as e:
+            raise ValueError(f"--config {e}") from None
         if engine:
             cfg.engines = [parse_engine_flag(e) for e in engine]
         if policy is not None:
@@ -209,7 +222,8 @@ def replay(
                       workflows < 1), ("--time-scale must be >= 0", time_scale < 0),
                       ("--max-context must be >= 2", max_context < 2),
                       ("--max-tokens must be >= 1", max_tokens < 1),
-                      ("--timeout-s must be > 0", timeout_s <= 0)):
+                      ("--timeout-s must be > 0", timeout_s <= 0),
+                      ("--max-turns must be >= 1", max_turns is not None and max_turns < 1)):
         if bad:
             raise _fail(flag)
     if api_key is not None:
