@@ -271,8 +271,6 @@ def bench(
         runner.model_check(gpu, model, tp)
         if rate is not None and rate <= 0:
             raise ValueError("--rate must be > 0")
-        if out is not None:
-            check_out_dir(out)  # before the run: a bad --out must not cost the results
     except (ValueError, KeyError) as e:
         raise _fail(str(e)) from None
     perf = None
@@ -299,6 +297,8 @@ def bench(
     try:
         wfs, trace_info = runner.build_workload(wspec, groups)
         runner.check_kv_fits(wfs, groups)
+        if out is not None:
+            check_out_dir(out)  # before the run (created last): a bad --out must not cost results
     except (ValueError, OSError) as e:
         raise _fail(str(e)) from None
     rate_txt = f"{trace_info['rate']:.3g}/s" if trace_info.get("rate") else "trace times"
