@@ -244,9 +244,11 @@ def replay(
                       label=label, api_key=auth_token, subset=subset, seed=seed,
                       timeout_s=timeout_s, save_detailed=save_detailed)
     try:
-        check_out_dir(out)
+        if out.exists() and not out.is_dir():
+            check_out_dir(out)  # an existing file: said before anything else
         wfs, trace_info = load_workflows(spec)
         _check_target(spec.target)
+        check_out_dir(out)
     except (ValueError, OSError) as e:
         raise _fail(str(e)) from None
     typer.echo(f"replaying {len(wfs)} sessions from {trace_info['name']} against {target}",
