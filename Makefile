@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 TRACES ?= ../shared/traces
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck engine redis clean compiled test-compiled
+.PHONY: demo test lint typecheck engine redis chromium clean compiled test-compiled
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,10 +27,16 @@ engine:
 redis:
 	bash scripts/install_redis.sh
 
-test: $(STAMP) engine redis typecheck
+# A headless Chromium for the report.html rendering test (Debian's package, installed when missing;
+# where it cannot be installed that one test skips and says so, except under CI).
+chromium:
+	-bash scripts/install_chromium.sh
+
+test: $(STAMP) engine redis chromium typecheck
 	$(BIN)/ruff check src tests benchmarks
 	TURNSTILE_LLAMA_SERVER="$$(bash scripts/build_llama_server.sh | tail -n 1)" \
 	TURNSTILE_REDIS_SERVER="$$(bash scripts/install_redis.sh | tail -n 1)" \
+	TURNSTILE_CHROMIUM="$$(bash scripts/install_chromium.sh 2>/dev/null | tail -n 1)" \
 		$(BIN)/pytest -q --timeout=600
 
 # Opt-in: the simulator's hot modules compiled with mypyc into their own venv, .venv-compiled

@@ -43,6 +43,7 @@ __all__ = [
     "p95_ratio",
     "path_sha256",
     "render_table",
+    "results_header",
     "tree_sha256",
     "write_results",
 ]
@@ -214,6 +215,13 @@ def _jsonable(obj: Any) -> Any:
     raise TypeError(f"{type(obj).__name__} is not JSON serializable")
 
 
+def results_header(kind: str, *, simulated: bool) -> dict[str, Any]:
+    """The header every ``results.json`` starts with (``bench``, ``replay``, ``rollout sim``):
+    schema, version, the turnstile that wrote it, what wrote it and whether it is simulated."""
+    return {"schema": RESULTS_SCHEMA, "version": RESULTS_VERSION, "turnstile_version": __version__,
+            "kind": kind, "simulated": simulated}
+
+
 def write_results(
     out_dir: str | os.PathLike[str],
     results: Sequence[Mapping[str, Any]],
@@ -221,6 +229,7 @@ def write_results(
     trace_info: Mapping[str, Any],
     *,
     simulated: bool = True,
+    kind: str = "bench",
 ) -> Path:
     """Write ``out_dir/results.json`` (see the module docstring) and return its path.
 
@@ -236,10 +245,7 @@ def write_results(
         if "sha256" not in trace and os.path.exists(trace_path):
             trace["sha256"] = path_sha256(trace_path)
     doc = {
-        "schema": RESULTS_SCHEMA,
-        "version": RESULTS_VERSION,
-        "turnstile_version": __version__,
-        "simulated": simulated,
+        **results_header(kind, simulated=simulated),
         "config": public_metrics(config),
         "trace": public_metrics(trace),
         "policies": [public_metrics(r) for r in results],
