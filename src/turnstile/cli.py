@@ -105,6 +105,8 @@ def traces_convert(
 
     loaded = _load(path, subset, progress=True, group_by=group_by)
     meta: dict[str, object] = {"source": str(path), "trace": loaded.name, "notes": loaded.notes}
+    if loaded.warnings:  # carried into the file: bench on it says them too
+        meta["warnings"] = loaded.warnings
     if loaded.hash_block_tokens:
         meta["hash_block_tokens"] = loaded.hash_block_tokens
     # write beside the target and rename: a failure never leaves a partial workload behind
