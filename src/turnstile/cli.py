@@ -212,8 +212,11 @@ def bench(
         if suite not in ("quick", "full"):
             raise _fail(f"--suite must be quick or full; got {suite!r}")
         names = None if policies == "eager" else [p for p in policies.split(",") if p.strip()]
-        run_with_progress(suite, out or Path(f"robustness-{suite}"), policies=names,
-                          seed=seed, ray=ray, console=console)
+        try:
+            run_with_progress(suite, out or Path(f"robustness-{suite}"), policies=names,
+                              seed=seed, ray=ray, console=console)
+        except (RuntimeError, ValueError) as e:
+            raise _fail(str(e)) from None
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -45,10 +45,15 @@ class RayBackend:
             raise RuntimeError("--ray needs Ray: pip install 'turnstile[ray]'") from None
         self.ray = ray
         if not ray.is_initialized():
-            if address == "local":
-                ray.init(include_dashboard=False, log_to_driver=False)
-            else:
-                ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+            if address != "local":
+                kw["address"] = address
+            try:
+                ray.init(**kw)
+            except (ConnectionError, RuntimeError, ValueError) as e:
+                raise RuntimeError(f"--ray {address}: could not reach a Ray cluster ({e}); "
+                                   "start one with `ray start --head`, or use --ray local"
+                                   ) from None
         self._fns: dict[Any, Any] = {}
         self.name = f"ray ({address}, {int(ray.cluster_resources().get('CPU', 0))} CPUs)"
 
