@@ -50,12 +50,15 @@ SATURATION_QUEUE_SHARE = 0.10
 
 
 def default_policy_spec() -> str:
-    """The release policy ``bench``, ``serve`` and ``make demo`` use when none is named: the
-    policies package's ``DEFAULT_SPEC`` when it declares one, else ``eager``."""
+    """The policy ``bench``, ``serve`` and ``make demo`` use when none is named: the policies
+    package's ``DEFAULT_SPEC`` when it declares one, else its default release policy
+    (``DEFAULTS["release"]``; the other kinds take their defaults in a spec anyway)."""
     from turnstile import policies
 
     spec = getattr(policies, "DEFAULT_SPEC", None)
-    return spec if isinstance(spec, str) and spec else "eager"
+    if isinstance(spec, str) and spec:
+        return spec
+    return str(policies.DEFAULTS.get("release") or "eager")
 
 
 @dataclass(frozen=True)
