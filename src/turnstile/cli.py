@@ -167,6 +167,7 @@ def traces_fit(
 
 @app.command("bench")
 def bench(
+    ctx: typer.Context,
     trace: Annotated[
         str | None, typer.Option(help="Trace dir/file; omit for the built-in synthetic generator")
     ] = None,
@@ -211,7 +212,11 @@ def bench(
 
         if suite not in ("quick", "full"):
             raise _fail(f"--suite must be quick or full; got {suite!r}")
-        names = None if policies == "eager" else [p for p in policies.split(",") if p.strip()]
+        # --policies as given; its default means the suite's own set (plas, cvar, the default)
+        # (compared by name: typer may ship its own click)
+        source = ctx.get_parameter_source("policies")
+        given = getattr(source, "name", "DEFAULT") != "DEFAULT"
+        names = [p for p in policies.split(",") if p.strip()] if given else None
         try:
             run_with_progress(suite, out or Path(f"robustness-{suite}"), policies=names,
                               seed=seed, ray=ray, console=console)

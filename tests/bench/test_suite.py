@@ -176,5 +176,7 @@ def test_bench_suite_cli_writes_the_report(tmp_path: Path, monkeypatch: pytest.M
     assert "worst cell vs eager" in res.output and "cvar" in res.output
     assert {p.name for p in tmp_path.iterdir()} >= {"results.json", "robustness.md",
                                                     "heatmap.png"}
+    default = runner.invoke(app, ["bench", "--suite", "quick", "--out", str(tmp_path)])
+    assert default.exit_code == 0 and seen["policies"] is None  # the suite's own set
     bad = runner.invoke(app, ["bench", "--suite", "huge"])
     assert bad.exit_code == 2 and "quick or full" in bad.output
