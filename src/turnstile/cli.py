@@ -169,6 +169,8 @@ def traces_convert(
                       "(Mooncake-JSONL sessions)")
         return
     meta: dict[str, object] = {"source": str(path), "trace": loaded.name, "notes": loaded.notes}
+    if loaded.warnings:  # carried into the file: bench on it says them too
+        meta["warnings"] = loaded.warnings
     if loaded.hash_block_tokens:
         meta["hash_block_tokens"] = loaded.hash_block_tokens
     # write beside the target and rename: a failure never leaves a partial workload behind
@@ -240,6 +242,7 @@ def traces_fit(
 
 @app.command("bench")
 def bench(
+    ctx: typer.Context,
     trace: Annotated[
         str | None, typer.Option(help="Trace dir/file; omit for the built-in synthetic generator")
     ] = None,
@@ -291,9 +294,16 @@ def bench(
 
         if suite not in ("quick", "full"):
             raise _fail(f"--suite must be quick or full; got {suite!r}")
-        names = None if policies == "eager" else [p for p in policies.split(",") if p.strip()]
-        run_with_progress(suite, out or Path(f"robustness-{suite}"), policies=names,
-                          seed=seed, ray=ray, console=console)
+        # --policies as given; its default means the suite's own set (plas, cvar, the default)
+        # (compared by name: typer may ship its own click)
+        source = ctx.get_parameter_source("policies")
+        given = getattr(source, "name", "DEFAULT") != "DEFAULT"
+        names = [p for p in policies.split(",") if p.strip()] if given else None
+        try:
+            run_with_progress(suite, out or Path(f"robustness-{suite}"), policies=names,
+                              seed=seed, ray=ray, console=console)
+        except (RuntimeError, ValueError) as e:
+            raise _fail(str(e)) from None
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -131,7 +131,9 @@ def render_table(
     :data:`HARM_RATIO` is printed in red.
     """
     table = Table(title=title, header_style="bold")
-    table.add_column("policy", style="bold")
+    # the policy spec is never cut: the numeric columns' headers wrap instead
+    width = max((len(str(r.get("policy", ""))) for r in results), default=6)
+    table.add_column("policy", style="bold", no_wrap=True, min_width=width)
     for name in ("flow P50", "flow P95", "flow P99", "flow mean", "TTFT P95"):
         table.add_column(name, justify="right")
     table.add_column("hit rate", justify="right")
