@@ -309,3 +309,20 @@ def test_other_stacks_session_keys_through_envoy(fakes: list[FakeServer],
             assert r.status_code == 200 and r.headers["x-session-id"] == sid
         # booked before the picker answers the last chunk, so before the client has it
         assert s.picker.picker.sessions[sid].turns == 2
+
+
+def test_engine_load_comes_from_their_metrics(fakes: list[FakeServer],
+                                              stacks: Callable[..., Stack]) -> None:
+    fakes += [start_fake(ttft_s=1.5), start_fake()]
+    s = stacks(fakes, stats_interval_s=0.1)
+    view = s.picker.picker.scheduler.view
+    busy, idle = ep(fakes[0]), ep(fakes[1])
+    # load the picker did not send: another client straight at the engine
+    t = threading.Thread(target=lambda: httpx.post(fakes[0].url + "/v1/chat/completions",
+                                                   json=chat_body(), timeout=10))
+    t.start()
+    # scraped from the engines' /metrics into the view the policies read, as serve does
+    wait_until(lambda: view[busy].running == 1 and view[idle].running == 0, 5)
+    assert view[busy].queue_len == 0
+    t.join()
+    wait_until(lambda: view[busy].running == 0, 5)
