@@ -27,11 +27,7 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
-import tempfile
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -44,53 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gateway_overhead as go
 
 from turnstile.epp.envoy import EnvoyProcess, envoy_config, find_envoy
+from turnstile.testing.epp import PickerProcess
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-class Picker:
-    """``turnstile epp`` as its own process."""
-
-    def __init__(self, endpoint: str, policy: str) -> None:
-        self.grpc_port = go.free_port()
-        self.metrics_port = go.free_port()
-        fd, self.log = tempfile.mkstemp(prefix="epp-bench-", suffix=".log")
-        env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-        with os.fdopen(fd, "wb") as log:
-            self.p = subprocess.Popen(
-                [sys.executable, "-c", "from turnstile.cli import app; app()", "epp",
-                 "--endpoint", endpoint,
-                 "--grpc-port", str(self.grpc_port), "--metrics-port", str(self.metrics_port),
-                 "--policy", policy], stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env=env)
-        deadline = time.monotonic() + 60
-        while True:
-            if self.p.poll() is not None:
-                raise RuntimeError(Path(self.log).read_text()[-2000:])
-            try:
-                with urllib.request.urlopen(
-                        f"http://127.0.0.1:{self.metrics_port}/health", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the picker did not become ready")
-            time.sleep(0.1)
-
-    def cpu_s(self) -> float:
-        fields = Path(f"/proc/{self.p.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.terminate()
-            try:
-                self.p.wait(10)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-        os.unlink(self.log)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     eport = go.free_port()
     engine = go.Proc(["--serve-fake", str(eport)], eport)
     ep = f"127.0.0.1:{eport}"
-    picker = Picker(ep, args.policy)
+    picker = PickerProcess([ep], policy=args.policy)
     alone = EnvoyProcess(envoy_config(listen_port=go.free_port(), mode="override_host",
                                       endpoints=[ep], picker=False), binary=binary).start()
     with_picker = EnvoyProcess(envoy_config(listen_port=go.free_port(),
