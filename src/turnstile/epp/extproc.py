@@ -89,6 +89,17 @@ def _status_of(headers: list[tuple[bytes, bytes]]) -> tuple[int, str | None]:
     return status, served
 
 
+def _served_metadata(req: pb.ProcessingRequest) -> str | None:
+    """The endpoint that served, as the protocol has the data plane say it: the
+    ``x-gateway-destination-endpoint-served`` entry of the ``envoy.lb`` metadata."""
+    md = req.metadata_context.filter_metadata
+    if LB_NAMESPACE in md:
+        v = md[LB_NAMESPACE].fields.get(SERVED_HEADER)
+        if v is not None and v.string_value:
+            return v.string_value.strip()
+    return None
+
+
 def immediate(status: int, message: str, type_: str, code: str | None = None,
               headers: list[tuple[bytes, bytes]] | None = None) -> pb.ProcessingResponse:
     """An answer to the client from the picker itself (429, 503, 400, 404)."""
@@ -173,7 +184,8 @@ class ExtProc(pb_grpc.ExternalProcessorServicer):
                     if ex is None:
                         yield _CONTINUE_RESP_HEADERS
                         continue
-                    ex.response_headers(*_status_of(_headers(req.response_headers)))
+                    status, served = _status_of(_headers(req.response_headers))
+                    ex.response_headers(status, _served_metadata(req) or served)
                     if req.response_headers.end_of_stream:
                         ex.response_body(b"", True, self.picker)
                         complete = True
