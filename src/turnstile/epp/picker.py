@@ -96,6 +96,8 @@ class Exchange:
     pending: PendingTurn | None = None
     #: the relay's end of the turn, run synchronously when the response is over
     on_over: Callable[[bool], None] | None = None
+    #: an observing filter reports this request's response (``watch=observe``)
+    watched: bool = False
     status: int = 0
     served: str | None = None
     usage: dict[str, Any] | None = None

@@ -57,6 +57,10 @@ class EppConfig:
     #: fallback endpoints after the picked one (0 for Envoy's ORIGINAL_DST cluster, which
     #: reads a single address; >0 for the override_host policy, which retries down the list)
     fallbacks: int = 0
+    #: how the response reaches the picker: ``inline`` (the routing filter's own stream) or
+    #: ``observe`` (a second ext_proc filter in observability mode: no round trip on the
+    #: response path); must match the Envoy config (:func:`turnstile.epp.envoy.envoy_config`)
+    watch: str = "inline"
     #: the InferencePool this picker serves (Kubernetes; informational)
     pool_name: str = ""
 
@@ -126,8 +130,8 @@ class EppServer:
     async def start(self) -> None:
         await self.picker.start()
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExtProc(self.picker, self.metrics),
-                                                        server)
+        pb_grpc.add_ExternalProcessorServicer_to_server(
+            ExtProc(self.picker, self.metrics, observe=self.cfg.watch == "observe"), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.grpc_port = server.add_insecure_port(f"{self.cfg.host}:{self.cfg.grpc_port}")
         if self.grpc_port == 0:

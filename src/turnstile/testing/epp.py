@@ -68,13 +68,13 @@ class PickerThread:
 def start_picker(endpoints: list[str], *, policy: str = "eager", grpc_port: int = 0,
                  metrics_port: int | None = 0, endpoints_file: str | None = None,
                  engine_kind: str = "llama.cpp", fallbacks: int = 0,
-                 **gateway: Any) -> PickerThread:
+                 watch: str = "inline", **gateway: Any) -> PickerThread:
     """A picker over ``endpoints`` (``ip:port``); ``gateway``: GatewayConfig fields."""
     gateway.setdefault("stats_interval_s", 0.0)
     gcfg = GatewayConfig(policy=policy, **gateway)
     cfg = EppConfig(gateway=gcfg, grpc_port=grpc_port, metrics_port=metrics_port,
                     endpoints=endpoints, endpoints_file=endpoints_file, engine_kind=engine_kind,
-                    fallbacks=fallbacks)
+                    fallbacks=fallbacks, watch=watch)
     return PickerThread(cfg).start()
 
 
