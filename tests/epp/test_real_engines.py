@@ -263,8 +263,10 @@ def test_killed_engine_unstreamed_turns_go_elsewhere(model: Path, tmp_path: Path
         s = stacks(procs, mode="override_host", fallbacks=1, policy="eager+kv-affinity",
                    health_interval_s=30.0)
         pk = s.picker.picker
-        first = {i: _agent(s, i, turns=1, max_tokens=4, stream=False, named=True)[0]
-                 for i in range(4)}
+        with ThreadPoolExecutor(4) as pool:  # at once, so that both engines get sessions
+            got = pool.map(lambda i: _agent(s, i, turns=1, max_tokens=64, stream=False,
+                                            named=True)[0], range(4))
+            first = dict(enumerate(got))
         homes = {t["engine"] for t in first.values()}
         assert len(homes) == 2, first
         victim = procs[0]
