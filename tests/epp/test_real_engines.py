@@ -181,12 +181,11 @@ def test_holds_and_429s_reach_the_client(model: Path, tmp_path: Path, llama_serv
         def call(i: int) -> None:
             results.append(s.client.chat.completions.with_raw_response.create(
                 model="tiny", messages=[{"role": "user", "content": f"hold {i}"}],
-                max_tokens=200, extra_headers={"x-session-id": f"h{i}"}))
+                max_tokens=800, extra_headers={"x-session-id": f"h{i}"}))
 
         threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
         for t in threads:
-            t.start()
-            time.sleep(0.05)
+            t.start()  # each turn runs ~0.5 s (800 tokens): the other two wait for it
         deadline = time.monotonic() + 20
         while s.picker.picker.scheduler.held_turns < 2:
             assert time.monotonic() < deadline
@@ -201,7 +200,7 @@ def test_holds_and_429s_reach_the_client(model: Path, tmp_path: Path, llama_serv
         assert len(results) == 3
         holds = sorted(float(r.headers["x-turnstile-hold-ms"]) for r in results)
         assert holds[0] < holds[1] < holds[2] and holds[1] > 20  # each waited for the one before
-        assert all(r.parse().usage.completion_tokens == 200 for r in results)
+        assert all(r.parse().usage.completion_tokens == 800 for r in results)
     finally:
         for p in procs:
             p.stop()
