@@ -30,6 +30,7 @@ import json
 import os
 import platform
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,14 @@ def main(argv: list[str] | None = None) -> int:
                     r = go.run_load(env.listen_port, concurrency=1, seconds=120,
                                     n=args.requests, stream=stream, max_tokens=args.max_tokens)
                     rows.setdefault(mode, {}).setdefault(name, []).append(r)
+        decision = {}  # the picker's own time per decision (body in → answer out), its metric
+        for w, pk in pickers.items():
+            with urllib.request.urlopen(pk.metrics_url + "/metrics", timeout=10) as r:
+                text = r.read().decode()
+            vals = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines()
+                    if ln.startswith("turnstile_epp_decision_seconds_")}
+            n = vals.get("turnstile_epp_decision_seconds_count", 0.0)
+            decision[w] = 1e3 * vals.get("turnstile_epp_decision_seconds_sum", 0.0) / max(n, 1)
         latency = []
         for mode, by in rows.items():
             base50 = float(np.median([r["p50_ms"] for r in by["envoy"]]))
@@ -133,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     console.print(t)
     console.print(f"host load average {load0[0]:.1f} before, {os.getloadavg()[0]:.1f} after "
                   f"({os.cpu_count()} CPUs)")
+    console.print("the picker's own decision time (its turnstile_epp_decision_seconds, mean over "
+                  "the latency runs): " + ", ".join(f"{w} {ms:.3f} ms" for w, ms in
+                                                   decision.items()))
     for name, r in tput.items():
         extra = (f", picker CPU {r['picker_cpu_ms_per_request']:.3f} ms/request"
                  if r["picker_cpu_ms_per_request"] is not None else "")
@@ -142,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"benchmark": "epp_overhead", "policy": args.policy, "requests": args.requests,
            "rounds": args.rounds, "concurrency": args.concurrency, "seconds": args.seconds,
            "max_tokens": args.max_tokens, "latency": latency, "throughput": tput,
+           "decision_mean_ms": decision,
            "raw_rounds": rows,
            "host": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "python": platform.python_version(), "loadavg_before": load0,
