@@ -186,6 +186,8 @@ class ExtProc(pb_grpc.ExternalProcessorServicer):
                         yield _CONTINUE_BODY
                         continue
                     assert ident is not None
+                    if subset is None:  # the hint may come with the body's message
+                        subset = _subset(req, [])
                     t0 = time.perf_counter()
                     ex, answer = await self._route(ident, path.split("?", 1)[0],
                                                    req.request_body.body, subset)
