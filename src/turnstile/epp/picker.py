@@ -37,9 +37,10 @@ from typing import Any
 
 import httpx
 
-from turnstile.core.state import TurnState
+from turnstile.core.state import TurnState, set_kv_slots
 from turnstile.gateway.adapters import EngineAdapter, ForwardHints, make_adapter, split_sse
 from turnstile.gateway.config import GatewayConfig
+from turnstile.gateway.health import EngineState
 from turnstile.gateway.identity import Identity
 from turnstile.gateway.protocol import (
     CHAT_PATH,
@@ -52,6 +53,7 @@ from turnstile.gateway.protocol import (
 )
 from turnstile.gateway.service import Gateway
 from turnstile.gateway.sessions import PendingTurn
+from turnstile.gateway.signals import engine_loads
 from turnstile.policies import PolicySet
 from turnstile.workload.model import Turn
 
@@ -367,10 +369,7 @@ class Picker(Gateway):
                 log.warning("endpoint %s left the pool", ep)
 
     async def add_engine(self, a: EngineAdapter) -> None:
-        from turnstile.core.state import set_kv_slots
-        from turnstile.gateway.health import EngineState
-        from turnstile.gateway.signals import engine_loads
-
+        """A new endpoint joins: its adapter, health state and the scheduler's view."""
         self.adapters[a.id] = a
         self.endpoint[a.id] = endpoint_of(a)
         self.by_endpoint[self.endpoint[a.id]] = a.id
