@@ -113,6 +113,11 @@ class GatewayMetrics:
                                 "Turns released to engines", ["engine"], registry=r)
         self.rejected = Counter("turnstile_gateway_rejected", "Requests refused with 429",
                                 registry=r)
+        self.derived_sessions = Counter(
+            "turnstile_gateway_derived_sessions",
+            "Requests naming no session, by how their session was derived from the conversation "
+            "(new, continued, forked: an identical conversation already running, subagent)",
+            ["how"], registry=r)
         self.output_tokens = Counter("turnstile_gateway_output_tokens",
                                      "Output tokens reported by engines", ["engine"], registry=r)
         self.ttft = Histogram("turnstile_gateway_ttft_seconds",

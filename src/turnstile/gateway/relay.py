@@ -142,7 +142,11 @@ class Relay:
         if e.status >= 500:
             self.events.turn_failed(p, False, f"HTTP {e.status}")
             raise RetryableFailure(f"engine {p.engine} answered HTTP {e.status}", e.status)
-        # the engine refused the request itself (bad parameters, context overflow): pass it on
+        # the engine refused the request itself (bad parameters, context overflow): pass it on;
+        # a session that this request opened never was one (closed as soon as it is over)
+        s = p.session
+        if s.turns == 0 and not s.waiters:
+            s.ephemeral = True
         self.events.turn_finished(p, 0, None)
         return Outcome(e.status, [(b"content-type", e.content_type.encode()),
                                   *self.headers(p)], body=e.body)

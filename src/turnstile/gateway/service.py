@@ -200,7 +200,7 @@ class Gateway:
             self.spawn(self.replicas.loop())
         self.keys = keys
         self.resolver = SessionResolver(self.table, self.scheduler, self.clock.now, keys,
-                                        self.replicas)
+                                        self.replicas, self.metrics)
         self.started = True
         self.spawn(self.health.health_loop(self.driver.safety_tick))
         self.spawn(self.health.stats_loop())
