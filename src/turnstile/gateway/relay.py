@@ -146,7 +146,7 @@ class Relay:
         # a session that this request opened never was one (closed as soon as it is over)
         s = p.session
         if s.turns == 0 and not s.waiters:
-            s.ephemeral = True
+            s.ephemeral = s.refused = True
         self.events.turn_finished(p, 0, None)
         return Outcome(e.status, [(b"content-type", e.content_type.encode()),
                                   *self.headers(p)], body=e.body)

@@ -279,10 +279,10 @@ class Gateway:
         if derived is not None:
             p.reply_text, p.reply_args = [], []
             p.conversation = (derived.chain, derived.root)
-            if derived.new and one_turn(body):
-                # no tools, no earlier reply: nothing follows; the session closes with its
-                # turn (a follow-up finds it again through its keys and starts afresh)
-                session.ephemeral = True
+            # no tools, no earlier reply: nothing may follow. Such a turn leaves the scheduler
+            # with its turn (it holds no slot, budget or paused KV past its own life); the
+            # session itself stays, so a follow-up found through its keys continues it
+            session.ephemeral = derived.new and one_turn(body)
         p.engine_hint = req.engine_hint
         if req.stream:
             opts = body.get("stream_options")
@@ -488,7 +488,9 @@ class Gateway:
         if s.active is p:
             self.table.pass_on(s)
         if s.ephemeral and s.active is None:
-            actions.extend(self._close(s))
+            # a derived one-turn session stays findable for a follow-up (it holds nothing)
+            keep = s.derived and not s.refused
+            actions.extend(self._leave_scheduler(s) if keep else self._close(s))
         elif self.durable is not None and not (s.derived and self.durable.backend.shared):
             self.durable.session(s)
         return actions
@@ -501,7 +503,8 @@ class Gateway:
         s = p.session
         if s.active is p and p.rec is None:
             self.table.pass_on(s)
-        if s.ephemeral and s.active is None and not s.in_scheduler:
+        if (s.ephemeral and s.active is None and not s.in_scheduler
+                and (s.refused or not s.derived)):
             self.table.drop(s.id)
 
     def _close(self, s: Session) -> list[Action]:
@@ -510,6 +513,11 @@ class Gateway:
             self.recorder.session_closed(s.id)
         if self.durable is not None:
             self.durable.session_closed(s)
+        return self._leave_scheduler(s)
+
+    def _leave_scheduler(self, s: Session) -> list[Action]:
+        """The policies stop counting the session (its workflow finishes); a later turn of it
+        opens it there again."""
         if not s.in_scheduler:
             return []
         s.in_scheduler = False
