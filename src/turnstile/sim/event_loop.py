@@ -118,6 +118,7 @@ class EventLoop:
         a = self._next_arrival
         self._arr_t = arrivals[a].arrival_s if a < n_arr else _NEVER
         progress = self._on_progress
+        on_step_end, dispatch, after = self._on_step_end, self._dispatch, self._after_event
         now = self.now
         events = 0
         while True:
@@ -128,7 +129,7 @@ class EventLoop:
                 self._due = None
                 now = clock.t = self._due_t
                 self.now = now  # callbacks (finished workflows, retiring engines) read it
-                self._on_step_end(now, due)
+                on_step_end(now, due)
             elif peek(_NEVER) < self._arr_t:
                 if peek(_NEVER) > t_s:
                     break
@@ -138,10 +139,10 @@ class EventLoop:
                     if outcome is not e.live or t_pop != e.live_t:
                         continue  # a planned leap's end, the leap recorded earlier (_settle)
                     now = self.now = t_pop
-                    self._on_step_end(now, payload)
+                    on_step_end(now, payload)
                 else:
                     now = self.now = t_pop
-                    self._dispatch(now, kind, payload)
+                    dispatch(now, kind, payload)
             elif a < n_arr:
                 if self._arr_t > t_s:
                     break
@@ -153,7 +154,7 @@ class EventLoop:
             else:
                 break
             events += 1
-            self._after_event(now)
+            after(now)
             if progress is not None and len(self.finished) != self._done_reported:
                 self._done_reported = len(self.finished)
                 progress(self._done_reported)
@@ -221,14 +222,20 @@ class EventLoop:
         self.iterations += outcome.iterations
         end = engine.lazy_end if engine.lazy_out is outcome else outcome.end_s
         e.live_t = end
-        self._end_at(payload, end, nxt)
+        if end < nxt:  # due next: before every queued event and arrival
+            self._due = payload
+            self._due_t = end
+        else:
+            self.queue.push(end, STEP_END, payload)
         return True
 
     def _on_arrive(self, now: float, wf: Workflow) -> None:
+        """A workflow arrives: the scheduler readies its first turns."""
         self._act(now, self.scheduler.workflow_arrived(now, wf))
         self._touched = True
 
     def _on_tool_end(self, now: float, rec: TurnRecord) -> None:
+        """A turn's tool call returned: its workflow's next turn becomes ready."""
         wf = rec.workflow
         # after a chain's last turn nothing returns to the LLM: the session ends
         self._act(now, self.scheduler.tool_finished(
@@ -272,7 +279,7 @@ class EventLoop:
 
     def _start_pending(self, now: float) -> None:
         """Run the pending engine's step with its leap up to the next event, and queue its
-        end (or make it due)."""
+        end (or make it due, handled next without the heap)."""
         pending = self._pending
         assert pending is not None
         self._pending = None
@@ -294,13 +301,8 @@ class EventLoop:
         end = engine.lazy_end if engine.lazy_out is outcome else outcome.end_s
         e.live = outcome
         e.live_t = end
-        self._end_at((e, outcome), end, nxt)
-
-    def _end_at(self, payload: StepEnd, end: float, nxt: float) -> None:
-        """The step end ``payload`` falls at ``end``: due next if before ``nxt`` (every queued
-        event and arrival), else queued."""
-        if end < nxt:
-            self._due = payload
+        if end < nxt:  # due next: before every queued event and arrival
+            self._due = (e, outcome)
             self._due_t = end
         else:
-            self.queue.push(end, STEP_END, payload)
+            self.queue.push(end, STEP_END, (e, outcome))
