@@ -103,8 +103,8 @@ class EventLoop:
         returns the clock.
 
         Each turn of the loop takes the next event and hands it to the handler of its kind
-        (``_on_*``), then :meth:`_after_event` re-arms the scheduler's wakeup and starts the
-        step the event asked for. The next event is the earliest of: the step end due before
+        (``_on_*``), then, when the event called the scheduler or asked for a step,
+        :meth:`_after_event` re-arms the scheduler's wakeup and starts that step. The next event is the earliest of: the step end due before
         everything else (``_due``), the heap's top, and the run's next arrival. Arrivals are
         read from the sorted workflow list instead of the heap: pushed first, an arrival would
         win every tie with a later event (priority 0, lowest sequence number), so taking it
@@ -154,7 +154,8 @@ class EventLoop:
             else:
                 break
             events += 1
-            after(now)
+            if self._touched or self._pending is not None:
+                after(now)
             if progress is not None and len(self.finished) != self._done_reported:
                 self._done_reported = len(self.finished)
                 progress(self._done_reported)
