@@ -104,12 +104,12 @@ class EventLoop:
 
         Each turn of the loop takes the next event and hands it to the handler of its kind
         (``_on_*``), then, when the event called the scheduler or asked for a step,
-        :meth:`_after_event` re-arms the scheduler's wakeup and starts that step. The next event is the earliest of: the step end due before
-        everything else (``_due``), the heap's top, and the run's next arrival. Arrivals are
-        read from the sorted workflow list instead of the heap: pushed first, an arrival would
-        win every tie with a later event (priority 0, lowest sequence number), so taking it
-        whenever it is not later than the heap's top keeps the same order (workflows given
-        later through ``submit`` go through the heap)."""
+        :meth:`_after_event` re-arms the scheduler's wakeup and starts that step. The next event is
+        the earliest of: the step end due before everything else (``_due``), the heap's top, and the
+        run's next arrival. Arrivals are read from the sorted workflow list instead of the heap:
+        pushed first, an arrival would win every tie with a later event (priority 0, lowest sequence
+        number), so taking it whenever it is not later than the heap's top keeps the same order
+        (workflows given later through ``submit`` go through the heap)."""
         q = self.queue
         peek = q.peek_time_or
         clock = q.clock
