@@ -205,3 +205,85 @@ def test_the_hooked_agent_loop_is_verls_tool_agent_loop():
 
     cfg = OmegaConf.load(ROOT / "deploy" / "verl" / "agent_loop.yaml")
     assert get_class(cfg[0]["_target_"]) is cls
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CALL_OK = '<tool_call>{"name": "calc", "arguments": {"expr": "1+2"}}</tool_call>'
+CALL_FAIL = '<tool_call>{"name": "calc", "arguments": {"expr": "1/0"}}</tool_call>'
+
+
+def tiny_tokenizer() -> Any:
+    """A byte-level BPE tokenizer with a ChatML template, trained here in milliseconds (no hub)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([CALL_OK, CALL_FAIL, "user assistant system tool add one and two",
+                             "The answer is 3."] * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", chat_template=CHATML)
+
+
+def calc(expr: str) -> str:
+    a, op, b = expr[0], expr[1], expr[2]
+    return str(int(a) + int(b)) if op == "+" else str(int(a) // int(b))
+
+
+def test_verls_tool_agent_loop_with_the_hook_reports_to_the_router(ray_cluster, tmp_path):
+    """verl's real ToolAgentLoop (with the turnstile mixin) runs a trajectory: a tool call that
+    works, one that fails, a final answer — tokenized by verl's Continuous Token builder, parsed
+    by verl's hermes parser, the tool run by verl's FunctionTool path. The router learns each
+    turn, both returns (one a failure) and the end."""
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
+    from verl.tools.function_tool import FunctionTool
+    from verl.tools.schemas import OpenAIFunctionToolSchema
+    from verl.workers.rollout.router import get_router_handle
+
+    from turnstile.integrations import verl_hook
+    from turnstile.testing.verl_fakes import ScriptedRolloutServer
+
+    tok = tiny_tokenizer()
+    script = [tok.encode(t, add_special_tokens=False)
+              for t in (CALL_OK, CALL_FAIL, "The answer is 3.")]
+    cls = ray.remote(num_cpus=0)(ScriptedRolloutServer)
+    servers = {"10.0.0.1:8000": cls.remote(script), "10.0.0.2:8000": cls.remote(script)}
+    handle = get_router_handle(servers, router_config_path=router_yaml(tmp_path, policy="cmlfq"))
+    config = OmegaConf.create({
+        "actor_rollout_ref": {"rollout": {
+            "name": "vllm", "full_determinism": False, "prompt_length": 1024,
+            "response_length": 1024,
+            "multi_turn": {"max_user_turns": 4, "max_assistant_turns": 4, "max_parallel_calls": 1,
+                           "max_tool_response_length": 256,
+                           "tool_response_truncate_side": "right", "format": "hermes"}}},
+        "data": {}})
+    from verl.workers.rollout.llm_server import LLMServerClient
+
+    client = LLMServerClient(config=config, load_balancer_handle=handle)
+    schema = OpenAIFunctionToolSchema.model_validate({"type": "function", "function": {
+        "name": "calc", "description": "Evaluate a one-digit expression.",
+        "parameters": {"type": "object", "properties": {
+            "expr": {"type": "string", "description": "e.g. 1+2"}}, "required": ["expr"]}}})
+    tool = FunctionTool(name="calc", fn=calc, tool_schema=schema)
+
+    async def main() -> Any:
+        loop = verl_hook.TurnstileToolAgentLoop(
+            trainer_config=DictConfigWrap(config), server_manager=client, tokenizer=tok,
+            processor=None, dataset_cls=None, data_config=DictConfigWrap(config.data),
+            hf_model_type=None, tools=ToolListWrap([tool]))
+        return await loop.run({"temperature": 1.0},
+                              raw_prompt=[{"role": "user", "content": "add one and two"}])
+
+    out = asyncio.run(main())
+    assert out.num_turns >= 5  # user + 3 assistant + 2 tool rounds
+    lengths = [ray.get(h.served.remote()) for h in servers.values()]
+    assert sorted(len(x) for x in lengths) == [0, 3]  # every turn on one server
+    st = ray.get(handle.get_status.remote())
+    assert st["acquires"] == 3 and st["total_inflight"] == 0
+    assert st["tool_statuses"] == {"ok": 1, "error": 1}
+    assert st["trajectories_ended"] == 1 and st["open_trajectories"] == 0

@@ -155,6 +155,7 @@ class TurnstileRouter:
         self.overlapping = 0
         self.closed_idle = 0
         self.tool_returns_seen = 0
+        self.tool_statuses: dict[str, int] = {}
         self.trajectories_ended = 0
         # one routing object for the router's life (it learns across trajectories and steps)
         cfg = self.config
@@ -268,6 +269,7 @@ class TurnstileRouter:
             "acquires": self.acquires,
             "overlapping_acquires": self.overlapping,
             "tool_returns_seen": self.tool_returns_seen,
+            "tool_statuses": dict(self.tool_statuses),
             "trajectories_ended": self.trajectories_ended,
             "closed_idle": self.closed_idle,
             "routing_stats": stats() if callable(stats) else {},
@@ -299,6 +301,8 @@ class TurnstileRouter:
         calls = [_tool_call(r) for r in returns]
         t.pending_tools.extend(calls)
         self.tool_returns_seen += len(calls)
+        for c in calls:
+            self.tool_statuses[c.status] = self.tool_statuses.get(c.status, 0) + 1
         t.last_active_s = self.clock.now()
 
     def end_trajectory(self, request_id: str) -> None:

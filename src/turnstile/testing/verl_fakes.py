@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-__all__ = ["FakeRolloutServer"]
+__all__ = ["FakeRolloutServer", "ScriptedRolloutServer"]
 
 
 class FakeRolloutServer:
@@ -33,3 +33,25 @@ class FakeRolloutServer:
 
     def served(self) -> list[tuple[int, int]]:
         return list(self.calls)
+
+
+class ScriptedRolloutServer:
+    """Answers its ``k``-th call with ``responses[k]`` (the last one once they run out): token
+    ids the test tokenized beforehand, e.g. a hermes ``<tool_call>`` then a final answer."""
+
+    def __init__(self, responses: list[list[int]]) -> None:
+        self.responses = responses
+        self.prompt_lengths: list[int] = []
+
+    async def generate(self, request_id: str, prompt_ids: list[int],
+                       sampling_params: dict[str, Any], image_data: Any = None,
+                       video_data: Any = None, **kwargs: Any) -> Any:
+        from verl.workers.rollout.replica import TokenOutput
+
+        k = min(len(self.prompt_lengths), len(self.responses) - 1)
+        self.prompt_lengths.append(len(prompt_ids))
+        return TokenOutput(token_ids=list(self.responses[k]), stop_reason="completed",
+                           extra_fields={"global_steps": 0})
+
+    def served(self) -> list[int]:
+        return list(self.prompt_lengths)
