@@ -107,6 +107,14 @@ def test_empty_pool_raises_verls_retry_message_and_servers_come_and_go():
     assert r.get_total_inflight() == 0
 
 
+def test_prompt_ids_as_a_numpy_array_name_the_prompt_group():
+    np = pytest.importorskip("numpy")
+    r = make(["a:1", "b:1"], policy="least-open")
+    sid, _ = r.acquire_server("t0", prompt_ids=np.array([1, 2, 3]))
+    r.release_server(sid, request_id="t0")
+    assert r._sched is not None and r._sched.workflows["t0"].tenant.startswith("p")
+
+
 def test_overlapping_turns_of_one_trajectory_stay_on_its_server():
     r = make(["a:1", "b:1"], policy="least-open")
     s1, _ = r.acquire_server("t0", prompt_ids=[1])

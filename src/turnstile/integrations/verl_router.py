@@ -190,7 +190,8 @@ class TurnstileRouter:
             return self._take(t, sid, now)
         if t is None:
             t = self._trajs[request_id] = _Traj(now)
-            tenant = prompt_key(prompt_ids) if prompt_ids else "default"
+            tenant = prompt_key(prompt_ids) if prompt_ids is not None and len(prompt_ids) else (
+                "default")
             sched.open_session(now, request_id, tenant)
         elif t.pending_finish:
             self._finish(request_id, t, now, None)
