@@ -45,6 +45,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from turnstile.core.actions import Release
 from turnstile.core.clock import Clock, WallClock
 from turnstile.core.scheduler import Scheduler
@@ -111,10 +113,8 @@ def _tool_call(d: Mapping[str, Any]) -> ToolCall:
 
 def prompt_key(prompt_ids: Sequence[int]) -> str:
     """A short stable name for a prompt (its token ids' hash): the trajectory's prompt group."""
-    h = hashlib.blake2b(digest_size=8)
-    for t in prompt_ids:
-        h.update(int(t).to_bytes(8, "little", signed=True))
-    return "p" + h.hexdigest()
+    data = np.asarray(prompt_ids, dtype=np.int64).tobytes()
+    return "p" + hashlib.blake2b(data, digest_size=8).hexdigest()
 
 
 class _Traj:
