@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 TRACES ?= ../shared/traces
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck engine redis chromium clean compiled test-compiled
+.PHONY: demo test lint typecheck engine redis chromium clean compiled test-compiled test-verl
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +62,23 @@ test-compiled: compiled
 		tests/test_build_info.py tests/sim/test_golden_run.py tests/sim/test_leap_exact.py \
 		tests/sim/test_leap_sums.py tests/sim/test_prefill_leap.py
 
+# Opt-in: turnstile as verl 0.9.1's rollout router (tests/integrations/, docs/verl.md) in its own
+# venv, .venv-verl (large: ~2 GB). torch==2.13.0 goes first: pip takes the machine's CPU wheel
+# where it lies on disk, and verl's dependencies then pull no CUDA build of torch.
+VERL := .venv-verl
+
+$(VERL)/bin/python:
+	$(PYTHON) -m venv $(VERL)
+	$(VERL)/bin/pip install -q --upgrade pip
+
+$(VERL)/.installed: $(VERL)/bin/python pyproject.toml
+	$(VERL)/bin/pip install -q 'torch==2.13.0'
+	$(VERL)/bin/pip install -q -e '.[verl]' 'torch==2.13.0' 'pytest>=8' 'pytest-timeout>=2.3'
+	touch $@
+
+test-verl: $(VERL)/.installed
+	$(VERL)/bin/python -m pytest -q --timeout=600 -p no:cacheprovider tests/integrations
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
@@ -70,7 +87,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(COMPILED) build/compiled .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(COMPILED) $(VERL) build/compiled .pytest_cache .ruff_cache .mypy_cache
 
 # The robustness suite (simulated): every policy on every workload family, cluster and load
 # (docs/robustness.md); `make robustness SUITE=quick` for the ≤ 3 min form CI runs.

@@ -34,8 +34,8 @@ def sweep_period_s(session_idle_s: float) -> float:
 
 class Session:
     __slots__ = ("active", "arrival_s", "attained_tokens", "context_tokens", "derived",
-                 "ephemeral", "id", "in_scheduler", "last_active_s", "last_engine", "parent", "refused", "stored",
-                 "tenant", "turns", "waiters")
+                 "ephemeral", "id", "in_scheduler", "last_active_s", "last_engine", "parent",
+                 "refused", "stored", "tenant", "turns", "waiters")
 
     def __init__(self, sid: str, tenant: str, ephemeral: bool, now_s: float) -> None:
         self.id = sid
