@@ -17,8 +17,9 @@ agents, a replica SIGKILLed, Redis restarted (no persistence: its state is lost)
 
 * turns sent / completed / lost (the client gave up) / duplicated (a request id generated to
   its end more than once at the engines) / partial re-runs (generated again after a cut);
-* answered (s): for the attempts streaming when the fault hit, the longest wait for their next
-  byte or their end (an error the client can retry); recovered (s): until the first turn sent
+* answered (s): over the attempts under way in the 5 s after the fault, the longest silence
+  (no status, no byte, no end) after it — how long the fault leaves a client waiting before it
+  hears something (an error it can retry counts); recovered (s): until the first turn sent
   after the fault completed;
 * peak memory (max RSS of the gateway processes) and requests/s completed.
 
@@ -39,6 +40,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +48,7 @@ import httpx
 
 from turnstile.engines.llama_server import LlamaServerProcess, find_llama_server, free_port
 from turnstile.engines.tiny_model import write_tiny_gguf
-from turnstile.testing.fault_proxy import FaultProxy
+from turnstile.testing.fault_proxy import Generation, ProxyProcess
 from turnstile.testing.redis_server import RedisServer, find_redis_server
 from turnstile.testing.replicas import GatewayProcess, write_config
 
@@ -113,6 +115,7 @@ def peak_rss_mb(pid: int) -> float:
 class Attempt:
     start_s: float
     head_s: float = -1.0  # response status received
+    engine: str = ""  # x-turnstile-engine
     events: list[float] = field(default_factory=list)  # body pieces
     end_s: float = -1.0
     outcome: str = ""
@@ -158,6 +161,7 @@ class Clients:
             try:
                 async with self.http.stream("POST", url, json=body, headers=headers) as r:
                     a.head_s = time.monotonic()
+                    a.engine = r.headers.get("x-turnstile-engine", "")
                     log.statuses.append(r.status_code)
                     data = b""
                     async for piece in r.aiter_bytes():
@@ -193,6 +197,53 @@ class Clients:
             await asyncio.sleep(tool_s)
 
 
+async def raw_stream(targets: list[str], rid: str, body: bytes, deadline_s: float,
+                     home: int) -> TurnLog:
+    """One streamed turn over a plain socket (``Connection: close``), retried with the same
+    request id (after ``Retry-After`` on a 429) until ``deadline_s``."""
+    log = TurnLog(rid, time.monotonic())
+    tries = 0
+    while time.monotonic() - log.sent_s < deadline_s:
+        host, port = targets[(home + tries) % len(targets)].removeprefix("http://").split(":")
+        tries += 1
+        a = Attempt(time.monotonic())
+        log.attempts.append(a)
+        wait = 0.2
+        w = None
+        try:
+            r, w = await asyncio.open_connection(host, int(port), limit=1 << 20)
+            w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
+                    b"Content-Type: application/json\r\nConnection: close\r\n"
+                    b"x-request-id: " + rid.encode() + b"\r\nContent-Length: "
+                    + str(len(body)).encode() + b"\r\n\r\n" + body)
+            head = await r.readuntil(b"\r\n\r\n")
+            a.head_s = time.monotonic()
+            status = int(head.split(b" ", 2)[1])
+            log.statuses.append(status)
+            data = b""
+            while chunk := await r.read(65536):
+                a.events.append(time.monotonic())
+                data += chunk
+            if status == 200 and b"data: [DONE]" in data and b'"error"' not in data:
+                a.outcome = "ok"
+            else:
+                a.outcome = f"http {status}"
+                if status == 429:
+                    wait = 1.0
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                ValueError, IndexError) as e:
+            a.outcome = type(e).__name__
+        finally:
+            if w is not None:
+                w.close()
+        a.end_s = time.monotonic()
+        if a.outcome == "ok":
+            log.done_s = a.end_s
+            return log
+        await asyncio.sleep(wait)
+    return log
+
+
 # ============================================================================ phases
 @dataclass
 class Row:
@@ -202,6 +253,9 @@ class Row:
     completed: int = 0
     lost: int = 0
     duplicated: int = 0
+    #: of ``duplicated``: the earlier complete generation ended within 1 s before the fault (a
+    #: gateway or replica killed while its answer was in transit or not yet marked answered)
+    dup_at_fault: int = 0
     partial: int = 0
     answered_s: float = 0.0
     recovered_s: float = 0.0
@@ -210,46 +264,60 @@ class Row:
     note: str = ""
 
 
-def judge(row: Row, logs: list[TurnLog], proxies: list[FaultProxy], faults: list[float],
-          wall_s: float) -> Row:
+def judge(row: Row, logs: list[TurnLog], gens: list[Generation], faults: list[float],
+          wall_s: float, window_s: float = 5.0, engine: str = "") -> Row:
+    """The row's figures. ``answered``: over the attempts under way within ``window_s`` after a
+    fault, the longest silence (no status, byte or end) after the fault; for a fault of one
+    ``engine`` (its id's ``:port``), only the attempts that ran there or whose turn the fault
+    touched (an attempt failed)."""
     rids = {t.rid for t in logs}
     row.sent = len(logs)
     row.completed = sum(1 for t in logs if t.done_s >= 0)
     row.lost = row.sent - row.completed
-    complete: dict[str, int] = {}
+    complete: dict[str, list[float]] = {}
     cut: dict[str, int] = {}
-    for p in proxies:
-        for g in p.generations:
-            if g.request_id in rids:
-                d = complete if g.complete else cut
-                d[g.request_id] = d.get(g.request_id, 0) + 1
-    row.duplicated = sum(1 for n in complete.values() if n > 1)
+    for g in gens:
+        if g.request_id in rids:
+            if g.complete:
+                complete.setdefault(g.request_id, []).append(g.ended_s)
+            else:
+                cut[g.request_id] = cut.get(g.request_id, 0) + 1
+    dups = [sorted(ends) for ends in complete.values() if len(ends) > 1]
+    row.duplicated = len(dups)
+    row.dup_at_fault = sum(1 for ends in dups if any(
+        all(t0 - 1.0 <= e <= t0 + 0.05 for e in ends[:-1]) for t0 in faults))
     row.partial = sum(1 for rid in cut if rid in complete)
     answered, recovered = 0.0, 0.0
     for t0 in faults:
-        waits = []
         for t in logs:
+            touched = any(a.outcome not in ("", "ok") and a.end_s > t0 for a in t.attempts)
             for a in t.attempts:
-                if 0 <= a.head_s <= t0 and (a.end_s < 0 or a.end_s > t0):
-                    after = [e for e in a.events if e > t0]
-                    nxt = after[0] if after else (a.end_s if a.end_s > 0 else time.monotonic())
-                    waits.append(nxt - t0)
-        answered = max([answered, *waits])
+                if a.start_s > t0 + window_s or 0 <= a.end_s <= t0:
+                    continue
+                if engine and not touched and not a.engine.endswith(engine):
+                    continue  # an engine fault: the turns it touched or that ran there
+                end = a.end_s if a.end_s >= 0 else time.monotonic()
+                ev = sorted([max(a.start_s, t0), end, *(e for e in (a.head_s, *a.events)
+                                                        if e > t0)])
+                answered = max(answered, *(y - x for x, y in pairwise(ev)))
         later = [t.done_s for t in logs if t.sent_s >= t0 and t.done_s >= 0]
-        recovered = max(recovered, (min(later) - t0) if later else float("nan"))
+        recovered = (min(later) - t0) if later else float("nan")
     row.answered_s, row.recovered_s = answered, recovered
     row.rps = row.completed / wall_s if wall_s > 0 else 0.0
     return row
 
 
-async def streaming(clients: Clients, timeout_s: float = 3.0) -> None:
-    """Wait (a little) until some attempt is mid-response: the fault then hits a stream."""
+async def streaming(clients: Clients, timeout_s: float = 3.0) -> str:
+    """Wait (a little) until some attempt is mid-response, so that the fault hits a stream;
+    returns the engine serving it ("" when none was found in time)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if any(a.head_s >= 0 and a.end_s < 0 and a.events for t in clients.turns
-               for a in t.attempts[-1:]):
-            return
+        for t in clients.turns:
+            a = t.attempts[-1] if t.attempts else None
+            if a is not None and a.head_s >= 0 and a.end_s < 0 and a.events and a.engine:
+                return a.engine
         await asyncio.sleep(0.005)
+    return ""
 
 
 class Suite:
@@ -261,10 +329,14 @@ class Suite:
             raise SystemExit("llama-server not found (make engine, or TURNSTILE_LLAMA_SERVER)")
         model = None if args.fake else write_tiny_gguf(tmp / "tiny.gguf")
         self.engines = [Engine(model, free_port(), tmp).start() for _ in range(2)]
-        self.proxies = [FaultProxy("127.0.0.1", e.port).start() for e in self.engines]
+        self.proxies = [ProxyProcess("127.0.0.1", e.port) for e in self.engines]
         self.gateways: list[GatewayProcess] = []
         self.rows: list[Row] = []
         self.peak_mb = 0.0
+        self.hostile_failures: list[str] = []
+
+    def generations(self) -> list[Generation]:
+        return [g for p in self.proxies for g in p.generations()]
 
     def targets(self) -> list[str]:
         return [g.url for g in self.gateways]
@@ -282,9 +354,11 @@ class Suite:
             if g.proc is not None and g.proc.poll() is None:
                 self.peak_mb = max(self.peak_mb, peak_rss_mb(g.proc.pid))
 
-    async def phase(self, name: str, inject: Callable[[], Any] | None,
-                    heal: Callable[[], Any] | None = None, *, injected: int = 1,
-                    extra: Callable[[], Any] | None = None) -> Row:
+    async def phase(self, name: str, inject: Callable[[int], Any] | None,
+                    heal: Callable[[int], Any] | None = None, *, injected: int = 1,
+                    extra: Callable[[], Any] | None = None, on_engine: bool = False) -> Row:
+        """Agents run while ``inject(i)`` is called once, when a stream is under way (``i``:
+        the index of the engine serving it), then ``heal(i)`` after ``--heal-s``."""
         a = self.args
         clients = Clients(self.targets, a.max_tokens, a.turn_deadline_s)
         t_start = time.monotonic()
@@ -292,14 +366,17 @@ class Suite:
                 for i in range(a.sessions)]
         faults: list[float] = []
         note = ""
+        engine = ""
         if inject is not None:
             await asyncio.sleep(a.fault_at_s)
-            await streaming(clients)
+            engine = await streaming(clients)
+            i = next((k for k, p in enumerate(self.proxies) if engine.endswith(f":{p.port}")), 0)
+            engine = f":{self.proxies[i].port}" if on_engine else ""
             faults.append(time.monotonic())
-            note = str(await asyncio.to_thread(inject) or "")
+            note = str(await asyncio.to_thread(inject, i) or "")
             if heal is not None:
                 await asyncio.sleep(a.heal_s)
-                await asyncio.to_thread(heal)
+                await asyncio.to_thread(heal, i)
         if extra is not None:
             note = str(await extra() or "")
         _, pending = await asyncio.wait(load, timeout=a.phase_s)
@@ -308,19 +385,19 @@ class Suite:
         await asyncio.gather(*pending, return_exceptions=True)
         await clients.aclose()
         self.note_memory()
-        row = judge(Row(name, injected, note=note), clients.turns, self.proxies, faults,
-                    time.monotonic() - t_start)
+        row = judge(Row(name, injected, note=note), clients.turns, self.generations(), faults,
+                    time.monotonic() - t_start, engine=engine)
         row.peak_mb = self.peak_mb
         self.rows.append(row)
         print(f"  {name}: {row}", file=sys.stderr, flush=True)
         return row
 
     # ------------------------------------------------------------------ faults
-    def kill_engine(self, sig: int) -> Callable[[], None]:
-        return lambda: self.engines[0].signal(sig)
+    def kill_engine(self, sig: int) -> Callable[[int], None]:
+        return lambda i: self.engines[i].signal(sig)
 
-    def restart_engine(self) -> None:
-        self.engines[0].start()
+    def restart_engine(self, i: int) -> None:
+        self.engines[i].start()
 
     async def hostile(self) -> str:
         from turnstile.testing.hostile import corpus
@@ -328,34 +405,41 @@ class Suite:
         bodies = corpus(self.args.hostile, seed=1)
         codes: dict[int, int] = {}
         sem = asyncio.Semaphore(16)
-        async with httpx.AsyncClient(timeout=30) as c:
+        failed: list[str] = []
+        async with httpx.AsyncClient(timeout=self.args.turn_deadline_s) as c:
             async def one(raw: bytes) -> None:
                 async with sem:
                     try:
                         r = await c.post(self.targets()[0] + "/v1/chat/completions",
                                          content=raw, headers={"content-type": "application/json"})
-                        codes[r.status_code] = codes.get(r.status_code, 0) + 1
-                    except httpx.HTTPError:
-                        codes[0] = codes.get(0, 0) + 1
+                        code, text = r.status_code, r.text[:300]
+                    except httpx.HTTPError as e:
+                        code, text = 0, repr(e)
+                    codes[code] = codes.get(code, 0) + 1
+                    if code >= 500 or code == 0:
+                        failed.append(f"{code} {text} <- {raw[:300]!r}")
             await asyncio.gather(*(one(b) for b in bodies))
+        self.hostile_failures = failed
         bad = sum(n for s, n in codes.items() if s >= 500 or s == 0)
         return f"{bad} of {len(bodies)} bodies got a 5xx/no answer; " + ", ".join(
             f"{s}:{n}" for s, n in sorted(codes.items()))
 
     async def streams(self, n: int) -> Row:
-        """``n`` concurrent one-turn streams (no session, no tools)."""
-        clients = Clients(self.targets, self.args.max_tokens, self.args.turn_deadline_s)
-        body = {"model": "tiny", "max_tokens": self.args.max_tokens, "stream": True}
+        """``n`` concurrent one-turn streams (no session, no tools), each retried with its
+        request id until ``--load-deadline-s``; a plain socket client (httpx costs too much CPU
+        for thousands of streams on a small machine)."""
+        a = self.args
         t0 = time.monotonic()
-        await asyncio.gather(*(clients.turn(
-            f"load{n}-{i}", {**body, "messages": [{"role": "user", "content": f"q {i}"}]}, {})
-            for i in range(n)))
+        logs = await asyncio.gather(*(raw_stream(
+            self.targets(), f"load{n}-{i}", json.dumps(
+                {"model": "tiny", "max_tokens": a.load_max_tokens, "stream": True,
+                 "messages": [{"role": "user", "content": f"question {i}"}]}).encode(),
+            a.load_deadline_s, i) for i in range(n)))
         wall = time.monotonic() - t0
-        await clients.aclose()
         self.note_memory()
-        shed = sum(s == 429 for t in clients.turns for s in t.statuses)
-        row = judge(Row(f"{n} concurrent streams", n, note=f"{shed} x 429 then retried"),
-                    clients.turns, self.proxies, [], wall)
+        shed = sum(s == 429 for t in logs for s in t.statuses)
+        row = judge(Row(f"{n} concurrent streams", n, note=f"{shed} x 429, retried"),
+                    list(logs), self.generations(), [], wall)
         row.peak_mb, row.answered_s, row.recovered_s = self.peak_mb, float("nan"), wall
         self.rows.append(row)
         print(f"  streams {n}: {row}", file=sys.stderr, flush=True)
@@ -366,17 +450,21 @@ class Suite:
         db = self.tmp / "gateway.sqlite3"
         gw = self.gateway("single", db=str(db))
         self.gateways = [gw]
-        await self.phase("engine SIGKILL", self.kill_engine(signal.SIGKILL), self.restart_engine)
-        await self.phase("engine SIGTERM", self.kill_engine(signal.SIGTERM), self.restart_engine)
-        p0 = self.proxies[0]
-        await self.phase("engine 5xx", lambda: setattr(p0, "fail_status", 503),
-                         lambda: setattr(p0, "fail_status", 0))
-        await self.phase("slow engine", lambda: setattr(p0, "delay_s", a.delay_s),
-                         lambda: setattr(p0, "delay_s", 0.0))
+        px = self.proxies
+        await self.phase("no fault (baseline)", lambda i: None)
+        await self.phase("engine SIGKILL", self.kill_engine(signal.SIGKILL), self.restart_engine,
+                         on_engine=True)
+        await self.phase("engine SIGTERM", self.kill_engine(signal.SIGTERM), self.restart_engine,
+                         on_engine=True)
+        await self.phase("engine 5xx", lambda i: px[i].set(fail_status=503),
+                         lambda i: px[i].set(fail_status=0), on_engine=True)
+        await self.phase("slow engine", lambda i: px[i].set(delay_s=a.delay_s),
+                         lambda i: px[i].set(delay_s=0.0), on_engine=True)
         await self.phase("stalled engine",
-                         lambda: setattr(p0, "stall_until", time.monotonic() + a.stall_s))
+                         lambda i: px[i].set(stall_until=time.monotonic() + a.stall_s),
+                         on_engine=True)
 
-        def restart_gateway() -> None:
+        def restart_gateway(_: int) -> None:
             port = self.gateways[0].port
             self.gateways[0].kill()
             self.gateways[0] = GatewayProcess(self.gateways[0].config, replica_id="single",
@@ -394,14 +482,14 @@ class Suite:
             self.gateways = [self.gateway(f"r{i}", state=redis.url, replica_ttl_s=1.0)
                              for i in range(2)]
 
-            def kill_replica() -> None:
+            def kill_replica(_: int) -> None:
                 self.gateways[0].kill()
                 self.gateways = self.gateways[1:]
 
             await self.phase("replica SIGKILL", kill_replica)
             self.gateways.append(self.gateway("r0", state=redis.url, replica_ttl_s=1.0))
 
-            def restart_redis() -> None:
+            def restart_redis(_: int) -> None:
                 redis.stop()
                 redis.start()
 
@@ -424,8 +512,9 @@ def table(rows: list[Row]) -> str:
             "| answered (s) | recovered (s) | peak MB | req/s | note |")
     out = [head, "|" + "---|" * 12]
     for r in rows:
+        dup = f"{r.duplicated}" + (f" ({r.dup_at_fault} at the kill)" if r.dup_at_fault else "")
         out.append(f"| {r.fault} | {r.injected} | {r.sent} | {r.completed} | {r.lost} "
-                   f"| {r.duplicated} | {r.partial} | {r.answered_s:.3f} | {r.recovered_s:.2f} "
+                   f"| {dup} | {r.partial} | {r.answered_s:.3f} | {r.recovered_s:.2f} "
                    f"| {r.peak_mb:.0f} | {r.rps:.1f} | {r.note} |")
     return "\n".join(out)
 
@@ -435,8 +524,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="CI-sized run (tens of seconds)")
     ap.add_argument("--fake", action="store_true", help="fake engines (no llama-server)")
     ap.add_argument("--policy", default="cvar+kv-affinity+ttl")
-    ap.add_argument("--sessions", type=int, default=24)
-    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=12)
     ap.add_argument("--tool-s", type=float, default=0.3)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--max-held", type=int, default=1024)
@@ -448,12 +537,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--turn-deadline-s", type=float, default=60.0)
     ap.add_argument("--hostile", type=int, default=300)
     ap.add_argument("--streams", type=int, nargs="*", default=[500, 2000])
+    ap.add_argument("--load-max-tokens", type=int, default=8)
+    ap.add_argument("--load-deadline-s", type=float, default=300.0)
     ap.add_argument("--no-redis", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="write table.md and rows.json here")
     a = ap.parse_args(argv)
     if a.smoke:
-        a.sessions, a.turns, a.tool_s, a.hostile, a.streams = 6, 3, 0.2, 40, [100]
+        a.sessions, a.turns, a.tool_s, a.hostile, a.streams = 6, 3, 0.15, 40, [100]
         a.heal_s, a.stall_s, a.fault_at_s, a.phase_s, a.turn_deadline_s = 1.0, 1.5, 0.3, 30, 20
+        a.load_deadline_s = 30.0
     return a
 
 
@@ -469,7 +561,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "table.md").write_text(table(suite.rows) + "\n")
-        (a.out / "rows.json").write_text(json.dumps([r.__dict__ for r in suite.rows], indent=1))
+        (a.out / "rows.json").write_text(json.dumps(
+            {"argv": sys.argv[1:] if argv is None else argv,
+             "rows": [r.__dict__ for r in suite.rows],
+             "hostile_failures": suite.hostile_failures}, indent=1))
     return suite.rows
 
 

@@ -25,14 +25,18 @@ def test_chaos_smoke(llama_server_binary: Path) -> None:
         sys.path.remove(str(BENCH))
     argv = ["--smoke"] + ([] if find_redis_server() else ["--no-redis"])
     rows = {r.fault: r for r in chaos.main(argv)}
-    expected = {"engine SIGKILL", "engine SIGTERM", "engine 5xx", "slow engine",
-                "stalled engine", "gateway SIGKILL+restart", "hostile bodies",
+    expected = {"no fault (baseline)", "engine SIGKILL", "engine SIGTERM", "engine 5xx",
+                "slow engine", "stalled engine", "gateway SIGKILL+restart", "hostile bodies",
                 "100 concurrent streams"}
     if find_redis_server():
         expected |= {"replica SIGKILL", "Redis restart"}
     assert set(rows) == expected
     for r in rows.values():
-        assert r.sent > 0 and r.lost == 0 and r.duplicated == 0, r
+        # a duplicate is allowed only right at a gateway/replica kill (the answer was complete
+        # at the engine but not yet out of the killed process: docs/reliability.md)
+        assert r.sent > 0 and r.lost == 0 and r.duplicated == r.dup_at_fault, r
+        if "engine" in r.fault or "streams" in r.fault or "hostile" in r.fault:
+            assert r.duplicated == 0, r
         assert r.completed == r.sent, r
         if not math.isnan(r.answered_s):
             assert r.answered_s <= 2.5, r  # goal 2 s; slack for a shared 2-core machine

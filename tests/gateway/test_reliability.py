@@ -15,6 +15,7 @@ import pytest
 
 from turnstile.gateway.embedded import GatewayServer
 from turnstile.testing.fake_engine import FakeServer, chat_body
+from turnstile.testing.redis_server import find_redis_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -129,6 +130,18 @@ def test_deeply_nested_and_malformed_bodies_are_400_in_openai_shape(
               json.dumps({"model": 7, "messages": [{"role": "user", "content": "x"}]}).encode(),
               json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                           "stream_options": 1, "stream": True}).encode()]
+    # wrong types llama.cpp answers with a 500 ("Failed to parse messages/tools")
+    user = {"role": "user", "content": "x"}
+    call = {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for msgs, extra in [([{**user, "tool_call_id": []}], {}), ([{**user, "name": 5}], {}),
+                        ([{"role": "user", "content": [{"type": "text", "text": 5}]}], {}),
+                        ([user, {"role": "assistant", "tool_calls": [{**call, "id": 5}]}], {}),
+                        ([user, {"role": "assistant", "tool_calls": [
+                            {**call, "function": {"name": 5, "arguments": "{}"}}]}], {}),
+                        ([user], {"tools": [{"type": "function"}]}),
+                        ([user], {"tools": [5]}),
+                        ([user], {"tools": [{"type": "function", "function": {"name": 5}}]})]:
+        bodies.append(json.dumps({"model": "tiny", "messages": msgs, **extra}).encode())
     with httpx.Client(base_url=gw.url, timeout=20) as c:
         for raw in bodies:
             r = c.post("/v1/chat/completions", content=raw,
@@ -281,3 +294,64 @@ def test_fuzzed_openai_requests_never_get_a_5xx(fake_engines: Any, gateways: Any
 
         check()
     assert seen.get(400, 0) > 0
+
+
+def test_a_user_field_with_control_characters_is_a_hashed_session(fake_engines: Any,
+                                                                   gateways: Any) -> None:
+    """The body's ``user`` names the session and is echoed in ``x-session-id``: control
+    characters would break the response (found by the fuzzer), so such ids are hashed."""
+    gw = gateways([fake_engines().url])
+    for user in ("a\r\nb", "a\x00b", "ü" * 3, "x" * 300):
+        r = httpx.post(gw.url + "/v1/chat/completions", json=chat_body(user=user), timeout=10)
+        assert r.status_code == 200 and r.headers["x-session-id"].startswith("user-")
+    r = httpx.post(gw.url + "/v1/chat/completions", json=chat_body(user="agent-7"), timeout=10)
+    assert r.headers["x-session-id"] == "agent-7"
+
+
+def test_a_hung_redis_costs_a_lookup_two_seconds_at_most() -> None:
+    """A Redis that accepts connections and never answers (partitioned, overloaded): a
+    request's session lookup gives up within ~2 s (redis-py's defaults: 5 s per call)."""
+    import socket
+
+    from turnstile.gateway.shared import RedisState
+
+    async def lookup(url: str) -> float:
+        state = RedisState(url, replica_id="a")
+        t0 = time.monotonic()
+        assert await state.lookup_session("s") is None
+        await state.redis.aclose()
+        return time.monotonic() - t0
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        assert asyncio.run(lookup(f"redis://127.0.0.1:{silent.getsockname()[1]}/0")) < 3.0
+
+
+@pytest.mark.skipif(find_redis_server() is None, reason="redis-server not installed")
+def test_with_redis_away_requests_stay_quick_and_ready_says_why(fake_engines: Any,
+                                                                 gateways: Any) -> None:
+    """redis-py's default retries a call 10 times with backoff: every request's session lookup
+    stalled for seconds while Redis restarted. Now a lookup fails fast (answered as unknown)
+    and /ready reports the state store."""
+    from turnstile.gateway.shared import RedisState
+    from turnstile.testing.redis_server import RedisServer
+
+    redis = RedisServer().start()
+    try:
+        gw = gateways([fake_engines().url],
+                      backend=RedisState(redis.url, replica_id="alone", replica_ttl_s=1.0))
+        hdr = {"x-session-id": "s"}
+        assert httpx.post(gw.url + "/v1/chat/completions", json=chat_body(), headers=hdr,
+                          timeout=10).status_code == 200
+        assert httpx.get(gw.url + "/ready").json()["state"] == "ok"
+        redis.stop()
+        for i in range(3):
+            t0 = time.monotonic()
+            r = httpx.post(gw.url + "/v1/chat/completions", json=chat_body(f"q{i}"),
+                           headers={**hdr, "x-request-id": f"r{i}"}, timeout=30)
+            assert r.status_code == 200 and time.monotonic() - t0 < 2.0
+        r = httpx.get(gw.url + "/ready", timeout=10)
+        assert r.status_code == 503 and r.json()["state"] == "failing"
+    finally:
+        redis.stop()

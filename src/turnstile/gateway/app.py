@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -48,6 +50,9 @@ log = logging.getLogger("turnstile.gateway")
 #: nesting deeper than this is refused (what the gateway and the engine re-encode stays far
 #: from Python's recursion limit)
 _MAX_DEPTH = 64
+#: a session id taken from the body's ``user`` is echoed in a response header: anything but
+#: printable ASCII (control characters would break the response) is replaced by its hash
+_HEADER_SAFE = re.compile(r"[\x21-\x7e]{1,256}")
 _GET_ROUTES = frozenset(("/health", "/ready", "/metrics", "/v1/models"))
 
 Scope = MutableMapping[str, Any]
@@ -275,6 +280,9 @@ class GatewayApp:
         self.gateway.check_model(body)
         read_body(ident, body)
         session_id = ident.session_id
+        if (session_id is not None and ident.session_source in ("prompt_cache_key", "user")
+                and not _HEADER_SAFE.fullmatch(session_id)):
+            session_id = _hashed("user-", session_id)
         parent_session, session_end = ident.parent_session, ident.session_end
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
@@ -300,20 +308,19 @@ def _validate(path: str, body: dict[str, Any]) -> None:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise GatewayError(400, f"messages[{i}] must be an object with a 'role'",
                                    code="invalid_messages")
-            content = m.get("content")
-            if content is not None and not isinstance(content, str) and not (
-                    isinstance(content, list) and all(isinstance(c, dict) for c in content)):
-                raise GatewayError(400, f"messages[{i}].content must be a string or an array "
-                                   "of content parts", code="invalid_messages")
-            calls = m.get("tool_calls")
-            if calls is not None and not (isinstance(calls, list) and all(
-                    isinstance(c, dict) and isinstance(c.get("function", {}), dict)
-                    for c in calls)):
-                raise GatewayError(400, f"messages[{i}].tool_calls must be an array of "
-                                   "objects", code="invalid_messages")
+            _check_message(i, m)
         for key in ("tools", "functions"):
-            if body.get(key) is not None and not isinstance(body[key], list):
+            tools = body.get(key)
+            if tools is None:
+                continue
+            if not isinstance(tools, list):
                 raise GatewayError(400, f"'{key}' must be an array", code="invalid_value")
+            for j, t in enumerate(tools):
+                fn = t.get("function", t) if isinstance(t, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or (
+                        key == "tools" and not isinstance(t.get("type"), str)):
+                    raise GatewayError(400, f"{key}[{j}] must be an object with a 'type' and a "
+                                       "'function' naming it", code="invalid_value")
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
@@ -330,6 +337,42 @@ def _validate(path: str, body: dict[str, Any]) -> None:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise GatewayError(400, "'stream_options' must be an object", code="invalid_value")
+
+
+def _check_message(i: int, m: dict[str, Any]) -> None:
+    """The string fields engines parse as strings (llama.cpp answers a wrong type with a 500,
+    which is the request's fault, not the engine's)."""
+    def bad(what: str) -> GatewayError:
+        return GatewayError(400, f"messages[{i}].{what}", code="invalid_messages")
+
+    content = m.get("content")
+    if content is not None and not isinstance(content, str):
+        if not isinstance(content, list):
+            raise bad("content must be a string or an array of content parts")
+        for part in content:
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str) or (
+                    part["type"] == "text" and not isinstance(part.get("text"), str)):
+                raise bad("content parts must be objects with a 'type' (text parts a 'text')")
+    for key in ("name", "tool_call_id"):
+        if m.get(key) is not None and not isinstance(m[key], str):
+            raise bad(f"{key} must be a string")
+    calls = m.get("tool_calls")
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise bad("tool_calls must be an array")
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str)
+                or not isinstance(fn.get("arguments", ""), str)
+                or any(c.get(k) is not None and not isinstance(c[k], str) for k in ("id", "type"))):
+            raise bad("tool_calls must be objects with string 'id', 'type' and a 'function' "
+                      "with a string 'name' and 'arguments'")
+
+
+def _hashed(prefix: str, text: str) -> str:
+    return prefix + hashlib.blake2b(text.encode("utf-8", "surrogatepass"),
+                                    digest_size=12).hexdigest()
 
 
 def _depth(doc: Any) -> int:

@@ -39,6 +39,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from turnstile.gateway.store import HeldTurnRow, SessionRow
@@ -107,7 +109,11 @@ class RedisState:
         self.replica_ttl_s = replica_ttl_s
         self.result_ttl_s = result_ttl_s
         self.key_ttl_s = key_ttl_s
-        self.redis: aioredis.Redis = aioredis.Redis.from_url(url)
+        # a Redis that hangs (partitioned, overloaded) costs a request's lookup at most ~2 s
+        # (redis-py's default: 5 s per call); the gateway answers a failed read as "unknown"
+        # and counts failed writes, so a call is not retried
+        self.redis: aioredis.Redis = aioredis.Redis.from_url(
+            url, socket_connect_timeout=1.0, socket_timeout=2.0, retry=Retry(NoBackoff(), 0))
         self._queue: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
         self._flushed: asyncio.Future[None] | None = None  # the next batch's completion
         self._inflight: asyncio.Future[None] | None = None  # the batch being sent

@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
 import socket
 import struct
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["FaultProxy", "Generation"]
+__all__ = ["FaultProxy", "Generation", "ProxyProcess"]
+
+_LIVE: set[asyncio.Task[Any] | None] = set()
 
 
 @dataclass
@@ -35,6 +39,7 @@ class Generation:
     started_s: float
     complete: bool = False
     status: int = 0
+    ended_s: float = -1.0
 
 
 @dataclass
@@ -94,6 +99,8 @@ class FaultProxy:
     # ------------------------------------------------------------------ serving
     async def _serve(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
         up: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        me = asyncio.current_task()
+        _LIVE.add(me)  # a strong reference while it waits on a peer that may vanish
         try:
             while True:
                 try:
@@ -109,23 +116,30 @@ class FaultProxy:
                     if self.fail_status:
                         await _answer(cw, self.fail_status)
                         continue
-                if up is None:
-                    try:
-                        up = await asyncio.open_connection(self.upstream_host,
-                                                           self.upstream_port, limit=1 << 20)
-                    except OSError:
-                        _reset(cw)
-                        return
-                ur, uw = up
-                uw.write(head + body)
-                if gen is not None:
-                    self.generations.append(gen)
-                if not await self._relay(ur, cw, gen):
+                for fresh in (up is None, True):  # a kept-alive upstream may have closed
+                    if up is None:
+                        try:
+                            up = await asyncio.open_connection(
+                                self.upstream_host, self.upstream_port, limit=1 << 20)
+                        except OSError:
+                            _reset(cw)
+                            return
+                    up[1].write(head + body)
+                    ok = await self._relay(up[0], cw, gen)
+                    if ok is not None or fresh:
+                        break
+                    up[1].close()
+                    up = None
+                if not ok:
                     _reset(cw)
                     return
+                if ok == "close":
+                    up[1].close()
+                    up = None
         except (ConnectionError, asyncio.IncompleteReadError):
             _reset(cw)
         finally:
+            _LIVE.discard(me)
             if up is not None:
                 up[1].close()
             cw.close()
@@ -138,15 +152,20 @@ class FaultProxy:
             await asyncio.sleep(self.delay_s)
 
     async def _relay(self, ur: asyncio.StreamReader, cw: asyncio.StreamWriter,
-                     gen: Generation | None) -> bool:
-        """One response, upstream to client; False when upstream broke before its end."""
+                     gen: Generation | None) -> bool | str | None:
+        """One response, upstream to client: True (or "close" when the upstream closes the
+        connection after it), False when upstream broke after its head, None when it sent
+        nothing at all (not logged as a generation)."""
         try:
             head = await ur.readuntil(b"\r\n\r\n")
-        except (asyncio.IncompleteReadError, ConnectionError):
-            return False
+        except asyncio.IncompleteReadError as e:
+            return False if e.partial else None
+        except ConnectionError:
+            return None
         status = int(head.split(b" ", 2)[1])
         if gen is not None:
             gen.status = status
+            self.generations.append(gen)
         await self._pace()
         cw.write(head)
         length = _header_int(head, b"content-length")
@@ -159,7 +178,11 @@ class FaultProxy:
                 break
             data = await ur.read(65536 if chunked or length < 0 else min(left, 65536))
             if not data:
-                return not chunked and length < 0  # a body framed by close
+                if not chunked and length < 0:  # a body framed by close: complete
+                    if gen is not None:
+                        gen.complete, gen.ended_s = status == 200, time.monotonic()
+                    return "close"
+                return False
             await self._pace()
             cw.write(data)
             await cw.drain()
@@ -171,8 +194,10 @@ class FaultProxy:
                 break
         if gen is not None and not sse:
             gen.complete = status == 200  # the whole body went through
+        if gen is not None and gen.complete:
+            gen.ended_s = time.monotonic()
         await cw.drain()
-        return True
+        return "close" if _header(head, b"connection").lower() == "close" else True
 
 
 def _header(head: bytes, name: bytes) -> str:
@@ -202,3 +227,61 @@ def _reset(cw: asyncio.StreamWriter) -> None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     cw.close()
+
+
+class ProxyProcess:
+    """A :class:`FaultProxy` in a process of its own (a load generator in the parent process
+    cannot starve it, nor the engine health checks that go through it). ``set(...)`` changes
+    its fault attributes; ``generations()`` fetches its log."""
+
+    def __init__(self, upstream_host: str, upstream_port: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._lock = threading.Lock()
+        self.proc = ctx.Process(target=_proxy_child, args=(child, upstream_host, upstream_port),
+                                daemon=True, name="fault-proxy")
+        self.proc.start()
+        self.port: int = self._conn.recv()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _ask(self, *msg: object) -> object:
+        with self._lock:
+            self._conn.send(msg)
+            return self._conn.recv()
+
+    def set(self, **faults: float) -> None:
+        self._ask("set", faults)
+
+    def generations(self) -> list[Generation]:
+        return self._ask("generations")  # type: ignore[return-value]
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            with contextlib.suppress(OSError, EOFError):
+                self._ask("stop")
+            self.proc.join(5)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
+def _proxy_child(conn: Any, host: str, port: int) -> None:
+    proxy = FaultProxy(host, port).start()
+    conn.send(proxy.port)
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg[0] == "set":
+            for k, v in msg[1].items():
+                setattr(proxy, k, v)
+            conn.send(None)
+        elif msg[0] == "generations":
+            conn.send(list(proxy.generations))
+        else:
+            conn.send(None)
+            break
+    proxy.stop()

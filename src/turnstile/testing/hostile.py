@@ -27,47 +27,62 @@ _JSON = st.recursive(
 )
 
 
-def _maybe(good: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    """Usually ``good``, sometimes any JSON value."""
-    return st.one_of(good, good, good, _JSON)
+_tool_call = st.fixed_dictionaries({
+    "id": st.text(max_size=8), "type": st.just("function"),
+    "function": st.fixed_dictionaries({"name": st.text(min_size=1, max_size=8),
+                                       "arguments": st.text(max_size=30)})})
+_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "tool", "developer"]),
+     "content": st.one_of(st.text(max_size=40), st.none(), st.lists(st.fixed_dictionaries(
+         {"type": st.just("text"), "text": st.text(max_size=20)}), max_size=3))},
+    optional={"tool_calls": st.lists(_tool_call, max_size=2),
+              "tool_call_id": st.text(max_size=8), "name": st.text(max_size=8)})
+_tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.text(min_size=1, max_size=8), "parameters": _JSON})})
+_MESSAGE_KEYS = ["role", "content", "tool_calls", "tool_call_id", "name"]
 
 
-_content = _maybe(st.one_of(
-    st.text(max_size=40),
-    st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": _maybe(st.text(max_size=20))}),
-             max_size=3),
-    st.none()))
-_tool_call = _maybe(st.fixed_dictionaries({
-    "id": _maybe(st.text(max_size=8)), "type": st.just("function"),
-    "function": _maybe(st.fixed_dictionaries({"name": _maybe(st.text(max_size=8)),
-                                              "arguments": _maybe(st.text(max_size=30))}))}))
-_message = _maybe(st.fixed_dictionaries(
-    {"role": _maybe(st.sampled_from(["system", "user", "assistant", "tool", "developer"])),
-     "content": _content},
-    optional={"tool_calls": _maybe(st.lists(_tool_call, max_size=2)),
-              "tool_call_id": _maybe(st.text(max_size=8)), "name": _maybe(st.text(max_size=8))}))
-_tool = _maybe(st.fixed_dictionaries({"type": st.just("function"), "function": _maybe(
-    st.fixed_dictionaries({"name": _maybe(st.text(max_size=8)), "parameters": _JSON}))}))
+def _valid(model: str) -> st.SearchStrategy[dict[str, Any]]:
+    return st.fixed_dictionaries(
+        {"model": st.sampled_from([model, model, model, "no-such-model"]),
+         "messages": st.lists(_message, min_size=1, max_size=4),
+         "max_tokens": st.integers(1, 4)},
+        optional={"stream": st.booleans(),
+                  "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+                  "tools": st.lists(_tool, max_size=2),
+                  "tool_choice": st.sampled_from(["auto", "none", "required"]),
+                  "user": st.text(max_size=12),
+                  "temperature": st.floats(0, 2),
+                  "response_format": st.just({"type": "json_object"})})
+
+
+def _mutated(body: dict[str, Any]) -> st.SearchStrategy[dict[str, Any]]:
+    """``body`` with one field (top level or in one message) replaced by any JSON, or gone."""
+    keys = sorted(set(body) | {"max_completion_tokens", "n", "stream", "tools", "user"})
+    top = st.tuples(st.sampled_from(keys), st.one_of(_JSON, st.just(...))).filter(
+        lambda kv: not (kv[0] == "max_tokens" and kv[1] is ...)).map(  # keep turns bounded
+        lambda kv: _with(body, kv[0], kv[1]))
+    msgs = body["messages"]
+    inner = st.tuples(st.integers(0, len(msgs) - 1), st.sampled_from(_MESSAGE_KEYS),
+                      st.one_of(_JSON, st.just(...))).map(
+        lambda t: {**body, "messages": [_with(m, t[1], t[2]) if i == t[0] else m
+                                        for i, m in enumerate(msgs)]})
+    return st.one_of(top, inner, _JSON.map(lambda v: {**body, "messages": [*msgs, v]}))
+
+
+def _with(d: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
+    out = {k: v for k, v in d.items() if k != key}
+    if value is not ...:
+        out[key] = value
+    return out
 
 
 def chat_requests(model: str = "tiny") -> st.SearchStrategy[dict[str, Any]]:
-    """Chat-completions bodies: fields right or of any type, optional ones present or not."""
-    return st.fixed_dictionaries(
-        {"model": _maybe(st.sampled_from([model, model, "no-such-model", ""])),
-         "messages": _maybe(st.lists(_message, max_size=4))},
-        optional={
-            "max_tokens": _maybe(st.integers(-2, 4)),
-            "max_completion_tokens": _maybe(st.integers(-2, 4)),
-            "stream": _maybe(st.booleans()),
-            "stream_options": _maybe(st.fixed_dictionaries(
-                {"include_usage": _maybe(st.booleans())})),
-            "tools": _maybe(st.lists(_tool, max_size=2)),
-            "tool_choice": _JSON,
-            "user": _maybe(st.text(max_size=12)),
-            "temperature": _JSON,
-            "n": _maybe(st.integers(0, 2)),
-            "response_format": _JSON,
-        })
+    """Chat-completions bodies: valid ones (a quarter) and valid ones with one field replaced
+    by any JSON value or removed (the rest)."""
+    valid = _valid(model)
+    return st.one_of(valid, valid.flatmap(_mutated), valid.flatmap(_mutated),
+                     valid.flatmap(_mutated))
 
 
 def raw_bodies(model: str = "tiny") -> st.SearchStrategy[bytes]:
@@ -87,7 +102,8 @@ def raw_bodies(model: str = "tiny") -> st.SearchStrategy[bytes]:
 
 
 def corpus(n: int, seed: int = 0, model: str = "tiny") -> list[bytes]:
-    """``n`` bodies drawn from :func:`raw_bodies` (deterministic for a seed)."""
+    """``n`` bodies: two deeply nested ones, then draws from :func:`raw_bodies` (deterministic
+    for a seed)."""
     out: list[bytes] = []
 
     @hseed(seed)
@@ -98,4 +114,6 @@ def corpus(n: int, seed: int = 0, model: str = "tiny") -> list[bytes]:
         out.append(body)
 
     draw()
-    return out[:n]
+    deep = [b'{"model":"' + model.encode() + b'","messages":' + b"[" * d + b"]" * d + b"}"
+            for d in (100_000, 1_000)]
+    return (deep + out)[:n]
