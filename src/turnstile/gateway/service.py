@@ -42,6 +42,7 @@ from turnstile.gateway.affinity import (
 from turnstile.gateway.config import GatewayConfig, build_policies
 from turnstile.gateway.driving import ReleaseDriver
 from turnstile.gateway.durability import Durability, OffsetClock
+from turnstile.gateway.engine_check import check_engines
 from turnstile.gateway.estimate import TokenEstimator
 from turnstile.gateway.health import HealthMonitor
 from turnstile.gateway.metrics import GatewayMetrics
@@ -128,6 +129,8 @@ class Gateway:
         #: ``--record``: finished sessions appended to a workload file (set up in start())
         self.recorder: SessionRecorder | None = None
         self.started = False
+        #: engine → feature the policies need → the warning logged, or None (see engine_check)
+        self.engine_config: dict[str, dict[str, str | None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # ================================================================== lifecycle
@@ -153,6 +156,9 @@ class Gateway:
         self.driver.bind_loop(asyncio.get_running_loop())
         await asyncio.gather(*(a.start() for a in self.adapters.values()),
                              return_exceptions=True)
+        await asyncio.gather(*(a.check_config() for a in self.adapters.values()),
+                             return_exceptions=True)
+        self.engine_config = check_engines(self.policies, self.adapters)
         for a in self.adapters.values():
             slots = getattr(a, "slots", None)  # llama.cpp: the slots the server reported
             if slots and a.id in self.scheduler.view:

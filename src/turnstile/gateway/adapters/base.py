@@ -25,6 +25,7 @@ from turnstile.gateway.http import (
 )
 
 __all__ = [
+    "FEATURES",
     "EngineAdapter",
     "EngineStats",
     "ForwardHints",
@@ -36,6 +37,13 @@ __all__ = [
 ]
 
 JSON_HEADERS = {"content-type": "application/json"}
+
+#: engine features a policy may rely on (:meth:`EngineAdapter.check_config` says which it has):
+#: ``priority`` — the request's admission priority orders the engine's queue; ``cached_tokens``
+#: — the usage reports the prompt tokens served from the prefix cache; ``prefix_caching`` —
+#: the engine reuses a session's KV for its next turn; ``slot_pinning`` — a session's KV can be
+#: pinned, offloaded and restored (retention decisions)
+FEATURES = ("priority", "cached_tokens", "prefix_caching", "slot_pinning")
 
 
 class UpstreamError(Exception):
@@ -198,6 +206,12 @@ class EngineAdapter:
         )
         #: forwarding goes through the lean client unless an httpx client was given (tests
         #: pass one with a MockTransport) or the engine is behind https
+        #: what :meth:`check_config` found, per :data:`FEATURES` name: True (the engine does
+        #: it), False (it ignores it), None (unknown); with :attr:`config_notes`, the evidence
+        self.features: dict[str, bool | None] = dict.fromkeys(FEATURES)
+        self.config_notes: dict[str, str] = {}
+        #: the longest context (prompt + output tokens) the engine accepts, where it says
+        self.max_model_len: int | None = None
         self.fast: FastHttpClient | None = None
         if client is None and self.base_url.startswith("http://"):
             self.fast = FastHttpClient(self.base_url, connect_timeout_s=connect_timeout_s,
@@ -209,6 +223,15 @@ class EngineAdapter:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Discover what the engine offers (slots, …); called once, errors are not fatal."""
+
+    async def check_config(self) -> None:
+        """Learn what the engine is configured to do (:attr:`features`, :attr:`max_model_len`)
+        from its endpoints or a probe; called once at start, after :meth:`start`. Errors are
+        not fatal (the facts stay unknown). The base class knows nothing."""
+
+    def config_hint(self, feature: str) -> str:
+        """How to turn ``feature`` on for this kind of engine (for the warning)."""
+        return ""
 
     async def aclose(self) -> None:
         if self.fast is not None:
