@@ -1,9 +1,9 @@
 """An engine that stops serving with turns in flight, on fake engines (fast; the real-engine
 versions are in test_vllm_real.py and test_real_engine.py).
 
-The dying engine keeps its connections open and answers its health check with 503, as vLLM
-does at times after SIGTERM: before the gateway dropped a dead engine's requests, every turn
-on it hung until the read timeout (600 s) although the engine was marked DOWN at once.
+The dying engine stops listening but keeps its connections open and silent, as vLLM does at
+times after SIGTERM: before the gateway dropped a dead engine's requests, every turn on it hung
+until the read timeout (600 s) although the engine was marked DOWN at once.
 """
 
 from __future__ import annotations
@@ -83,11 +83,13 @@ def test_dead_engine_turns_rerouted_or_ended_within_2s(
             for name in ("s3", "p3")]
     for t in late:
         t.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 3
+    while dying.engine.in_flight < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert dying.engine.in_flight == 6
     died = time.monotonic()
     dying.engine.stall = True  # connections stay open, nothing more is sent
-    dying.engine.healthy = False
+    dying.stop_listening()
     for t in threads + late:
         t.join(10)
     assert not any(t.is_alive() for t in threads + late), "a turn hung"

@@ -254,6 +254,20 @@ class FakeServer:
     def stop(self) -> None:
         self.server.stop()
 
+    def stop_listening(self) -> None:
+        """Begin a shutdown as uvicorn does: stop listening (new connections are refused) and
+        close idle kept-alive connections, but leave those with a request in flight open;
+        with ``engine.stall`` they stay silent."""
+        server = self.server.server
+
+        def shut() -> None:
+            for srv in server.servers:
+                srv.close()
+            for conn in list(server.server_state.connections):
+                conn.shutdown()
+
+        server.servers[0].get_loop().call_soon_threadsafe(shut)
+
 
 def start_fake(port: int = 0, **kw: Any) -> FakeServer:
     engine = FakeEngine(**kw)

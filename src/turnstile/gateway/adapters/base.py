@@ -409,16 +409,17 @@ class EngineAdapter:
         return await self.health_state() == "up"
 
     async def health_state(self) -> str:
-        """``"up"`` (the health endpoint answered 200); ``"down"`` (refused, reset, or a
-        non-200 answer: the engine is not serving); ``"silent"`` (no answer within the
-        control timeout: hung, or only slow)."""
+        """``"up"`` (the health endpoint answered 200); ``"gone"`` (connection refused or
+        reset: no server there any more); ``"unhealthy"`` (it answered, not 200: loading,
+        draining or broken); ``"silent"`` (no answer within the control timeout: hung, or
+        only slow)."""
         try:
             resp = await self._get(self.health_path)
         except httpx.TimeoutException:
             return "silent"
         except httpx.HTTPError:
-            return "down"
-        return "up" if resp.status_code == 200 else "down"
+            return "gone"
+        return "up" if resp.status_code == 200 else "unhealthy"
 
     async def models(self) -> list[str]:
         """Model ids served (``GET /v1/models``); empty when unknown."""
