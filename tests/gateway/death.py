@@ -97,17 +97,23 @@ def killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
     other = recording(kind, other_url, "other")
     gw = start_gateway([victim, other], policy="eager+hinted")
     out: dict[str, Outcome] = {}
-    first_token = threading.Event()
+    first_token = {name: threading.Event() for name, _, _ in TURNS}
     try:
         threads = {}
         for name, streamed, queued in TURNS:
             if queued:  # once the four others are running at the engine
-                assert first_token.wait(60), "the victim never streamed"
+                for running in ("s1", "s2"):
+                    assert first_token[running].wait(90), f"{running} never streamed"
                 time.sleep(0.3)
             threads[name] = threading.Thread(
-                target=_turn, args=(gw.url, name, streamed, max_tokens, out, first_token))
+                target=_turn, args=(gw.url, name, streamed, max_tokens, out,
+                                    first_token[name]))
             threads[name].start()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 20
+        while len(victim.calls) < len(TURNS):  # all forwarded (a busy host is slow at it)
+            assert time.monotonic() < deadline, victim.calls
+            time.sleep(0.01)
+        time.sleep(0.3)  # the last two reach the engine's queue
         assert len(victim.calls) == len(TURNS) and not other.calls
         killed = time.monotonic()
         kill()

@@ -63,7 +63,7 @@ class TurnEvents(Protocol):
 
     def turn_failed(self, p: PendingTurn, engine_down: bool, reason: str) -> None: ...
 
-    def engine_failed(self, engine_id: str) -> None: ...
+    def engine_failed(self, engine_id: str, *, dead: bool = True) -> None: ...
 
 
 class Relay:
@@ -113,6 +113,7 @@ class Relay:
         with contextlib.suppress(ValueError):
             if adapter.aborted_reply(resp.json()):
                 self._end(adapter, hints)
+                self.events.engine_failed(p.engine, dead=False)  # not again until re-checked
                 self.events.turn_failed(p, False, "the engine aborted the turn")
                 raise RetryableFailure(f"engine {p.engine} aborted the turn")
         self._end(adapter, hints)
@@ -151,20 +152,17 @@ class Relay:
                               hints: ForwardHints) -> Outcome:
         gen = adapter.stream_batches(p.path, p.body, hints)
         first: list[bytes] = []
+        failed: str | None = None
         try:
             while True:  # hold the leading events (a role chunk) until the first token
                 batch = await gen.__anext__()
                 first += batch
                 failed, begun = _leading(adapter, batch)
-                if failed is not None:
-                    await gen.aclose()
-                    self._end(adapter, hints)
-                    self.events.turn_failed(p, False, failed)
-                    raise RetryableFailure(f"engine {p.engine}: {failed}")
-                if begun:
+                if failed is not None or begun:
                     break
         except StopAsyncIteration:
             self._end(adapter, hints)
+            self.events.engine_failed(p.engine, dead=False)
             self.events.turn_failed(p, False, "stream ended before its first token")
             raise RetryableFailure(f"engine {p.engine} closed the stream before its first "
                                    "token") from None
@@ -175,6 +173,12 @@ class Relay:
             self._end(adapter, hints)
             self.events.turn_finished(p, 0, None, cancelled=True)
             raise
+        if failed is not None:
+            await gen.aclose()
+            self._end(adapter, hints)
+            self.events.engine_failed(p.engine, dead=False)
+            self.events.turn_failed(p, False, failed)
+            raise RetryableFailure(f"engine {p.engine}: {failed}")
         return await started(Outcome(200, [*SSE_HEADERS, *self.headers(p)],
                                      events=self._relay(p, adapter, hints, gen, first)))
 

@@ -401,8 +401,10 @@ class Gateway:
         assert rec is not None
         self.scheduler.turn_first_token(self.clock.now(), rec.workflow_id, rec.index)
 
-    def engine_failed(self, engine_id: str) -> None:
-        self.health.set_health(engine_id, False, dead=True)
+    def engine_failed(self, engine_id: str, *, dead: bool = True) -> None:
+        """The engine failed a turn: down until its next health check says otherwise;
+        ``dead``: its requests in flight are dropped too (see health.py)."""
+        self.health.set_health(engine_id, False, dead=dead)
 
     def turn_failed(self, p: PendingTurn, engine_down: bool, reason: str) -> None:
         """Finish a failed attempt with 0 tokens; the retry loop re-readies the turn."""

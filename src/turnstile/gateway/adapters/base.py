@@ -204,6 +204,10 @@ class EngineAdapter:
             timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s, pool=read_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
         )
+        #: health checks open a new connection each time: a server that stopped listening
+        #: (shutting down, its kept-alive connections maybe silent) is found at once
+        self._health_client = client or httpx.AsyncClient(
+            timeout=self.control_timeout, limits=httpx.Limits(max_keepalive_connections=0))
         #: forwarding goes through the lean client unless an httpx client was given (tests
         #: pass one with a MockTransport) or the engine is behind https
         #: what :meth:`check_config` found, per :data:`FEATURES` name: True (the engine does
@@ -238,6 +242,7 @@ class EngineAdapter:
             await self.fast.aclose()
         if self._owns_client:
             await self.client.aclose()
+            await self._health_client.aclose()
 
     # ------------------------------------------------------------------ forwarding
     def prepare(self, body: dict[str, Any], hints: ForwardHints) -> dict[str, Any]:
@@ -414,7 +419,9 @@ class EngineAdapter:
         draining or broken); ``"silent"`` (no answer within the control timeout: hung, or
         only slow)."""
         try:
-            resp = await self._get(self.health_path)
+            resp = await self._health_client.get(self.base_url + self.health_path,
+                                                 headers=self._headers,
+                                                 timeout=self.control_timeout)
         except httpx.TimeoutException:
             return "silent"
         except httpx.HTTPError:

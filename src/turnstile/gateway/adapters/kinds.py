@@ -224,7 +224,9 @@ class VllmAdapter(EngineAdapter):
                     f["prefix_caching"] = found.group(1) == "True"
                     notes["prefix_caching"] = f"/metrics: enable_prefix_caching={found.group(1)}"
         with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError, TypeError):
-            resp = await self._get("/server_info?config_format=json")
+            # its first answer takes seconds (vLLM collects its environment: 4.7 s measured)
+            resp = await self.client.get(self.base_url + "/server_info?config_format=json",
+                                         headers=self._headers, timeout=20.0)
             if resp.status_code == 200:
                 cfg = resp.json()["vllm_config"]
                 policy = cfg["scheduler_config"]["policy"]
