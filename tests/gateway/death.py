@@ -9,6 +9,7 @@ every other turn to the other engine, where it runs to the end — once.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -46,16 +47,23 @@ class Outcome:
     engine: str | None = None
     tokens: int = 0
     finish: str | None = None
+    usage_tokens: int | None = None  # a stream's usage.completion_tokens
     error_event_s: float | None = None  # when an error event arrived
     ended_s: float = 0.0
     exception: str | None = None
     events: list[str] = field(default_factory=list)
 
+    def brief(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if k != "events"} | {
+            "last_events": [e[:120] for e in self.events[-2:]], "n_events": len(self.events)}
+
 
 def _turn(url: str, name: str, streamed: bool, max_tokens: int, out: dict[str, Outcome],
           first_token: threading.Event) -> None:
-    body = {"model": "tiny", "messages": [{"role": "user", "content": name}],
-            "max_tokens": max_tokens, "stream": streamed}
+    body: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": name}],
+                            "max_tokens": max_tokens, "stream": streamed}
+    if streamed:
+        body["stream_options"] = {"include_usage": True}
     headers = {"x-session-id": name, "x-turnstile-engine": "victim"}
     o = Outcome(streamed)
     try:
@@ -70,6 +78,8 @@ def _turn(url: str, name: str, streamed: bool, max_tokens: int, out: dict[str, O
                         o.events.append(line[:200])
                         if line.startswith('data: {"error"'):
                             o.error_event_s = time.monotonic()
+                        elif '"usage":{' in line.replace(" ", ""):
+                            o.usage_tokens = json.loads(line[6:])["usage"]["completion_tokens"]
                         elif '"content":"' in line.replace(" ", "") and '"content":""' not in \
                                 line.replace(" ", ""):
                             o.tokens += 1
@@ -115,6 +125,7 @@ def killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
             time.sleep(0.01)
         time.sleep(0.3)  # the last two reach the engine's queue
         assert len(victim.calls) == len(TURNS) and not other.calls
+        assert not out, f"turns over before the kill (max_tokens too small?): {list(out)}"
         killed = time.monotonic()
         kill()
         for t in threads.values():
@@ -124,22 +135,23 @@ def killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
         gw.stop()
 
     after = {k: round(o.ended_s - killed, 2) for k, o in out.items()}
-    assert all(o.exception is None for o in out.values()), out
+    assert all(o.exception is None for o in out.values()), {k: o.brief() for k, o in out.items()}
     rerouted = {content: round(t - killed, 2) for t, content in other.calls}
     for name, streamed, queued in TURNS:
         o = out[name]
         if streamed and not queued:
             # it had streamed tokens: it ends with an OpenAI-shaped error event, fast
-            assert o.status == 200 and o.engine == "victim" and o.tokens > 0, (name, o)
-            assert o.error_event_s is not None, (name, o.events[-3:])
-            assert '"upstream_error"' in o.events[-1].replace(" ", ""), (name, o.events[-3:])
+            assert o.status == 200 and o.engine == "victim" and o.tokens > 0, (name, o.brief())
+            assert o.error_event_s is not None, (name, o.brief())
+            assert '"upstream_error"' in o.events[-1].replace(" ", ""), (name, o.brief())
             assert o.error_event_s - killed < within_s, (name, o.error_event_s - killed)
             assert name not in rerouted
         else:
             # nothing reached its client: re-routed within the bound, run to the end there
-            assert name in rerouted and rerouted[name] < within_s, (name, rerouted)
-            assert o.status == 200 and o.engine == "other", (name, o)
-            assert o.tokens == max_tokens and o.finish == "length", (name, o)
+            assert name in rerouted and rerouted[name] < within_s, (name, rerouted, o.brief())
+            assert o.status == 200 and o.engine == "other", (name, o.brief())
+            tokens = o.usage_tokens if streamed else o.tokens
+            assert tokens == max_tokens and o.finish == "length", (name, tokens, o.finish)
     # none served twice: each re-routed turn reached the other engine once
     contents = [c for _, c in other.calls]
     assert sorted(contents) == sorted(set(contents)), contents
