@@ -49,6 +49,7 @@ class Outcome:
     finish: str | None = None
     usage_tokens: int | None = None  # a stream's usage.completion_tokens
     error_event_s: float | None = None  # when an error event arrived
+    error: dict[str, Any] | None = None  # its body (OpenAI's error shape)
     ended_s: float = 0.0
     exception: str | None = None
     events: list[str] = field(default_factory=list)
@@ -78,6 +79,7 @@ def _turn(url: str, name: str, streamed: bool, max_tokens: int, out: dict[str, O
                         o.events.append(line[:200])
                         if line.startswith('data: {"error"'):
                             o.error_event_s = time.monotonic()
+                            o.error = json.loads(line[6:])["error"]
                         elif '"usage":{' in line.replace(" ", ""):
                             o.usage_tokens = json.loads(line[6:])["usage"]["completion_tokens"]
                         elif '"content":"' in line.replace(" ", "") and '"content":""' not in \
@@ -143,7 +145,9 @@ def killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
             # it had streamed tokens: it ends with an OpenAI-shaped error event, fast
             assert o.status == 200 and o.engine == "victim" and o.tokens > 0, (name, o.brief())
             assert o.error_event_s is not None, (name, o.brief())
-            assert '"upstream_error"' in o.events[-1].replace(" ", ""), (name, o.brief())
+            assert o.events[-1].startswith('data: {"error"'), (name, o.brief())
+            assert o.error is not None and o.error["type"] == "upstream_error" \
+                and "failed mid-stream" in o.error["message"], (name, o.brief())
             assert o.error_event_s - killed < within_s, (name, o.error_event_s - killed)
             assert name not in rerouted
         else:

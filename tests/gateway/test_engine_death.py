@@ -129,12 +129,15 @@ def test_engine_that_ends_a_stream_early_gives_an_error_event(
     assert "failed mid-stream" in r["last"] and "without [DONE]" in r["last"], r
 
 
+@pytest.mark.parametrize("fail", ["abort", "abort_waiting"])
 def test_turns_vllm_aborted_are_rerouted(
-        fake_engines: Callable[..., FakeServer], gateways: Callable[..., GatewayServer]) -> None:
-    """vLLM finishes the requests it drops on SIGTERM as 200s with finish_reason "abort" (a
-    stream: a role chunk, that finish, no [DONE]). Nothing of it reaches the client: the turn
-    is re-routed and runs to the end on the other engine, once."""
-    aborting = fake_engines(fail="abort")
+        fail: str, fake_engines: Callable[..., FakeServer],
+        gateways: Callable[..., GatewayServer]) -> None:
+    """vLLM finishes the requests it drops on SIGTERM as 200s: with finish_reason "abort" (a
+    stream: a role chunk, that finish, no [DONE]), or, for one that never ran, a stream of a
+    role chunk, a 0-token usage and [DONE]. Nothing of it reaches the client: the turn is
+    re-routed and runs to the end on the other engine, once."""
+    aborting = fake_engines(fail=fail)
     healthy = fake_engines()
     gw = gateways([make_adapter(aborting.url, "vllm", engine_id="a"),
                    make_adapter(healthy.url, "vllm", engine_id="b")], policy="eager+hinted")

@@ -27,5 +27,6 @@ def test_llama_cpp_engine_killed_with_turns_in_flight(
                                binary=llama_server_binary) as other:
         assert victim.process is not None
         proc = victim.process
-        killed_with_turns_in_flight("llama.cpp", victim.base_url, other.base_url,
-                                    lambda: proc.send_signal(sig), max_tokens=1500)
+        timings = killed_with_turns_in_flight("llama.cpp", victim.base_url, other.base_url,
+                                              lambda: proc.send_signal(sig), max_tokens=1500)
+    print(f"\n{signal.Signals(sig).name}: {timings}")

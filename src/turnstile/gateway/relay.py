@@ -155,9 +155,8 @@ class Relay:
         failed: str | None = None
         try:
             while True:  # hold the leading events (a role chunk) until the first token
-                batch = await gen.__anext__()
-                first += batch
-                failed, begun = _leading(adapter, batch)
+                first += await gen.__anext__()
+                failed, begun = _leading(adapter, first)
                 if failed is not None or begun:
                     break
         except StopAsyncIteration:
@@ -256,11 +255,14 @@ class Relay:
 
 def _leading(adapter: EngineAdapter, events: list[bytes]) -> tuple[str | None, bool]:
     """Scan a stream's events before its first token: ``(failure, begun)`` — ``failure`` when
-    the engine reported an error or aborted the turn (nothing went to the client: re-route),
-    ``begun`` once a token, a finish or ``[DONE]`` arrived (the stream goes to the client)."""
+    the engine reported an error, aborted the turn, or ended the stream with neither a token
+    nor a finish reason (vLLM does that to a request it drops before running it): nothing went
+    to the client, so the turn is re-routed; ``begun`` once a token or a finish arrived (the
+    stream goes to the client)."""
+    finished = False
     for ev in events:
         if ev.startswith(b"data: [DONE]"):
-            return None, True
+            return (None, True) if finished else ("the stream ended with no token", False)
         if adapter.aborted_event(ev):
             return "the engine aborted the turn", False
         if not ev.startswith(b"data: {"):
@@ -276,10 +278,12 @@ def _leading(adapter: EngineAdapter, events: list[bytes]) -> tuple[str | None, b
             msg = err.get("message") if isinstance(err, dict) else err
             return f"error event before the first token: {msg}", False
         choices = obj.get("choices")
-        if choices and (has_token(choices) or any(
-                isinstance(c, dict) and c.get("finish_reason") for c in choices)):
+        if choices and has_token(choices):
             return None, True
-    return None, False
+        finished = finished or any(isinstance(c, dict) and c.get("finish_reason")
+                                   for c in choices or ())
+    # a finish with no token yet: the stream has begun (it may still carry the usage)
+    return None, finished
 
 
 def _collect(choices: list[Any], reply: list[str], args: list[str]) -> None:
