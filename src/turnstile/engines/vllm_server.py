@@ -313,9 +313,10 @@ def start_all(servers: Sequence[VllmServerProcess]) -> list[VllmServerProcess]:
 
 def _end_group(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
     """SIGTERM the process group ``proc`` leads, then SIGKILL what is left after
-    ``timeout_s`` (the engine-core child included, even when the leader is already gone)."""
+    ``timeout_s`` (the engine-core child included); at once where the leader is already gone
+    (killed: what it left behind has no one to shut it down cleanly)."""
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM if proc.poll() is None else signal.SIGKILL)
     except ProcessLookupError:
         return
     deadline = time.monotonic() + timeout_s

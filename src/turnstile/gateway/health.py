@@ -5,8 +5,8 @@ marked down when it is the last one up (routing needs one; a turn sent to a dead
 fast and is retried).
 
 An engine found dead — its health check refused or reset (no server listens there any more), a
-turn's connection to it refused or reset, or three failed health checks in a row (unanswered or
-not 200: a hung or broken server) — has every request in flight to it dropped at once
+turn refused a connection before any reply, or three failed health checks in a row (unanswered
+or not 200: a hung or broken server) — has every request in flight to it dropped at once
 (:meth:`EngineAdapter.abort_inflight`): a turn that has streamed no token is re-routed by the
 service's retry loop, a streaming one ends with an error event. Without that, a process that
 stops serving but keeps its connections open (vLLM after SIGTERM, at times) holds its turns

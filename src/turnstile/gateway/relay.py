@@ -242,7 +242,7 @@ class Relay:
         except UpstreamError as e:
             self.metrics.turns_failed.labels(p.engine, "mid_stream").inc()
             if e.engine_down:
-                self.events.engine_failed(p.engine)
+                self.events.engine_failed(p.engine, dead=False)  # health decides the rest
             msg = f"engine {p.engine} failed mid-stream: {e}"
             yield b"data: " + error_body(msg, "upstream_error", 502) + b"\n\n"
         finally:
