@@ -1,5 +1,5 @@
 """Fixtures for the gateway tests: fake engines and gateways served on loopback ports, all
-stopped at the end of each test; two real vLLM engines, started once per session."""
+stopped at the end of each test; two real vLLM engines, started once for their module."""
 
 from __future__ import annotations
 
@@ -81,9 +81,12 @@ class VllmEngines:
             s.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_engines(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[VllmEngines]:
+    """Started once for the module that uses them (one does: test_vllm_real.py), and stopped
+    when it is done, so that ~3 GB and two engine processes do not idle through the rest of
+    the suite."""
     engines = VllmEngines(write_tiny_hf_model(tmp_path_factory.mktemp("vllm-model")),
                           vllm_python)
     engines.start()
