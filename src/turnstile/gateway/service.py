@@ -42,6 +42,7 @@ from turnstile.gateway.affinity import (
 from turnstile.gateway.config import GatewayConfig
 from turnstile.gateway.driving import ReleaseDriver
 from turnstile.gateway.durability import Durability, OffsetClock
+from turnstile.gateway.engine_check import check_engines
 from turnstile.gateway.estimate import TokenEstimator
 from turnstile.gateway.health import HealthMonitor
 from turnstile.gateway.logs import quiet_probe_logs
@@ -134,6 +135,8 @@ class Gateway:
         #: ``--record``: finished sessions appended to a workload file (set up in start())
         self.recorder: SessionRecorder | None = None
         self.started = False
+        #: engine → feature the policies need → the warning logged, or None (see engine_check)
+        self.engine_config: dict[str, dict[str, str | None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         #: requests accepted and not READY yet (counted by admission from their acceptance)
         self.admitting = 0
@@ -169,6 +172,9 @@ class Gateway:
         self.driver.bind_loop(asyncio.get_running_loop())
         await asyncio.gather(*(a.start() for a in self.adapters.values()),
                              return_exceptions=True)
+        await asyncio.gather(*(a.check_config() for a in self.adapters.values()),
+                             return_exceptions=True)
+        self.engine_config = check_engines(self.policies, self.adapters)
         for a in self.adapters.values():
             slots = getattr(a, "slots", None)  # llama.cpp: the slots the server reported
             if slots and a.id in self.scheduler.view:
@@ -424,8 +430,10 @@ class Gateway:
         assert rec is not None
         self.scheduler.turn_first_token(self.clock.now(), rec.workflow_id, rec.index)
 
-    def engine_failed(self, engine_id: str) -> None:
-        self.health.set_health(engine_id, False, dead=True)
+    def engine_failed(self, engine_id: str, *, dead: bool = True) -> None:
+        """The engine failed a turn: down until its next health check says otherwise;
+        ``dead``: its requests in flight are dropped too (see health.py)."""
+        self.health.set_health(engine_id, False, dead=dead)
 
     def turn_failed(self, p: PendingTurn, engine_down: bool, reason: str) -> None:
         """Finish a failed attempt with 0 tokens; the retry loop re-readies the turn."""
