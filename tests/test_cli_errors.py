@@ -29,10 +29,20 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     turn = {"input_tokens": 100_000_000_000, "context_tokens": 0, "output_tokens": 10}
     huge.write_text(json.dumps({"format": "turnstile-workload", "version": 1}) + "\n"
                     + json.dumps({"id": "w0", "arrival_s": 0.0, "turns": [turn]}) + "\n")
+    mooncake = d / "mooncake_huge.jsonl"  # another loader than the workload JSONL's
+    mooncake.write_text("".join(json.dumps({"timestamp": i, "input_length": 10 ** 11 if i == 3
+                                            else 500, "output_length": 20, "hash_ids": [i]})
+                                + "\n" for i in range(8)))
     bad_record = d / "bad_record.jsonl"
     bad_record.write_text('{"x": 1}\n')
+    bad_line_record = d / "bad_line_record.jsonl"
+    bad_line_record.write_text('{"format": "turnstile-workload", "version": 1}\n{garbage\n')
+    future_record = d / "future_record.jsonl"
+    future_record.write_text('{"format": "turnstile-workload", "version": 99}\n')
     return {"dir": str(d), "existing": str(existing), "bad_json": str(bad_json),
-            "not_profile": str(not_profile), "huge": str(huge), "bad_record": str(bad_record),
+            "not_profile": str(not_profile), "huge": str(huge), "mooncake": str(mooncake),
+            "bad_record": str(bad_record),
+            "bad_line_record": str(bad_line_record), "future_record": str(future_record),
             "under_file": str(existing / "sub")}
 
 
@@ -48,6 +58,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("bench-profile-not-a-profile", [*B, "--profile", "{not_profile}"], "--profile"),
     ("bench-kv-tokens-too-small", [*B, "--kv-tokens", "10"], "--kv-tokens"),
     ("bench-trace-turn-1e11-tokens", [*B, "--trace", "{huge}"], "huge.jsonl"),
+    ("bench-mooncake-turn-1e11-tokens", [*B, "--trace", "{mooncake}"], "mooncake_huge.jsonl"),
+    ("info-mooncake-turn-1e11-tokens", ["traces", "info", "{mooncake}"], "mooncake_huge.jsonl"),
     ("bench-out-existing-file", [*B, "--out", "{existing}"], "--out"),
     ("bench-out-uncreatable", [*B, "--out", "{under_file}"], "--out"),
     ("bench-workflows-0", ["bench", "--workflows", "0"], "--workflows"),
@@ -70,10 +82,29 @@ CASES: list[tuple[str, list[str], str]] = [
     ("serve-log-level-banana", [*S, "--log-level", "banana"], "--log-level"),
     ("serve-state-unreachable", [*S, "--state", "redis://127.0.0.1:1/0"], "--state"),
     ("serve-record-malformed", [*S, "--record", "{bad_record}"], "--record"),
+    ("serve-record-malformed-line", [*S, "--record", "{bad_line_record}"], "--record"),
+    ("serve-record-future-version", [*S, "--record", "{future_record}"], "--record"),
     ("serve-record-missing-dir", [*S, "--record", "/missing/dir/s.jsonl"], "--record"),
     ("serve-db-missing-dir", [*S, "--db", "/missing/dir/g.sqlite3"], "--db"),
     ("serve-unknown-policy", [*S, "--policy", "banana"], "banana"),
     ("serve-no-engine", ["serve", "--port", "0"], "--engine"),
+    ("serve-same-engine-twice", [*S, "--engine", ENGINE], "--engine"),
+    ("serve-max-held-0", [*S, "--max-held", "0"], "--max-held"),
+    ("serve-config-missing", ["serve", "--config", "/missing/gateway.toml"], "--config"),
+    ("serve-config-malformed", ["serve", "--config", "{bad_json}"], "--config"),
+    ("replay-max-turns-0", ["replay", "--target", "http://127.0.0.1:1", "--max-turns", "0"],
+     "--max-turns"),
+    ("info-group-by-wrong-format", ["traces", "info", "{mooncake}", "--group-by", "user"],
+     "--group-by"),
+    ("fit-out-missing-dir", ["traces", "fit", "{mooncake}", "-o", "/missing/dir/spec.json"],
+     "--out"),
+    ("convert-out-missing-dir", ["traces", "convert", "{mooncake}", "-o", "/missing/d/w.jsonl"],
+     "--out"),
+    ("profile-out-missing-dir", ["profile", "--target", "http://127.0.0.1:1", "-o",
+                                 "/missing/dir/p.json"], "--out"),
+    ("fidelity-profile-missing", ["fidelity", "--target", "http://127.0.0.1:1", "--profile",
+                                  "/missing/p.json", "--trace", "{mooncake}", "-o",
+                                  "{dir}/fid"], "--profile"),
     ("replay-target-unreachable", ["replay", "--target", "http://127.0.0.1:1", "--workflows",
                                    "2", "-o", "{dir}/replay"], "--target"),
     ("replay-out-existing-file", ["replay", "--target", "http://127.0.0.1:1", "-o",
@@ -158,3 +189,14 @@ def test_entry_point_is_main() -> None:
     root = Path(__file__).resolve().parents[1]
     doc = tomllib.loads((root / "pyproject.toml").read_text())
     assert doc["project"]["scripts"]["turnstile"] == "turnstile.cli:main"
+
+
+def test_a_malformed_record_file_is_left_untouched(tmp_path: Path, capsys) -> None:
+    """serve --record on a file that is not a whole workload fails and does not modify it (the
+    recorder would otherwise cut what looks like a torn last line)."""
+    f = tmp_path / "binary.jsonl"
+    f.write_bytes(b"\x00\x01 not a workload")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--engine", f"{ENGINE},openai", "--port", "0", "--record", str(f)])
+    assert e.value.code == 2
+    assert f.read_bytes() == b"\x00\x01 not a workload"

@@ -29,6 +29,7 @@ GENERAL_SIM = (
     "engine_config.py",
     "engine_group.py",
     "engine_profile.py",
+    "event_loop.py",
     "fitted_perf.py",
     "kernel.py",
     "kv_retention.py",

@@ -42,6 +42,9 @@ RANK = {
     "calibrate": 6,
     "rollout": 7,
     "epp": 7,
+    # adapters into stacks users run (verl's rollout router): imports core/policies/workload
+    # only (test_integrations_import_only_the_core_and_policies); nothing imports them
+    "integrations": 8,
 }
 TOP = {"cli", "demo", "__main__"}  # top-level modules, and any package's __main__
 EDGE = "engines"
@@ -221,6 +224,16 @@ def test_no_module_imports_another_that_imports_it_back():
     stale = [f"KNOWN_CYCLES entry {c} ({owner}) no longer occurs: delete it"
              for c, owner in KNOWN_CYCLES.items() if c not in cycles]
     assert not new + stale, "\n".join([*(" ↔ ".join(c) for c in new), *stale])
+
+
+def test_integrations_import_only_the_core_and_policies():
+    """``integrations`` is an edge into foreign stacks: it builds on the core, the policies and
+    the workload model, never on a driver (sim, gateway, rollout), and no room imports it."""
+    allowed = {"core", "policies", "workload", "integrations", ROOT}
+    bad = [f"{i.where()}: {i.imported}" for i in all_imports()
+           if (room(i.importer) == "integrations" and room(i.imported) not in allowed)
+           or (room(i.imported) == "integrations" and room(i.importer) != "integrations")]
+    assert not bad, bad
 
 
 def test_policies_do_not_import_the_cores_write_path():

@@ -27,6 +27,7 @@ COMPILED_MODULES = (
     "turnstile.sim.block_pool",
     "turnstile.sim.cluster",
     "turnstile.sim.engine",
+    "turnstile.sim.event_loop",
     "turnstile.sim.kernel",
     "turnstile.sim.kv_retention",
     "turnstile.sim.lanes",

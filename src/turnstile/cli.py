@@ -67,13 +67,25 @@ def _load(path: Path, subset: str | None, progress: bool,
     if group_by:
         kw["group_by"] = group_by
     try:
-        return load_trace(path, **kw)
-    except (ValueError, OSError, TypeError) as e:
+        loaded = load_trace(path, **kw)
+    except TypeError:  # the format's loader takes no such option
+        flags = " and ".join(f for f, v in (("--subset", subset), ("--group-by", group_by)) if v)
+        raise _fail(f"{path}: {flags or 'an option'} does not apply to this trace format "
+                    "(--subset: AgentCgroup; --group-by: request logs)") from None
+    except (ValueError, OSError) as e:
         raise _fail(str(e)) from None
+    from turnstile.workload.model import check_turn_sizes
+
+    try:  # every loader, not only the JSONL one, gets the same bound
+        check_turn_sizes(loaded.workflows, path)
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    return loaded
 
 
-#: ``traces synth -n``: more workflows than this would not fit in memory
-MAX_SYNTH_WORKFLOWS = 1_000_000
+#: ``traces synth -n``, ``bench --workflows``: 10k synthetic workflows take ~250 MB and ~30 s, so
+#: more than this would not fit in a laptop's memory
+MAX_SYNTH_WORKFLOWS = 100_000
 
 _GROUP_BY_HELP = ("request logs: session field (dotted path), 'prefix' (shared message "
                   "prefixes) or 'auto'")
@@ -133,10 +145,15 @@ def traces_convert(
 ) -> None:
     """Convert a real trace (or agent logs, or a ``serve --record`` recording) to turnstile's
     JSONL workload format or to Mooncake-JSONL sessions."""
+    from turnstile.bench.usage import check_out_file
     from turnstile.workload.jsonl import write_workload
 
     if to not in ("turnstile", "mooncake"):
         raise _fail(f"--to {to!r}: expected turnstile or mooncake")
+    try:
+        check_out_file(out)
+    except ValueError as e:
+        raise _fail(str(e)) from None
     loaded = _load(path, subset, progress=True, group_by=group_by)
     if to == "mooncake":
         from turnstile.traces.mooncake_sessions import write_mooncake_sessions
@@ -152,6 +169,8 @@ def traces_convert(
                       "(Mooncake-JSONL sessions)")
         return
     meta: dict[str, object] = {"source": str(path), "trace": loaded.name, "notes": loaded.notes}
+    if loaded.warnings:  # carried into the file: bench on it says them too
+        meta["warnings"] = loaded.warnings
     if loaded.hash_block_tokens:
         meta["hash_block_tokens"] = loaded.hash_block_tokens
     # write beside the target and rename: a failure never leaves a partial workload behind
@@ -204,9 +223,14 @@ def traces_fit(
     name: Annotated[str | None, typer.Option(help="Spec name (default: the trace's)")] = None,
 ) -> None:
     """Fit the synthetic generator's spec to a trace and write it as JSON (refits the default)."""
+    from turnstile.bench.usage import check_out_file
     from turnstile.workload.synth_fit import fit_spec
     from turnstile.workload.synth_spec import save_spec
 
+    try:
+        check_out_file(out)
+    except ValueError as e:
+        raise _fail(str(e)) from None
     loaded = _load(path, subset, progress=True)
     spec = fit_spec(loaded.workflows, name=name or loaded.name)
     spec.info["source"] = f"{loaded.name}: {loaded.counts.get('sessions', len(loaded))} sessions"
@@ -218,6 +242,7 @@ def traces_fit(
 
 @app.command("bench")
 def bench(
+    ctx: typer.Context,
     trace: Annotated[
         str | None, typer.Option(help="Trace dir/file; omit for the built-in synthetic generator")
     ] = None,
@@ -258,6 +283,10 @@ def bench(
     ray: Annotated[
         str | None, typer.Option(help="--suite: run cells on Ray (auto, local or an ADDRESS)")
     ] = None,
+    save_detailed: Annotated[
+        bool, typer.Option("--save-detailed", help="Also write every workflow's and turn's "
+                           "samples into results.json (to re-plot or recompute later)")
+    ] = False,
 ) -> None:
     """Simulate every policy on the same workload and compare them side by side (simulated)."""
     if suite is not None:
@@ -265,9 +294,16 @@ def bench(
 
         if suite not in ("quick", "full"):
             raise _fail(f"--suite must be quick or full; got {suite!r}")
-        names = None if policies == "eager" else [p for p in policies.split(",") if p.strip()]
-        run_with_progress(suite, out or Path(f"robustness-{suite}"), policies=names,
-                          seed=seed, ray=ray, console=console)
+        # --policies as given; its default means the suite's own set (plas, cvar, the default)
+        # (compared by name: typer may ship its own click)
+        source = ctx.get_parameter_source("policies")
+        given = getattr(source, "name", "DEFAULT") != "DEFAULT"
+        names = [p for p in policies.split(",") if p.strip()] if given else None
+        try:
+            run_with_progress(suite, out or Path(f"robustness-{suite}"), policies=names,
+                              seed=seed, ray=ray, console=console)
+        except (RuntimeError, ValueError) as e:
+            raise _fail(str(e)) from None
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -283,8 +319,6 @@ def bench(
         runner.model_check(gpu, model, tp)
         if rate is not None and rate <= 0:
             raise ValueError("--rate must be > 0")
-        if out is not None:
-            check_out_dir(out)  # before the run: a bad --out must not cost the results
     except (ValueError, KeyError) as e:
         raise _fail(str(e)) from None
     perf = None
@@ -312,6 +346,8 @@ def bench(
     try:
         wfs, trace_info = runner.build_workload(wspec, groups)
         runner.check_kv_fits(wfs, groups)
+        if out is not None:
+            check_out_dir(out)  # before the run (created last): a bad --out must not cost results
     except (ValueError, OSError) as e:
         raise _fail(str(e)) from None
     rate_txt = f"{trace_info['rate']:.3g}/s" if trace_info.get("rate") else "trace times"
@@ -334,6 +370,7 @@ def bench(
             wfs, specs, groups, on_policy_start=start,
             on_progress=lambda n: bar.update(task, completed=n),
             hash_block_tokens=trace_info.get("hash_block_tokens", 0),
+            detailed=save_detailed,
         )
     render_table(results, console)
     if out is not None:
@@ -341,11 +378,22 @@ def bench(
             wspec, groups, specs, workload_sha256=runner.workload_digest(wfs)
         )
         path = write_results(out, results, config, trace_info)
+        from turnstile.bench.html_report import write_html_report
         from turnstile.bench.plots import plot_flow_cdf
+        from turnstile.bench.report import load_results
 
-        plot_flow_cdf(results, out / "flow_cdf.png",
-                      title=f"Workflow flow time (simulated), {trace_info['name']}")
-        console.print(f"wrote {path} and {out / 'flow_cdf.png'}")
+        html = write_html_report(out, load_results(path), policies=results,
+                                 title=f"turnstile bench: {trace_info['name']}")
+        wrote = [path, html]
+        try:
+            wrote.append(plot_flow_cdf(results, out / "flow_cdf.png",
+                                       title=f"Workflow flow time (simulated), "
+                                       f"{trace_info['name']}"))
+        except ImportError as e:
+            from rich.markup import escape
+
+            err_console.print(f"[dim]{escape(str(e))}; flow_cdf.png skipped[/]")
+        console.print("wrote " + ", ".join(str(p) for p in wrote))
 
 
 @app.command("policies")

@@ -29,6 +29,17 @@ def tiny_doc() -> dict:
     return S.run_suite(_tiny(), workers=1)
 
 
+def test_the_default_policy_is_the_policies_package_default(monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    from turnstile import policies
+
+    monkeypatch.setitem(policies.DEFAULTS, "release", "plas")
+    assert S.default_policy_spec() == "plas"
+    monkeypatch.setattr(policies, "DEFAULT_SPEC", "cvar+kv-affinity", raising=False)
+    assert S.default_policy_spec() == "cvar+kv-affinity"
+    assert S.suite_config("quick").policies == ["eager", "plas", "cvar", "cvar+kv-affinity"]
+
+
 def test_families_cover_the_issue_and_split_in_two_halves() -> None:
     kinds = {f.kind for f in FAMILIES}
     assert kinds == {"real", "importer", "synthetic", "generator"}
@@ -123,7 +134,8 @@ def test_ray_backend_gives_the_local_results(tiny_doc: dict) -> None:
 
 # --------------------------------------------------------------------------------------
 # The quick suite, as CI runs it. ISSUE 31 NO-HARM CHECK (read by the policy room): the
-# default policy (turnstile.policies.DEFAULT_SPEC when declared, else eager) is at most 3%
+# default policy (turnstile.policies.DEFAULT_SPEC when declared, else the default release
+# policy DEFAULTS["release"]; S.default_policy_spec) is at most 3%
 # worse than eager in P95 and mean flow time and at most 10% worse in TTFT P95 in every
 # cell of the quick suite (NO_HARM in turnstile.bench.suite_report).
 @pytest.mark.slow
@@ -164,5 +176,7 @@ def test_bench_suite_cli_writes_the_report(tmp_path: Path, monkeypatch: pytest.M
     assert "worst cell vs eager" in res.output and "cvar" in res.output
     assert {p.name for p in tmp_path.iterdir()} >= {"results.json", "robustness.md",
                                                     "heatmap.png"}
+    default = runner.invoke(app, ["bench", "--suite", "quick", "--out", str(tmp_path)])
+    assert default.exit_code == 0 and seen["policies"] is None  # the suite's own set
     bad = runner.invoke(app, ["bench", "--suite", "huge"])
     assert bad.exit_code == 2 and "quick or full" in bad.output

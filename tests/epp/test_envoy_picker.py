@@ -76,11 +76,12 @@ def stacks(envoy_binary: Path) -> Iterator[Callable[..., Stack]]:
     made: list[Stack] = []
 
     def make(engines: list[FakeServer], *, mode: str = "original_dst",
-             failure_mode_allow: bool = False, fallbacks: int = 0, **picker: Any) -> Stack:
+             failure_mode_allow: bool = False, fallbacks: int = 0, watch: str = "inline",
+             **picker: Any) -> Stack:
         eps = [ep(f) for f in engines]
-        pk = start_picker(eps, fallbacks=fallbacks, **picker)
+        pk = start_picker(eps, fallbacks=fallbacks, watch=watch, **picker)
         cfg = envoy_config(listen_port=free_port(), picker_port=pk.grpc_port, mode=mode,
-                           endpoints=eps, failure_mode_allow=failure_mode_allow)
+                           endpoints=eps, failure_mode_allow=failure_mode_allow, watch=watch)
         try:
             env = EnvoyProcess(cfg, binary=envoy_binary).start()
         except BaseException:
@@ -97,10 +98,11 @@ def stacks(envoy_binary: Path) -> Iterator[Callable[..., Stack]]:
         s.picker.stop()
 
 
+@pytest.mark.parametrize("watch", ["inline", "observe"])
 def test_routes_by_header_and_sessions_stick(fakes: list[FakeServer],
-                                             stacks: Callable[..., Stack]) -> None:
+                                             stacks: Callable[..., Stack], watch: str) -> None:
     fakes += [start_fake(ttft_s=0.1), start_fake(ttft_s=0.1)]
-    s = stacks(fakes, policy="eager+kv-affinity")
+    s = stacks(fakes, policy="eager+kv-affinity", watch=watch)
     served: dict[str, set[str]] = {}
     for turn in range(3):  # six agents at once, three turns each
         with ThreadPoolExecutor(6) as pool:
@@ -159,10 +161,11 @@ def test_hold_reaches_the_client_and_admission_sheds_429(fakes: list[FakeServer]
     assert m["turnstile_gateway_rejected_total"] == 1
 
 
+@pytest.mark.parametrize("watch", ["inline", "observe"])
 def test_client_gone_while_held_is_dropped(fakes: list[FakeServer],
-                                           stacks: Callable[..., Stack]) -> None:
+                                           stacks: Callable[..., Stack], watch: str) -> None:
     fakes.append(start_fake(ttft_s=0.8))
-    s = stacks(fakes, **HOLD_ONE)
+    s = stacks(fakes, watch=watch, **HOLD_ONE)
     t = threading.Thread(target=lambda: s.chat("first"))
     t.start()
     wait_until(lambda: fakes[0].engine.in_flight == 1)
@@ -273,11 +276,12 @@ def test_picker_crash_fails_as_envoy_is_configured(fail_open: bool, fakes: list[
                    if q.path.endswith("completions")) == 1
 
 
+@pytest.mark.parametrize("watch", ["inline", "observe"])
 def test_killed_engine_turns_go_to_the_fallback(fakes: list[FakeServer],
-                                                stacks: Callable[..., Stack]) -> None:
+                                                stacks: Callable[..., Stack], watch: str) -> None:
     fakes += [start_fake(), start_fake()]
     s = stacks(fakes, mode="override_host", fallbacks=1, policy="eager+kv-affinity",
-               health_interval_s=30.0)
+               health_interval_s=30.0, watch=watch)
     first = s.chat("victim")
     home = first.headers["x-turnstile-engine"]
     dead = next(f for f in fakes if ep(f) == home)
@@ -309,3 +313,20 @@ def test_other_stacks_session_keys_through_envoy(fakes: list[FakeServer],
             assert r.status_code == 200 and r.headers["x-session-id"] == sid
         # booked before the picker answers the last chunk, so before the client has it
         assert s.picker.picker.sessions[sid].turns == 2
+
+
+def test_engine_load_comes_from_their_metrics(fakes: list[FakeServer],
+                                              stacks: Callable[..., Stack]) -> None:
+    fakes += [start_fake(ttft_s=1.5), start_fake()]
+    s = stacks(fakes, stats_interval_s=0.1)
+    view = s.picker.picker.scheduler.view
+    busy, idle = ep(fakes[0]), ep(fakes[1])
+    # load the picker did not send: another client straight at the engine
+    t = threading.Thread(target=lambda: httpx.post(fakes[0].url + "/v1/chat/completions",
+                                                   json=chat_body(), timeout=10))
+    t.start()
+    # scraped from the engines' /metrics into the view the policies read, as serve does
+    wait_until(lambda: view[busy].running == 1 and view[idle].running == 0, 5)
+    assert view[busy].queue_len == 0
+    t.join()
+    wait_until(lambda: view[busy].running == 0, 5)

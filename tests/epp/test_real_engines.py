@@ -25,7 +25,7 @@ import pytest
 from turnstile.engines.llama_server import LlamaServerProcess
 from turnstile.engines.tiny_model import write_tiny_gguf
 from turnstile.epp.envoy import EnvoyProcess, envoy_config, free_port
-from turnstile.testing.epp import PickerThread, start_picker
+from turnstile.testing.epp import PickerProcess, PickerThread, start_picker
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -181,12 +181,11 @@ def test_holds_and_429s_reach_the_client(model: Path, tmp_path: Path, llama_serv
         def call(i: int) -> None:
             results.append(s.client.chat.completions.with_raw_response.create(
                 model="tiny", messages=[{"role": "user", "content": f"hold {i}"}],
-                max_tokens=200, extra_headers={"x-session-id": f"h{i}"}))
+                max_tokens=800, extra_headers={"x-session-id": f"h{i}"}))
 
         threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
         for t in threads:
-            t.start()
-            time.sleep(0.05)
+            t.start()  # each turn runs ~0.5 s (800 tokens): the other two wait for it
         deadline = time.monotonic() + 20
         while s.picker.picker.scheduler.held_turns < 2:
             assert time.monotonic() < deadline
@@ -201,7 +200,7 @@ def test_holds_and_429s_reach_the_client(model: Path, tmp_path: Path, llama_serv
         assert len(results) == 3
         holds = sorted(float(r.headers["x-turnstile-hold-ms"]) for r in results)
         assert holds[0] < holds[1] < holds[2] and holds[1] > 20  # each waited for the one before
-        assert all(r.parse().usage.completion_tokens == 200 for r in results)
+        assert all(r.parse().usage.completion_tokens == 800 for r in results)
     finally:
         for p in procs:
             p.stop()
@@ -209,39 +208,50 @@ def test_holds_and_429s_reach_the_client(model: Path, tmp_path: Path, llama_serv
 
 @pytest.mark.parametrize("fail_open", [True, False])
 def test_picker_crash_fails_as_configured(fail_open: bool, engines: list[LlamaServerProcess],
-                                          stacks: Callable[..., Stack]) -> None:
-    s = stacks(engines, mode="override_host", failure_mode_allow=fail_open, fallbacks=1,
-               policy="cvar+kv-affinity+ttl")
-    ok = s.client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "before the crash"}], max_tokens=4)
-    assert ok.usage is not None and ok.usage.completion_tokens == 4
-    port = s.picker.grpc_port
-    s.picker.stop(grace_s=0)
-    outcomes = []
-    for i in range(3):
-        try:
-            r = s.client.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": f"after {i}"}], max_tokens=4)
-            outcomes.append(r.usage.completion_tokens if r.usage else -1)
-        except openai.APIStatusError as e:
-            outcomes.append(-e.status_code)
-    if fail_open:
-        assert outcomes == [4, 4, 4]  # Envoy served them without the picker
-    else:
-        assert all(o <= -500 for o in outcomes)  # nothing passes without a decision
-    # a picker restarted on the same port takes over again
-    s.picker = start_picker([ep(p) for p in engines], grpc_port=port, fallbacks=1)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            r = s.client.chat.completions.with_raw_response.create(
-                model="tiny", messages=[{"role": "user", "content": "after the restart"}],
-                max_tokens=4)
-            break
-        except openai.APIStatusError:
+                                          envoy_binary: Path) -> None:
+    """The picker is its own process (``turnstile epp``), killed with SIGKILL."""
+    eps = [ep(p) for p in engines]
+    picker = PickerProcess(eps, policy="cvar+kv-affinity+ttl", extra=["--fallbacks", "1"])
+    env = EnvoyProcess(envoy_config(listen_port=free_port(), picker_port=picker.grpc_port,
+                                    mode="override_host", endpoints=eps,
+                                    failure_mode_allow=fail_open), binary=envoy_binary).start()
+    client = openai.OpenAI(base_url=env.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    try:
+        ok = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": "before the crash"}],
+            max_tokens=4)
+        assert ok.parse().usage.completion_tokens == 4 and "x-turnstile-engine" in ok.headers
+        picker.kill()
+        outcomes = []
+        for i in range(3):
+            try:
+                r = client.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": f"after {i}"}],
+                    max_tokens=4)
+                outcomes.append(r.usage.completion_tokens if r.usage else -1)
+            except openai.APIStatusError as e:
+                outcomes.append(-e.status_code)
+        if fail_open:
+            assert outcomes == [4, 4, 4]  # Envoy served them without the picker
+        else:
+            assert all(o <= -500 for o in outcomes)  # nothing passes without a decision
+        # a picker restarted on the same port takes over again
+        picker = PickerProcess(eps, grpc_port=picker.grpc_port, extra=["--fallbacks", "1"])
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                r = client.chat.completions.with_raw_response.create(
+                    model="tiny", messages=[{"role": "user", "content": "after the restart"}],
+                    max_tokens=4)
+                if "x-turnstile-engine" in r.headers:  # decided by the new picker
+                    break
+            except openai.APIStatusError:
+                pass
             assert time.monotonic() < deadline
             time.sleep(0.2)
-    assert "x-turnstile-engine" in r.headers  # decided by the new picker
+    finally:
+        env.stop()
+        picker.stop()
 
 
 def test_killed_engine_unstreamed_turns_go_elsewhere(model: Path, tmp_path: Path,
@@ -252,8 +262,10 @@ def test_killed_engine_unstreamed_turns_go_elsewhere(model: Path, tmp_path: Path
         s = stacks(procs, mode="override_host", fallbacks=1, policy="eager+kv-affinity",
                    health_interval_s=30.0)
         pk = s.picker.picker
-        first = {i: _agent(s, i, turns=1, max_tokens=4, stream=False, named=True)[0]
-                 for i in range(4)}
+        with ThreadPoolExecutor(4) as pool:  # at once, so that both engines get sessions
+            got = pool.map(lambda i: _agent(s, i, turns=1, max_tokens=64, stream=False,
+                                            named=True)[0], range(4))
+            first = dict(enumerate(got))
         homes = {t["engine"] for t in first.values()}
         assert len(homes) == 2, first
         victim = procs[0]

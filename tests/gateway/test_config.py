@@ -150,6 +150,9 @@ def test_vllm_engine_behind_the_gateway(gateways: Any) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
         "Hello there!"
     assert all(c.usage is None for c in chunks)  # our include_usage chunk stays with us
+    # the configuration check's one-token probe at start, then the two turns
+    assert sent[0] == {"model": model, "prompt": "turnstile probe", "max_tokens": 1}
+    sent = sent[1:]
     assert len(sent) == 2
     assert all(isinstance(b["priority"], int) for b in sent)
     assert sent[1]["stream_options"] == {"include_usage": True}

@@ -1,9 +1,9 @@
 """An engine that stops serving with turns in flight, on fake engines (fast; the real-engine
 versions are in test_vllm_real.py and test_real_engine.py).
 
-The dying engine keeps its connections open and answers its health check with 503, as vLLM
-does at times after SIGTERM: before the gateway dropped a dead engine's requests, every turn
-on it hung until the read timeout (600 s) although the engine was marked DOWN at once.
+The dying engine stops listening but keeps its connections open and silent, as vLLM does at
+times after SIGTERM: before the gateway dropped a dead engine's requests, every turn on it hung
+until the read timeout (600 s) although the engine was marked DOWN at once.
 """
 
 from __future__ import annotations
@@ -60,22 +60,23 @@ def _turn(url: str, name: str, *, stream: bool, engine: str, max_tokens: int,
 
 def test_dead_engine_turns_rerouted_or_ended_within_2s(
         fake_engines: Callable[..., FakeServer], gateways: Callable[..., GatewayServer]) -> None:
-    dying = fake_engines(ttft_s=1.0, tpot_s=0.02)
+    dying = fake_engines(ttft_s=2.0, tpot_s=0.02)
     healthy = fake_engines(tpot_s=0.001)
     gw = gateways([make_adapter(dying.url, "llama.cpp", engine_id="a"),
                    make_adapter(healthy.url, "llama.cpp", engine_id="b")],
                   policy="eager+hinted")
     out: dict[str, dict[str, Any]] = {}
-    streaming = threading.Event()
+    streaming = {"s1": threading.Event(), "s2": threading.Event()}
     threads = [threading.Thread(target=_turn, args=(gw.url, name),
                                 kwargs={"stream": name.startswith("s"), "engine": "a",
                                         "max_tokens": 200, "out": out,
-                                        "first_token": streaming})
+                                        "first_token": streaming.get(name)})
                for name in ("s1", "s2", "p1", "p2")]
     for t in threads:
         t.start()
-    assert streaming.wait(5), "the dying engine never streamed"
-    time.sleep(0.1)
+    for name in ("s1", "s2"):
+        assert streaming[name].wait(15), f"{name} never streamed"
+    dying.engine.stall = True  # it goes silent: connections stay open, nothing more is sent
     # two more turns that will not have streamed a token when the engine dies
     late = [threading.Thread(target=_turn, args=(gw.url, name),
                              kwargs={"stream": name.startswith("s"), "engine": "a",
@@ -83,11 +84,12 @@ def test_dead_engine_turns_rerouted_or_ended_within_2s(
             for name in ("s3", "p3")]
     for t in late:
         t.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 3
+    while dying.engine.in_flight < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert dying.engine.in_flight == 6
     died = time.monotonic()
-    dying.engine.stall = True  # connections stay open, nothing more is sent
-    dying.engine.healthy = False
+    dying.stop_listening()
     for t in threads + late:
         t.join(10)
     assert not any(t.is_alive() for t in threads + late), "a turn hung"
@@ -125,3 +127,32 @@ def test_engine_that_ends_a_stream_early_gives_an_error_event(
     r = out["s"]
     assert r["status"] == 200 and r["tokens"] == 5
     assert "failed mid-stream" in r["last"] and "without [DONE]" in r["last"], r
+
+
+@pytest.mark.parametrize("fail", ["abort", "abort_waiting"])
+def test_turns_vllm_aborted_are_rerouted(
+        fail: str, fake_engines: Callable[..., FakeServer],
+        gateways: Callable[..., GatewayServer]) -> None:
+    """vLLM finishes the requests it drops on SIGTERM as 200s: with finish_reason "abort" (a
+    stream: a role chunk, that finish, no [DONE]), or, for one that never ran, a stream of a
+    role chunk, a 0-token usage and [DONE]. Nothing of it reaches the client: the turn is
+    re-routed and runs to the end on the other engine, once."""
+    aborting = fake_engines(fail=fail)
+    healthy = fake_engines()
+    gw = gateways([make_adapter(aborting.url, "vllm", engine_id="a"),
+                   make_adapter(healthy.url, "vllm", engine_id="b")], policy="eager+hinted")
+    out: dict[str, dict[str, Any]] = {}
+    for name, stream in (("s", True), ("p", False)):
+        deadline = time.monotonic() + 5
+        while not gw.gateway.engine_up["a"]:  # an abort keeps it out until re-checked
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        _turn(gw.url, name, stream=stream, engine="a", max_tokens=12, out=out)
+        r = out[name]
+        assert r["status"] == 200 and r["engine"] == "b" and r["tokens"] == 12, r
+        if stream:
+            assert r["last"] == "data: [DONE]", r
+    def turns(e: FakeServer) -> list[str]:  # (the adapters' configuration probes aside)
+        return [q.body["messages"][0]["content"] for q in e.engine.requests if "messages" in q.body]
+
+    assert turns(aborting) == ["s", "p"] and turns(healthy) == ["s", "p"]

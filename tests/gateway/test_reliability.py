@@ -72,9 +72,10 @@ def test_max_inflight_bounds_requests_on_engines_too(fake_engines: Any, gateways
 # ----------------------------------------------------------------------------- one-turn
 def test_one_turn_requests_hold_nothing_past_their_turn_under_cvar(
         fake_engines: Any, gateways: Any) -> None:
-    """Requests with no tools and no earlier reply close their (derived) session with their
-    turn: under cvar, far more of them than the engine has slots are all answered, and nothing
-    (session, paused KV, slot) is left behind."""
+    """Requests with no tools and no earlier reply leave the scheduler with their turn: under
+    cvar, far more of them than the engine has slots are all answered, and nothing (open
+    workflow, paused KV, slot) is left behind. (Their sessions stay findable for a follow-up,
+    out of the scheduler, until the idle sweep.)"""
     eng = fake_engines(ttft_s=0.01, slots=4)
     gw = gateways([eng.url], policy="cvar+kv-affinity+ttl")
     rs = asyncio.run(_burst(gw.url, 60, lambda i: chat_body(f"question {i}", max_tokens=3),
@@ -82,9 +83,9 @@ def test_one_turn_requests_hold_nothing_past_their_turn_under_cvar(
     assert [r.status_code for r in rs] == [200] * 60
     g = gw.gateway
     deadline = time.monotonic() + 5
-    while g.sessions and time.monotonic() < deadline:
+    while g.scheduler.active_workflows and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not g.sessions
+    assert not any(s.in_scheduler for s in list(g.sessions.values()))
     assert g.scheduler.active_workflows == 0
     assert all(g.scheduler.view[e].paused_context_tokens == 0 for e in g.scheduler.view.ids)
 
@@ -99,12 +100,12 @@ def test_agent_turns_keep_their_session_and_a_follow_up_finds_a_closed_one(
         r = c.post("/v1/chat/completions", json=chat_body("agent task", tools=tools))
         agent = r.headers["x-session-id"]
         assert agent in gw.gateway.sessions
-        # a one-turn chat: closed at once, but its follow-up still finds the conversation
+        # a one-turn chat: out of the scheduler at once, but its follow-up continues it
         msgs = [{"role": "user", "content": "what is 2+2"}]
         r1 = c.post("/v1/chat/completions", json={"model": "tiny", "messages": msgs,
                                                   "max_tokens": 3})
         sid = r1.headers["x-session-id"]
-        assert sid not in gw.gateway.sessions
+        assert not gw.gateway.sessions[sid].in_scheduler
         reply = r1.json()["choices"][0]["message"]["content"]
         msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": "and 3+3"}]
         r2 = c.post("/v1/chat/completions", json={"model": "tiny", "messages": msgs,
@@ -206,6 +207,10 @@ def test_ready_turns_503_without_healthy_engines_or_state(fake_engines: Any, gat
         time.sleep(0.05)
     assert r.status_code == 503 and "no engine is healthy" in r.json()["reasons"]
     eng.engine.healthy = True
+    deadline = time.monotonic() + 10
+    while httpx.get(gw.url + "/ready").status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the engine is seen up again
+    assert httpx.get(gw.url + "/ready").status_code == 200
     gw.gateway.durable.backend.db.close()  # the state store fails
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

@@ -126,3 +126,23 @@ def test_engines_with_host_contention_cannot_join_a_run_that_leaps():
         sim.add_engines(contended, 1.0)
     assert sim.add_engines(EngineGroup(count=1, kv_tokens=100_000,
                                        perf=FittedPerf(0.01, 1e-4)), 1.0) == ["e1"]
+
+
+def test_the_pool_reports_each_engines_gpus_and_retirement():
+    """``tps``, ``retired_s``, ``gpus_in_use``: what the elastic pool reads of the engines."""
+    groups = [EngineGroup(gpu="H100", model="llama-3.1-8b", count=1),
+              EngineGroup(gpu="H100", model="llama-3.1-8b", tp=2, count=1)]
+    sim = ClusterSim([], PolicySet.from_spec("eager"), groups)
+    sim.submit([agent("a", 0.0, n_turns=2, tool_s=1.0)])
+    retired: list[tuple[str, int, float]] = []
+    sim.on_retire = lambda eid, tp, t: retired.append((eid, tp, t))
+    assert sim.tps == [1, 2] and sim.retired_s == [-1.0, -1.0] and sim.gpus_in_use() == 3
+    sim.run_until(0.5)
+    idle = next(e.engine_id for e in sim.engines if not e.has_work())
+    sim.drain([idle])  # an engine with no running turn retires at once
+    i = int(idle[1:])
+    assert sim.retired_s[i] == 0.5 and retired == [(idle, sim.tps[i], 0.5)]
+    assert sim.gpus_in_use() == 3 - sim.tps[i]
+    sim.run_until()
+    assert sim.scheduler.active_workflows == 0 and len(sim.finished) == 1
+    assert all(t.engine != idle for t in sim.finished[0].turns)  # nothing went to the drained

@@ -98,6 +98,13 @@ def test_a_log_without_timestamps_warns_that_tool_time_is_zero(tmp_path: Path) -
                                 "--engines", "1"])
     assert bench.exit_code == 0, bench.output
     assert "modelled as zero" in bench.output
+    # a converted workload file keeps the warning
+    out = tmp_path / "w.jsonl"
+    assert runner.invoke(app, ["traces", "convert", str(p), "-o", str(out)]).exit_code == 0
+    assert load_trace(out).warnings == lt.warnings
+    again = runner.invoke(app, ["bench", "--trace", str(out), "--workflows", "2",
+                                "--engines", "1"])
+    assert again.exit_code == 0 and "modelled as zero" in again.output
 
 
 def test_aiperf_multi_turn_mooncake_sessions(tmp_path: Path) -> None:

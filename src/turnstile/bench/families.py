@@ -192,6 +192,9 @@ FAMILIES: tuple[Family, ...] = (
            "resampled)", _trace("tests/fixtures/traces/mini_swe_agent", root="repo")),
     Family("swe-agent", "importer", "tune", "SWE-agent trajectory (test fixture, resampled)",
            _trace("tests/fixtures/traces/swe_agent_tiny.traj", root="repo")),
+    Family("litellm-log", "importer", "report", "LiteLLM request log grouped into sessions "
+           "(test fixture, resampled)",
+           _trace("tests/fixtures/traces/litellm_tiny.jsonl", root="repo")),
     # -- a generator nobody here wrote
     Family("aiperf-agentic-code", "generator", "report", "AIPerf 0.13.0 `synthesize agentic-code "
            "--num-sessions 60 --seed 42 --max-isl 120000` (the shipped file: ~62k-token "

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["flow_times_of", "plot_flow_cdf", "plot_load_sweep"]
+__all__ = ["flow_times_of", "plot_flow_cdf", "plot_load_sweep", "pyplot"]
 
 #: ``sweep[policy]`` = ``[(arrival rate, P95 flow time, mean flow time), ...]``
 SweepPoint = tuple[float, float | None, float | None]
@@ -26,8 +26,14 @@ def _title(title: str, simulated: bool) -> str:
     return title
 
 
-def _pyplot() -> Any:
-    import matplotlib
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, or an ImportError saying which extra to install
+    (matplotlib is the optional ``plots`` extra: a gateway install does not need it)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError("PNG plots need matplotlib: pip install 'turnstile[plots]' "
+                          "(report.html has the same figures without it)") from None
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
@@ -46,7 +52,7 @@ def _save(fig: Any, path: str | os.PathLike[str]) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return out
 
 
@@ -64,7 +70,7 @@ def plot_flow_cdf(
     from a run, not re-read from ``results.json``); policies without samples are listed in the
     legend as "(no data)". ``log_x`` defaults to a log axis when the samples span > 2 decades.
     """
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     lo, hi = np.inf, 0.0
     for i, result in enumerate(results):
@@ -105,7 +111,7 @@ def plot_load_sweep(
     log_y: bool = False,
 ) -> Path:
     """P95 (solid) and mean (dashed) vs load, one colour per policy. None values are skipped."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key().get("color", ["C0"])
     for i, (policy, points) in enumerate(sweep.items()):

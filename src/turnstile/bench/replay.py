@@ -75,6 +75,8 @@ class ReplaySpec:
     #: should see only the sessions (the calibration request is a session of its own: it is
     #: routed, and its KV retained, like any other)
     chars_per_token: float | None = None
+    #: add every workflow's and turn's samples to results.json (``--save-detailed``)
+    save_detailed: bool = False
 
 
 def load_workflows(spec: ReplaySpec) -> tuple[list[Workflow], dict[str, Any]]:
@@ -417,7 +419,16 @@ async def run_replay(spec: ReplaySpec, workflows: list[Workflow], trace_info: di
         "replay": {k: v for k, v in asdict(spec).items() if k != "api_key"},
         "target_health": health,
     }
-    path = write_results(out_dir, [result], config, trace_info, simulated=False)
+    if spec.save_detailed:
+        from turnstile.bench.detailed import DETAILED_KEY, detailed_samples
+
+        result[DETAILED_KEY] = detailed_samples(rep.records)
+    path = write_results(out_dir, [result], config, trace_info, simulated=False, kind="replay")
+    from turnstile.bench.html_report import write_html_report
+    from turnstile.bench.report import load_results
+
+    write_html_report(out_dir, load_results(path), policies=[result],
+                      title=f"turnstile replay against {spec.target}")
     flow = metrics["flow_time_s"]
     p95 = flow.get("p95")
     summary = (f"{label}: {metrics['workflows']} workflows, {metrics['turns']} turns done "

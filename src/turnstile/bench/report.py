@@ -43,6 +43,7 @@ __all__ = [
     "p95_ratio",
     "path_sha256",
     "render_table",
+    "results_header",
     "tree_sha256",
     "write_results",
 ]
@@ -130,7 +131,9 @@ def render_table(
     :data:`HARM_RATIO` is printed in red.
     """
     table = Table(title=title, header_style="bold")
-    table.add_column("policy", style="bold")
+    # the policy spec is never cut: the numeric columns' headers wrap instead
+    width = max((len(str(r.get("policy", ""))) for r in results), default=6)
+    table.add_column("policy", style="bold", no_wrap=True, min_width=width)
     for name in ("flow P50", "flow P95", "flow P99", "flow mean", "TTFT P95"):
         table.add_column(name, justify="right")
     table.add_column("hit rate", justify="right")
@@ -214,6 +217,13 @@ def _jsonable(obj: Any) -> Any:
     raise TypeError(f"{type(obj).__name__} is not JSON serializable")
 
 
+def results_header(kind: str, *, simulated: bool) -> dict[str, Any]:
+    """The header every ``results.json`` starts with (``bench``, ``replay``, ``rollout sim``):
+    schema, version, the turnstile that wrote it, what wrote it and whether it is simulated."""
+    return {"schema": RESULTS_SCHEMA, "version": RESULTS_VERSION, "turnstile_version": __version__,
+            "kind": kind, "simulated": simulated}
+
+
 def write_results(
     out_dir: str | os.PathLike[str],
     results: Sequence[Mapping[str, Any]],
@@ -221,6 +231,7 @@ def write_results(
     trace_info: Mapping[str, Any],
     *,
     simulated: bool = True,
+    kind: str = "bench",
 ) -> Path:
     """Write ``out_dir/results.json`` (see the module docstring) and return its path.
 
@@ -236,10 +247,7 @@ def write_results(
         if "sha256" not in trace and os.path.exists(trace_path):
             trace["sha256"] = path_sha256(trace_path)
     doc = {
-        "schema": RESULTS_SCHEMA,
-        "version": RESULTS_VERSION,
-        "turnstile_version": __version__,
-        "simulated": simulated,
+        **results_header(kind, simulated=simulated),
         "config": public_metrics(config),
         "trace": public_metrics(trace),
         "policies": [public_metrics(r) for r in results],

@@ -19,7 +19,7 @@ import numpy as np
 from turnstile.sim.cluster import EngineGroup, run_sim
 from turnstile.sim.roofline_perf import RooflinePerf, load_gpu, load_model
 from turnstile.workload import synth
-from turnstile.workload.model import Workflow
+from turnstile.workload.model import Workflow, check_turn_sizes
 
 LOAD_LEVELS = {"light": 0.3, "medium": 0.7, "high": 1.2, "overload": 2.0}
 
@@ -111,6 +111,7 @@ def build_workload(
     spec: WorkloadSpec, groups: Sequence[EngineGroup]
 ) -> tuple[list[Workflow], dict[str, Any]]:
     base, info = load_base_workflows(spec)
+    check_turn_sizes(base, spec.trace)
     if spec.arrivals == "trace":
         wfs = sorted(base, key=lambda w: w.arrival_s)[: spec.workflows]
         info.update(arrivals="trace", rate=None, used=workflows_used(len(wfs), len(base), True))
@@ -157,8 +158,12 @@ def run_bench(
     hash_block_tokens: int = 0,
     on_policy_start: Callable[[str], None] | None = None,
     on_progress: Callable[[int], None] | None = None,
+    detailed: bool = False,
 ) -> list[dict[str, Any]]:
-    """Run each policy spec on the same workflows; one result dict per policy."""
+    """Run each policy spec on the same workflows; one result dict per policy.
+
+    ``detailed``: add every workflow's and turn's samples (``--save-detailed``,
+    :mod:`turnstile.bench.detailed`)."""
     from turnstile.bench.metrics import compute_metrics
 
     gpu = load_gpu(groups[0].gpu)
@@ -187,6 +192,10 @@ def run_bench(
                     "iterations_per_s": res.iterations / max(res.wall_s, 1e-9)},
             "engines": res.engine_stats,
         })
+        if detailed:
+            from turnstile.bench.detailed import DETAILED_KEY, detailed_samples
+
+            results[-1][DETAILED_KEY] = detailed_samples(res.workflows)
     return results
 
 

@@ -27,11 +27,11 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from turnstile.bench.families import FAMILIES, get_family
+from turnstile.bench.suite_backends import make_backend
 from turnstile.sim.engine_group import EngineGroup
 
 __all__ = [
@@ -50,12 +50,15 @@ SATURATION_QUEUE_SHARE = 0.10
 
 
 def default_policy_spec() -> str:
-    """The release policy ``bench``, ``serve`` and ``make demo`` use when none is named: the
-    policies package's ``DEFAULT_SPEC`` when it declares one, else ``eager``."""
+    """The policy ``bench``, ``serve`` and ``make demo`` use when none is named: the policies
+    package's ``DEFAULT_SPEC`` when it declares one, else its default release policy
+    (``DEFAULTS["release"]``; the other kinds take their defaults in a spec anyway)."""
     from turnstile import policies
 
     spec = getattr(policies, "DEFAULT_SPEC", None)
-    return spec if isinstance(spec, str) and spec else "eager"
+    if isinstance(spec, str) and spec:
+        return spec
+    return str(policies.DEFAULTS.get("release") or "eager")
 
 
 @dataclass(frozen=True)
@@ -297,65 +300,6 @@ def find_saturation(task: dict[str, Any]) -> dict[str, Any]:
             "search_wall_s": time.perf_counter() - t0}
 
 
-# ----------------------------------------------------------------------------- backends
-class _LocalBackend:
-    def __init__(self, workers: int) -> None:
-        self.pool = ProcessPoolExecutor(max_workers=workers)
-        self.name = f"local processes ({workers})"
-
-    def submit(self, fn: Callable[[dict[str, Any]], dict[str, Any]], arg: dict[str, Any]) -> Any:
-        return self.pool.submit(fn, arg)
-
-    def wait_any(self, pending: set[Any]) -> tuple[set[Any], set[Any]]:
-        done, rest = wait(pending, return_when=FIRST_COMPLETED)
-        return set(done), set(rest)
-
-    @staticmethod
-    def result(handle: Future[dict[str, Any]]) -> dict[str, Any]:
-        return handle.result()
-
-    def close(self) -> None:
-        self.pool.shutdown(cancel_futures=True)
-
-
-class _RayBackend:
-    def __init__(self, address: str) -> None:
-        try:
-            import ray
-        except ImportError:
-            raise RuntimeError("--ray needs Ray: pip install 'turnstile[ray]'") from None
-        self.ray = ray
-        if not ray.is_initialized():
-            if address == "local":
-                ray.init(include_dashboard=False, log_to_driver=False)
-            else:
-                ray.init(address=address, include_dashboard=False, log_to_driver=False)
-        self._fns: dict[Any, Any] = {}
-        self.name = f"ray ({address}, {int(ray.cluster_resources().get('CPU', 0))} CPUs)"
-
-    def submit(self, fn: Callable[[dict[str, Any]], dict[str, Any]], arg: dict[str, Any]) -> Any:
-        remote = self._fns.get(fn)
-        if remote is None:
-            remote = self._fns[fn] = self.ray.remote(num_cpus=1)(fn)
-        return remote.remote(arg)
-
-    def wait_any(self, pending: set[Any]) -> tuple[set[Any], set[Any]]:
-        done, rest = self.ray.wait(list(pending), num_returns=1)
-        return set(done), set(rest)
-
-    def result(self, handle: Any) -> dict[str, Any]:
-        return self.ray.get(handle)
-
-    def close(self) -> None:
-        pass
-
-
-def _backend(ray: str | None, workers: int | None) -> _LocalBackend | _RayBackend:
-    if ray:
-        return _RayBackend(ray)
-    return _LocalBackend(workers or max(1, os.cpu_count() or 1))
-
-
 # --------------------------------------------------------------------------------- driver
 def run_suite(config: SuiteConfig, *, ray: str | None = None, workers: int | None = None,
               on_progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
@@ -372,7 +316,7 @@ def run_suite(config: SuiteConfig, *, ray: str | None = None, workers: int | Non
         except FileNotFoundError as e:
             skipped.append({"family": fam, "cluster": cl, "why": str(e)})
     total = len(available) * (1 + len(config.loads) * len(config.policies))
-    backend = _backend(ray, workers)
+    backend = make_backend(ray, workers)
     t0 = time.perf_counter()
     searches: list[dict[str, Any]] = []
     runs: list[dict[str, Any]] = []

@@ -456,11 +456,9 @@ def render_table(rows: Sequence[Mapping[str, Any]], baseline: str = "eager") -> 
 def plot_ab(rows: Sequence[Mapping[str, Any]], path: str | Path, title: str) -> Path:
     """P95 flow time vs offered load per policy: measured (solid, seed range shaded) and
     predicted (dashed); right: the prefix hit rate the engines reported."""
-    import matplotlib
+    from turnstile.bench.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     policies = list(dict.fromkeys(r["policy"] for r in rows if not r["policy"].endswith(RERUN)))
     for i, pol in enumerate(policies):

@@ -98,9 +98,14 @@ def profile_cmd(
 ) -> None:
     """Measure a real engine's step times through its HTTP API and fit the simulator's
     performance model to them (a profile for turnstile bench --profile)."""
+    from turnstile.bench.usage import check_out_file
     from turnstile.calibrate.client import EngineRequestError
     from turnstile.calibrate.profile import profile_engine
 
+    try:
+        check_out_file(out)
+    except ValueError as e:
+        raise _fail(str(e)) from None
     with _progress() as bar:
         task = bar.add_task("profile", total=None)
         try:
@@ -205,6 +210,7 @@ def fidelity_cmd(
 ) -> None:
     """Replay a scaled AgentCgroup slice on real engines and in the simulator (same sessions,
     same arrivals, same engine per session) and report the simulator's relative error."""
+    from turnstile.bench.usage import check_out_dir
     from turnstile.calibrate.client import discover
     from turnstile.calibrate.fidelity import (
         SimEngineSpec,
@@ -221,6 +227,11 @@ def fidelity_cmd(
     from turnstile.traces import load_trace
 
     try:
+        check_out_dir(out)
+        if not profile.is_file():
+            raise ValueError(f"--profile {profile}: no such file")
+        if not trace.exists():
+            raise ValueError(f"--trace {trace}: no such file or folder")
         perf = FittedPerf.from_profile(profile)
         info = discover(target[0])
         rate_list = [float(r) for r in rates.split(",") if r.strip()]

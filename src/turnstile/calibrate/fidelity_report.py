@@ -147,11 +147,9 @@ def plot_scatter(
 ) -> Path:
     """Predicted vs measured, one panel per metric, log-log: the first model one series per
     rate, every other model (the roofline, the real rerun) one series."""
-    import matplotlib
+    from turnstile.bench.plots import pyplot
 
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     metrics = (("ttft", "TTFT per turn (s)"), ("e2e", "E2E per turn (s)"),
                ("flow", "workflow flow time (s)"))
     fig, axes = plt.subplots(1, 3, figsize=(15, 5))

@@ -21,6 +21,7 @@ import shlex
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -37,6 +38,7 @@ __all__ = [
     "VllmServerProcess",
     "find_vllm_python",
     "require_vllm_python",
+    "start_all",
 ]
 
 ENV_VAR = "TURNSTILE_VLLM_PYTHON"
@@ -99,6 +101,11 @@ class VllmServerProcess:
     [--enable-prompt-tokens-details] *extra_args``; ``start`` returns once ``GET /health``
     answers 200 (30-50 s on a CPU). ``priority=False`` / ``prompt_tokens_details=False`` start
     it without those features (what the adapter's configuration check must notice).
+    ``kv_cache_gib``: ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB); ``cpus``: the CPUs its compute
+    threads are bound to (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"`` or ``"0-3"``; default:
+    vLLM's choice, which puts every engine on the same first core); ``dev_mode``:
+    ``VLLM_SERVER_DEV_MODE=1``, which serves ``/server_info`` (the adapter's configuration
+    check reads the scheduling policy there) and other development endpoints — loopback only.
     """
 
     HOST = "127.0.0.1"
@@ -113,8 +120,9 @@ class VllmServerProcess:
         max_num_seqs: int = 8,
         priority: bool = True,
         prompt_tokens_details: bool = True,
-        kv_cache_gib: float = 1.0,
-        threads: int | None = None,
+        kv_cache_gib: int = 1,
+        cpus: str | None = None,
+        dev_mode: bool = True,
         extra_args: Sequence[str] = (),
         python: str | os.PathLike[str] | None = None,
         alias: str = "tiny",
@@ -128,7 +136,8 @@ class VllmServerProcess:
         self.priority = priority
         self.prompt_tokens_details = prompt_tokens_details
         self.kv_cache_gib = kv_cache_gib
-        self.threads = threads
+        self.cpus = cpus
+        self.dev_mode = dev_mode
         self.extra_args = tuple(extra_args)
         self.python = Path(python) if python is not None else None
         self.alias = alias
@@ -172,9 +181,11 @@ class VllmServerProcess:
         return cmd + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:
-        env = {**os.environ, **BASE_ENV, "VLLM_CPU_KVCACHE_SPACE": f"{self.kv_cache_gib:g}"}
-        if self.threads is not None:
-            env["OMP_NUM_THREADS"] = str(self.threads)
+        env = {**os.environ, **BASE_ENV, "VLLM_CPU_KVCACHE_SPACE": str(int(self.kv_cache_gib))}
+        if self.cpus is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpus
+        if self.dev_mode:
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         return env
 
     def start(self) -> VllmServerProcess:
@@ -277,11 +288,35 @@ class VllmServerProcess:
         return "address already in use" in tail
 
 
+def start_all(servers: Sequence[VllmServerProcess]) -> list[VllmServerProcess]:
+    """Start several servers at once (each takes 30-50 s, mostly imports); where one fails,
+    stop them all and raise its error."""
+    errors: list[BaseException] = []
+
+    def start(server: VllmServerProcess) -> None:
+        try:
+            server.start()
+        except BaseException as e:  # re-raised below, in the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=start, args=(s,), daemon=True) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for s in servers:
+            s.stop()
+        raise errors[0]
+    return list(servers)
+
+
 def _end_group(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
     """SIGTERM the process group ``proc`` leads, then SIGKILL what is left after
-    ``timeout_s`` (the engine-core child included, even when the leader is already gone)."""
+    ``timeout_s`` (the engine-core child included); at once where the leader is already gone
+    (killed: what it left behind has no one to shut it down cleanly)."""
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM if proc.poll() is None else signal.SIGKILL)
     except ProcessLookupError:
         return
     deadline = time.monotonic() + timeout_s

@@ -25,7 +25,9 @@ def epp(
     engine_kind: Annotated[str, typer.Option(help="llama.cpp, vllm, sglang or openai")]
     = "llama.cpp",
     config: Annotated[Path | None, typer.Option(help="Gateway TOML file for the scheduling "
-                                                "settings ([gateway], [policy])")] = None,
+                                                "settings: its gateway and policy tables (its "
+                                                "engines are ignored: endpoints come from the "
+                                                "flags)")] = None,
     policy: Annotated[str | None, typer.Option(help="Policy spec, e.g. cvar+kv-affinity+ttl")]
     = None,
     host: Annotated[str, typer.Option(help="Bind address")] = "127.0.0.1",
@@ -35,6 +37,10 @@ def epp(
     max_held: Annotated[int | None, typer.Option(help="Held + queued turns before 429")] = None,
     fallbacks: Annotated[int, typer.Option(help="Fallback endpoints listed after the picked "
                                            "one (0 for an ORIGINAL_DST cluster)")] = 0,
+    watch: Annotated[str, typer.Option(help="How responses reach the picker: inline (the "
+                                       "routing filter) or observe (a second, observability-"
+                                       "mode ext_proc filter); as the Envoy config says")]
+    = "inline",
     pool_name: Annotated[str, typer.Option(help="The InferencePool this picker serves")] = "",
     record: Annotated[Path | None, typer.Option(help="Append every finished session to this "
                                                 "workload .jsonl")] = None,
@@ -60,7 +66,9 @@ def epp(
                         endpoints=list(endpoint or []),
                         endpoints_file=str(endpoints_file) if endpoints_file else None,
                         engine_kind=engine_kind, pool_name=pool_name,
-                        fallbacks=fallbacks)
+                        fallbacks=fallbacks, watch=watch)
+        if watch not in ("inline", "observe"):
+            raise ValueError(f"--watch {watch!r}: expected inline or observe")
         if not cfg.endpoints and not cfg.endpoints_file:
             raise ValueError("give --endpoint IP:PORT (repeat) or --endpoints-file")
         from turnstile.gateway.config import build_policies

@@ -56,12 +56,14 @@ def envoy_config(*, listen_port: int, picker_host: str = "127.0.0.1", picker_por
                  mode: str = "original_dst", endpoints: list[str] | None = None,
                  failure_mode_allow: bool = False, message_timeout_s: float = 600.0,
                  num_retries: int = 2, host: str = "127.0.0.1", admin_port: int | None = None,
-                 max_request_bytes: int = 16 * 1024 * 1024, picker: bool = True
-                 ) -> dict[str, Any]:
+                 max_request_bytes: int = 16 * 1024 * 1024, picker: bool = True,
+                 watch: str = "inline") -> dict[str, Any]:
     """An Envoy v3 bootstrap: one listener on ``host:listen_port``, the ext_proc filter pointing
     at the picker, and the pool cluster in ``mode`` (see the module docstring). ``picker=False``:
     the same Envoy without the ext_proc filter (the baseline of the overhead benchmark; needs
     ``override_host`` mode, whose fallback balancing then picks every endpoint)."""
+    if watch not in ("inline", "observe"):
+        raise ValueError(f"watch {watch!r}: expected inline or observe")
     if not picker and mode != "override_host":
         raise ValueError("without the picker only override_host mode has a destination")
     if mode not in ("original_dst", "override_host"):
@@ -86,6 +88,25 @@ def envoy_config(*, listen_port: int, picker_host: str = "127.0.0.1", picker_por
             "response_trailer_mode": "SKIP",
         },
     }
+    watcher = None
+    echo: list[tuple[str, str]] = []
+    if watch == "observe":
+        # the routing filter answers request headers and body only; a second filter in
+        # observability mode reports the response without holding it (no round trip on the
+        # response path), naming the request by the header the picker set
+        ext_proc["processing_mode"] = {**ext_proc["processing_mode"],
+                                       "response_header_mode": "SKIP",
+                                       "response_body_mode": "NONE"}
+        watcher = {**ext_proc, "failure_mode_allow": True, "observability_mode": True,
+                   "processing_mode": {"request_header_mode": "SEND",
+                                       "response_header_mode": "SEND",
+                                       "request_body_mode": "NONE",
+                                       "response_body_mode": "STREAMED",
+                                       "request_trailer_mode": "SKIP",
+                                       "response_trailer_mode": "SKIP"}}
+        echo = [("x-session-id", "x-turnstile-session-id"),
+                ("x-turnstile-engine", "x-turnstile-engine"),
+                ("x-turnstile-hold-ms", "x-turnstile-hold-ms")]
     hcm = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager"
                  ".v3.HttpConnectionManager",
@@ -102,10 +123,17 @@ def envoy_config(*, listen_port: int, picker_host: str = "127.0.0.1", picker_por
         "http_filters": [
             *([{"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc}] if picker
               else []),
+            *([{"name": "turnstile.watch", "typed_config": watcher}] if picker and watcher
+              else []),
             {"name": "envoy.filters.http.router", "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
         ],
     }
+    if echo:  # what the picker told the request, told the client
+        vhost = hcm["route_config"]["virtual_hosts"][0]  # type: ignore[index]
+        vhost["response_headers_to_add"] += [
+            {"header": {"key": k, "value": f"%REQ({v})%"},
+             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"} for k, v in echo]
     pool: dict[str, Any] = {"name": "pool", "connect_timeout": "1s"}
     if mode == "original_dst":
         pool.update({"type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",

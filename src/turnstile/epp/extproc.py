@@ -48,6 +48,9 @@ DEST_HEADER = "x-gateway-destination-endpoint"
 SUBSET_HEADER = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+#: names a routed request to the observing filter (``watch=observe``)
+REQUEST_ID_HEADER = b"x-turnstile-request-id"
+WATCH_GRACE_S = 10.0
 
 
 def _headers(msg: pb.HttpHeaders) -> list[tuple[bytes, bytes]]:
@@ -89,6 +92,17 @@ def _status_of(headers: list[tuple[bytes, bytes]]) -> tuple[int, str | None]:
     return status, served
 
 
+def _served_metadata(req: pb.ProcessingRequest) -> str | None:
+    """The endpoint that served, as the protocol has the data plane say it: the
+    ``x-gateway-destination-endpoint-served`` entry of the ``envoy.lb`` metadata."""
+    md = req.metadata_context.filter_metadata
+    if LB_NAMESPACE in md:
+        v = md[LB_NAMESPACE].fields.get(SERVED_HEADER)
+        if v is not None and v.string_value:
+            return v.string_value.strip()
+    return None
+
+
 def immediate(status: int, message: str, type_: str, code: str | None = None,
               headers: list[tuple[bytes, bytes]] | None = None) -> pb.ProcessingResponse:
     """An answer to the client from the picker itself (429, 503, 400, 404)."""
@@ -99,10 +113,11 @@ def immediate(status: int, message: str, type_: str, code: str | None = None,
         body=error_body(message, type_, code), details=f"turnstile_epp_{status}"))
 
 
-def routed(dest: str, *, body: bytes | None = None, phase: str = "request_body"
-           ) -> pb.ProcessingResponse:
-    """Continue to ``dest`` (``ip:port[,fallback…]``): the header and the envoy.lb metadata."""
-    sets = [_header(DEST_HEADER, dest)]
+def routed(dest: str, *, body: bytes | None = None, phase: str = "request_body",
+           extra: list[tuple[str, str]] = ()) -> pb.ProcessingResponse:
+    """Continue to ``dest`` (``ip:port[,fallback…]``): the header and the envoy.lb metadata
+    (``extra``: more request headers to set)."""
+    sets = [_header(DEST_HEADER, dest), *(_header(k, v) for k, v in extra)]
     common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=sets))
     if body is not None:
         common.body_mutation.body = body
@@ -125,9 +140,13 @@ _CONTINUE_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
 class ExtProc(pb_grpc.ExternalProcessorServicer):
     """``envoy.service.ext_proc.v3.ExternalProcessor`` over a :class:`Picker`."""
 
-    def __init__(self, picker: Picker, metrics: Any = None) -> None:
+    def __init__(self, picker: Picker, metrics: Any = None, *, observe: bool = False) -> None:
         self.picker = picker
         self.metrics = metrics
+        #: the response is reported by a second, observability-mode filter (``watch=observe``)
+        #: that names the request with ``x-turnstile-request-id``; the routing filter's stream
+        #: ends after its answer
+        self.observe = observe
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ProcessingResponse]:
@@ -143,11 +162,17 @@ class ExtProc(pb_grpc.ExternalProcessorServicer):
                 kind = req.WhichOneof("request")
                 if kind == "request_headers":
                     headers = _headers(req.request_headers)
+                    watched = None
                     for k, v in headers:
                         if k == b":method":
                             method = v.decode("latin-1")
                         elif k == b":path":
                             path = v.decode("latin-1")
+                        elif k == REQUEST_ID_HEADER:
+                            watched = v.decode("latin-1")
+                    if watched is not None:  # the observing filter's stream: no answers
+                        await self._watch(watched, request_iterator)
+                        return
                     subset = _subset(req, headers)
                     scheduled = is_scheduled(method, path)
                     if not scheduled or req.request_headers.end_of_stream:
@@ -161,6 +186,8 @@ class ExtProc(pb_grpc.ExternalProcessorServicer):
                         yield _CONTINUE_BODY
                         continue
                     assert ident is not None
+                    if subset is None:  # the hint may come with the body's message
+                        subset = _subset(req, [])
                     t0 = time.perf_counter()
                     ex, answer = await self._route(ident, path.split("?", 1)[0],
                                                    req.request_body.body, subset)
@@ -173,7 +200,8 @@ class ExtProc(pb_grpc.ExternalProcessorServicer):
                     if ex is None:
                         yield _CONTINUE_RESP_HEADERS
                         continue
-                    ex.response_headers(*_status_of(_headers(req.response_headers)))
+                    status, served = _status_of(_headers(req.response_headers))
+                    ex.response_headers(status, _served_metadata(req) or served)
                     if req.response_headers.end_of_stream:
                         ex.response_body(b"", True, self.picker)
                         complete = True
@@ -184,6 +212,8 @@ class ExtProc(pb_grpc.ExternalProcessorServicer):
                         ex.response_body(b.body, b.end_of_stream, self.picker)
                         complete = complete or b.end_of_stream
                     yield _CONTINUE_RESP_BODY
+                    if complete:  # nothing more to decide: close the stream now
+                        return
                 elif kind == "request_trailers":
                     yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                 elif kind == "response_trailers":
@@ -233,10 +263,52 @@ class ExtProc(pb_grpc.ExternalProcessorServicer):
             return None, immediate(500, f"picker error: {exc}", "server_error")
         r = ex.route.result()
         dest = ",".join([r.endpoint, *r.fallbacks])
-        return ex, routed(dest, body=r.body)
+        extra: list[tuple[str, str]] = []
+        p = ex.pending
+        if self.observe and p is not None:
+            rec = p.rec
+            hold_ms = 0.0 if rec is None else max(rec.released_s - rec.ready_s, 0.0) * 1e3
+            extra = [(REQUEST_ID_HEADER.decode(), ex.request_id),
+                     ("x-turnstile-session-id", p.session.id),
+                     ("x-turnstile-engine", r.engine),
+                     ("x-turnstile-hold-ms", f"{hold_ms:.3f}")]
+        return ex, routed(dest, body=r.body, extra=extra)
+
+    async def _watch(self, request_id: str, requests: AsyncIterator[pb.ProcessingRequest]
+                     ) -> None:
+        """The observing filter's stream of one routed request: its response events."""
+        ex = self.picker.routes.exchanges.get(request_id)
+        if ex is not None:
+            ex.watched = True
+        complete = False
+        try:
+            async for req in requests:
+                if ex is None:
+                    continue
+                kind = req.WhichOneof("request")
+                if kind == "response_headers":
+                    status, served = _status_of(_headers(req.response_headers))
+                    ex.response_headers(status, _served_metadata(req) or served)
+                    if req.response_headers.end_of_stream:
+                        ex.response_body(b"", True, self.picker)
+                        complete = True
+                elif kind == "response_body":
+                    b = req.response_body
+                    ex.response_body(b.body, b.end_of_stream, self.picker)
+                    complete = complete or b.end_of_stream
+                if complete:  # close the stream now, not after Envoy's deferred close
+                    return
+        finally:
+            if ex is not None:
+                ex.finish(complete)
 
     async def _close(self, ex: Exchange, complete: bool) -> None:
         """The stream is over: a response that never completed is a client that went away."""
+        if self.observe and ex.route.done() and not complete:
+            # the observing filter reports the response; should it never come (a config
+            # without it), the turn is closed after WATCH_GRACE_S as answered
+            asyncio.get_running_loop().call_later(WATCH_GRACE_S, _unwatched, ex)
+            return
         ex.finish(complete)
         task = ex.task
         if task is None:
@@ -258,6 +330,13 @@ def _response_headers(ex: Exchange) -> pb.ProcessingResponse:
             _header("x-turnstile-hold-ms", f"{hold_ms:.3f}")]
     return pb.ProcessingResponse(response_headers=pb.HeadersResponse(
         response=pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=sets))))
+
+
+def _unwatched(ex: Exchange) -> None:
+    if not ex.watched and not ex.done.done():
+        log.warning("no response report for request %s (is the observing ext_proc filter "
+                    "configured?): closed as answered", ex.request_id)
+        ex.finish(True)
 
 
 def _error(e: GatewayError) -> pb.ProcessingResponse:

@@ -37,9 +37,10 @@ from typing import Any
 
 import httpx
 
-from turnstile.core.state import TurnState
+from turnstile.core.state import TurnState, set_kv_slots
 from turnstile.gateway.adapters import EngineAdapter, ForwardHints, make_adapter, split_sse
 from turnstile.gateway.config import GatewayConfig
+from turnstile.gateway.health import EngineState
 from turnstile.gateway.identity import Identity
 from turnstile.gateway.protocol import (
     CHAT_PATH,
@@ -52,6 +53,7 @@ from turnstile.gateway.protocol import (
 )
 from turnstile.gateway.service import Gateway
 from turnstile.gateway.sessions import PendingTurn
+from turnstile.gateway.signals import engine_loads
 from turnstile.policies import PolicySet
 from turnstile.workload.model import Turn
 
@@ -96,6 +98,8 @@ class Exchange:
     pending: PendingTurn | None = None
     #: the relay's end of the turn, run synchronously when the response is over
     on_over: Callable[[bool], None] | None = None
+    #: an observing filter reports this request's response (``watch=observe``)
+    watched: bool = False
     status: int = 0
     served: str | None = None
     usage: dict[str, Any] | None = None
@@ -244,7 +248,7 @@ class RouteRelay:
             raise
         body = adapter.prepare(p.body, hints)
         raw = None if body is p.body or body == p.body else json.dumps(body).encode()
-        ex.route.set_result(Route(p.engine, endpoint_of(adapter),
+        ex.route.set_result(Route(p.engine, pk.endpoint[p.engine],
                                   pk.fallbacks(p.engine, ex.subset), raw))
         outcome: list[Outcome] = []
 
@@ -314,7 +318,9 @@ class Picker(Gateway):
         self.allowed: dict[str, set[str]] = {}
         self.scheduler.routing = SubsetRouting(self.scheduler.routing, self.allowed)
         self._rr = 0
-        self.by_endpoint = {endpoint_of(a): a.id for a in self.adapters.values()}
+        #: engine id → its ``ip:port`` (parsed once: this is on every request's path)
+        self.endpoint = {a.id: endpoint_of(a) for a in self.adapters.values()}
+        self.by_endpoint = {ep: eid for eid, ep in self.endpoint.items()}
         self.removed: set[str] = set()
 
     # ---------------------------------------------------------------- endpoints
@@ -322,18 +328,14 @@ class Picker(Gateway):
         return self.by_endpoint.get(endpoint.strip())
 
     def ready_endpoints(self, subset: set[str] | None = None) -> list[str]:
-        out = []
-        for eid, a in self.adapters.items():
-            ep = endpoint_of(a)
-            if self.health.up(eid) and eid not in self.removed and (subset is None
-                                                                     or ep in subset):
-                out.append(ep)
-        return out
+        up = self.health.engines
+        return [ep for eid, ep in self.endpoint.items()
+                if up[eid].up and eid not in self.removed and (subset is None or ep in subset)]
 
     def fallbacks(self, engine: str, subset: set[str] | None) -> list[str]:
         if self.max_fallbacks <= 0:
             return []
-        primary = endpoint_of(self.adapters[engine])
+        primary = self.endpoint[engine]
         return [ep for ep in self.ready_endpoints(subset) if ep != primary][:self.max_fallbacks]
 
     def any_endpoint(self, subset: set[str] | None) -> str | None:
@@ -367,12 +369,10 @@ class Picker(Gateway):
                 log.warning("endpoint %s left the pool", ep)
 
     async def add_engine(self, a: EngineAdapter) -> None:
-        from turnstile.core.state import set_kv_slots
-        from turnstile.gateway.health import EngineState
-        from turnstile.gateway.signals import engine_loads
-
+        """A new endpoint joins: its adapter, health state and the scheduler's view."""
         self.adapters[a.id] = a
-        self.by_endpoint[endpoint_of(a)] = a.id
+        self.endpoint[a.id] = endpoint_of(a)
+        self.by_endpoint[self.endpoint[a.id]] = a.id
         self.health.engines[a.id] = EngineState(up=False)
         if type(a).retain is not EngineAdapter.retain:
             self.driver._retainers.add(a.id)
@@ -383,7 +383,7 @@ class Picker(Gateway):
         if slots:
             set_kv_slots(self.scheduler.view[a.id], len(slots))
         self.health.set_health(a.id, bool(await a.health()))
-        log.warning("endpoint %s joined the pool", endpoint_of(a))
+        log.warning("endpoint %s joined the pool", self.endpoint[a.id])
 
     # ---------------------------------------------------------------- requests
     def submit(self, ident: Identity, path: str, body: dict[str, Any],
@@ -392,11 +392,9 @@ class Picker(Gateway):
         rid = uuid.uuid4().hex
         stream = body.get("stream", False) is True
         ex = Exchange(rid, path, stream, subset)
-        if subset is not None and not self.ready_endpoints(subset):
-            raise GatewayError(503, "no ready endpoint in the requested subset",
-                               type_="upstream_error", code="no_endpoint")
-        if not self.ready_endpoints():
-            raise GatewayError(503, "no ready endpoint", type_="upstream_error",
+        if not self.ready_endpoints(subset):
+            where = "" if subset is None else " in the requested subset"
+            raise GatewayError(503, f"no ready endpoint{where}", type_="upstream_error",
                                code="no_endpoint")
         self.check_model(body)
         recorder = self.recorder

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import httpx
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
@@ -27,7 +28,7 @@ from prometheus_client import Counter, Histogram
 from turnstile.epp.extproc import ExtProc
 from turnstile.epp.picker import Picker
 from turnstile.gateway.adapters import make_adapter
-from turnstile.gateway.config import GatewayConfig
+from turnstile.gateway.config import EngineConfig, GatewayConfig
 
 __all__ = ["EppConfig", "EppMetrics", "EppServer", "read_endpoints_file"]
 
@@ -57,6 +58,10 @@ class EppConfig:
     #: fallback endpoints after the picked one (0 for Envoy's ORIGINAL_DST cluster, which
     #: reads a single address; >0 for the override_host policy, which retries down the list)
     fallbacks: int = 0
+    #: how the response reaches the picker: ``inline`` (the routing filter's own stream) or
+    #: ``observe`` (a second ext_proc filter in observability mode: no round trip on the
+    #: response path); must match the Envoy config (:func:`turnstile.epp.envoy.envoy_config`)
+    watch: str = "inline"
     #: the InferencePool this picker serves (Kubernetes; informational)
     pool_name: str = ""
 
@@ -110,9 +115,15 @@ class EppServer:
         if not eps:
             raise ValueError("the picker needs endpoints (--endpoint IP:PORT or --endpoints-file)")
         gcfg = cfg.gateway
-        adapters = [make_adapter(f"http://{ep}", cfg.engine_kind,
-                                 connect_timeout_s=gcfg.connect_timeout_s,
-                                 read_timeout_s=gcfg.read_timeout_s) for ep in eps]
+        # an endpoint the gateway config lists as an engine takes its kind and options from
+        # there (``slots``, ``kv_tokens`` for cvar's KV gate, ``weight``, ``tp``/``bucket``)
+        known = {httpx.URL(e.url).netloc.decode(): e for e in gcfg.engines}
+        engines = [known.get(ep) or EngineConfig(f"http://{ep}", cfg.engine_kind) for ep in eps]
+        gcfg.engines = engines
+        adapters = [make_adapter(f"http://{ep}", e.kind, api_key=e.api_key, weight=e.weight,
+                                 options=e.options, connect_timeout_s=gcfg.connect_timeout_s,
+                                 read_timeout_s=gcfg.read_timeout_s)
+                    for ep, e in zip(eps, engines, strict=True)]
         self.picker = Picker(gcfg, adapters=adapters, max_fallbacks=cfg.fallbacks)
         self.metrics = EppMetrics(self.picker)
         self.health = HealthServicer()
@@ -126,8 +137,8 @@ class EppServer:
     async def start(self) -> None:
         await self.picker.start()
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_ExternalProcessorServicer_to_server(ExtProc(self.picker, self.metrics),
-                                                        server)
+        pb_grpc.add_ExternalProcessorServicer_to_server(
+            ExtProc(self.picker, self.metrics, observe=self.cfg.watch == "observe"), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         self.grpc_port = server.add_insecure_port(f"{self.cfg.host}:{self.cfg.grpc_port}")
         if self.grpc_port == 0:

@@ -145,16 +145,16 @@ class GatewayApp:
         if path == "/health":
             await self._health(send, self._authorized(scope))
         elif path == "/ready":
-            ok, body = await readiness(self.gateway)
+            ok, detail = await readiness(self.gateway)
             if self._auth_admin and not self._authorized(scope):
-                body = {"status": body["status"]}
-            await _respond(send, 200 if ok else 503, [JSON_CT], json.dumps(body).encode())
+                detail = {"status": detail["status"]}
+            await _respond(send, 200 if ok else 503, [JSON_CT], json.dumps(detail).encode())
         elif path == "/metrics":
             if self._auth_admin and not self._authorized(scope):
                 await _error(send, _unauthorized(), path)
                 return
-            body = self.gateway.metrics.render()
-            await _respond(send, 200, [(b"content-type", b"text/plain; version=0.0.4")], body)
+            await _respond(send, 200, [(b"content-type", b"text/plain; version=0.0.4")],
+                           self.gateway.metrics.render())
         elif path == "/v1/models":
             if not self._authorized(scope):
                 await _error(send, _unauthorized(), path)

@@ -40,6 +40,13 @@ def _check_serve(cfg: GatewayConfig, log_level: str) -> None:
         raise ValueError(f"--log-level {log_level!r}: use one of {', '.join(LOG_LEVELS)}")
     if not 0 <= cfg.port <= 65535:
         raise ValueError(f"--port {cfg.port}: a port is 0 to 65535")
+    import httpx
+
+    ids = [e.name or httpx.URL(e.url).netloc.decode() for e in cfg.engines]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise ValueError(f"--engine: {', '.join(dup)} given twice; name each engine "
+                         "(--engine URL,kind,NAME) to serve the same address twice")
     for e in cfg.engines:
         if e.kind.lower() not in ADAPTERS:
             valid = ", ".join(sorted({c.kind for c in ADAPTERS.values()}))
@@ -49,12 +56,17 @@ def _check_serve(cfg: GatewayConfig, log_level: str) -> None:
         check_out_file(Path(cfg.db), "--db")
     if cfg.record:
         from turnstile.gateway.recorder import SessionRecorder
+        from turnstile.workload.jsonl import check_workload_file
 
-        check_out_file(Path(cfg.record), "--record")
-        try:
-            SessionRecorder(cfg.record).close()  # fails now on a file that is not a workload
-        except ValueError as e:
-            raise ValueError(f"--record {e}") from None
+        record_path = Path(cfg.record)
+        check_out_file(record_path, "--record")
+        if record_path.exists() and record_path.stat().st_size:
+            try:  # read-only: a file that is not a whole workload is left as it is
+                check_workload_file(record_path, allow_torn_tail=True)
+            except ValueError as e:
+                raise ValueError(f"--record {e} (not a turnstile workload: record to a new "
+                                 "file)") from None
+        SessionRecorder(cfg.record).close()
     if cfg.state:
         _check_redis(cfg.state)
     if cfg.port:  # a port in use fails here, not after "gateway on ..."
@@ -98,7 +110,7 @@ def serve(
     host: Annotated[str | None, typer.Option(help="Bind address (default 127.0.0.1)")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default 8000; 0: any free port)")]
     = None,
-    max_held: Annotated[int | None, typer.Option(
+    max_held: Annotated[int | None, typer.Option(min=1,
         help="Accepted turns not yet released (held, queued, being admitted) before 429")] = None,
     max_inflight: Annotated[int | None, typer.Option(
         help="Accepted, unanswered requests before 429 (0: no bound)")] = None,
@@ -138,7 +150,12 @@ def serve(
     from turnstile.gateway.config import GatewayConfig, load_config, parse_engine_flag
 
     try:
-        cfg = load_config(config) if config is not None else GatewayConfig()
+        if config is not None and not config.is_file():
+            raise ValueError(f"--config {config}: no such file")
+        try:
+            cfg = load_config(config) if config is not None else GatewayConfig()
+        except ValueError as e:
+            raise ValueError(f"--config {e}") from None
         if engine:
             cfg.engines = [parse_engine_flag(e) for e in engine]
         if policy is not None:
@@ -212,6 +229,10 @@ def replay(
     subset: Annotated[str | None, typer.Option(help="agentcgroup subset")] = None,
     seed: Annotated[int, typer.Option()] = 0,
     timeout_s: Annotated[float, typer.Option(help="Per-request timeout")] = 300.0,
+    save_detailed: Annotated[
+        bool, typer.Option("--save-detailed", help="Also write every workflow's and turn's "
+                           "samples into results.json")
+    ] = False,
     api_key: Annotated[str | None, typer.Option(hidden=True, help="Deprecated: --auth-token")]
     = None,
 ) -> None:
@@ -220,7 +241,8 @@ def replay(
                       workflows < 1), ("--time-scale must be >= 0", time_scale < 0),
                       ("--max-context must be >= 2", max_context < 2),
                       ("--max-tokens must be >= 1", max_tokens < 1),
-                      ("--timeout-s must be > 0", timeout_s <= 0)):
+                      ("--timeout-s must be > 0", timeout_s <= 0),
+                      ("--max-turns must be >= 1", max_turns is not None and max_turns < 1)):
         if bad:
             raise _fail(flag)
     if api_key is not None:
@@ -239,11 +261,13 @@ def replay(
                       time_scale=time_scale, max_context=max_context, max_tokens=max_tokens,
                       max_turns=max_turns, model=model, stream=stream, arrivals=arrivals,
                       label=label, api_key=auth_token, subset=subset, seed=seed,
-                      timeout_s=timeout_s)
+                      timeout_s=timeout_s, save_detailed=save_detailed)
     try:
-        check_out_dir(out)
+        if out.exists() and not out.is_dir():
+            check_out_dir(out)  # an existing file: said before anything else
         wfs, trace_info = load_workflows(spec)
         _check_target(spec.target)
+        check_out_dir(out)
     except (ValueError, OSError) as e:
         raise _fail(str(e)) from None
     typer.echo(f"replaying {len(wfs)} sessions from {trace_info['name']} against {target}",
@@ -253,7 +277,7 @@ def replay(
     except httpx.HTTPError as e:
         raise _fail(f"--target {target}: {type(e).__name__}: {e}") from None
     typer.echo(summary)
-    typer.echo(f"wrote {path}")
+    typer.echo(f"wrote {path} and {path.with_name('report.html')}")
 
 
 def _check_target(url: str) -> None:

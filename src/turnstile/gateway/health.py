@@ -4,12 +4,13 @@ The scheduler hears about health only through ``engine_stats(healthy=...)``; an 
 marked down when it is the last one up (routing needs one; a turn sent to a dead engine fails
 fast and is retried).
 
-An engine found dead — its health check refused or answered non-200, a turn's connection to it
-refused or reset, or two health checks in a row unanswered — has every request in flight to it
-dropped at once (:meth:`EngineAdapter.abort_inflight`): a turn that has streamed no token is
-re-routed by the service's retry loop, a streaming one ends with an error event. Without that, a
-process that stops serving but keeps its connections open (vLLM after SIGTERM, at times) holds
-its turns until the read timeout.
+An engine found dead — its health check refused or reset (no server listens there any more), a
+turn refused a connection before any reply, or three failed health checks in a row (unanswered
+or not 200: a hung or broken server) — has every request in flight to it dropped at once
+(:meth:`EngineAdapter.abort_inflight`): a turn that has streamed no token is re-routed by the
+service's retry loop, a streaming one ends with an error event. Without that, a process that
+stops serving but keeps its connections open (vLLM after SIGTERM, at times) holds its turns
+until the read timeout.
 """
 
 from __future__ import annotations
@@ -95,9 +96,11 @@ class HealthMonitor:
 
     async def _check(self, eid: str) -> None:
         state = await self.adapters[eid].health_state()
-        # unanswered twice in a row counts as dead; once may be a slow moment
-        silent_again = state == "silent" and self.engines[eid].failures >= 1
-        self.set_health(eid, state == "up", dead=state == "down" or silent_again)
+        # a server that still answers (503 while it drains) or is only slow may yet finish
+        # its requests: they are dropped once it has failed three checks in a row
+        persistent = self.engines[eid].failures >= 2
+        self.set_health(eid, state == "up",
+                        dead=state == "gone" or (state != "up" and persistent))
 
     async def health_loop(self, on_round: Callable[[], None]) -> None:
         """Re-check engines when due; ``on_round`` runs after each round (a safety-net tick)."""

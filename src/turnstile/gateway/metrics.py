@@ -37,6 +37,9 @@ class GatewayState(Protocol):
     @property
     def engine_up(self) -> dict[str, bool]: ...
 
+    @property
+    def engine_config(self) -> dict[str, dict[str, str | None]]: ...
+
 
 class _StateCollector(Collector):
     """Gauges read from the gateway at scrape time."""
@@ -85,11 +88,20 @@ class _StateCollector(Collector):
             healthy.add_metric([eid], 1.0 if gw.engine_up.get(eid, True) else 0.0)
             if e.queue_len >= 0:
                 queue.add_metric([eid], e.queue_len)
+        warning = GaugeMetricFamily(
+            "turnstile_engine_config_warning",
+            "1 when a chosen policy relies on an engine feature the engine ignores (or, for "
+            "priority, that cannot be confirmed); the gateway's log says which and why",
+            labels=["engine", "feature"])
+        for eid, verdicts in gw.engine_config.items():
+            for feature, msg in verdicts.items():
+                warning.add_metric([eid, feature], 0.0 if msg is None else 1.0)
         yield outstanding
         yield tokens
         yield paused
         yield healthy
         yield queue
+        yield warning
 
 
 class GatewayMetrics:
@@ -113,6 +125,11 @@ class GatewayMetrics:
                                 "Turns released to engines", ["engine"], registry=r)
         self.rejected = Counter("turnstile_gateway_rejected", "Requests refused with 429",
                                 registry=r)
+        self.derived_sessions = Counter(
+            "turnstile_gateway_derived_sessions",
+            "Requests naming no session, by how their session was derived from the conversation "
+            "(new, continued, forked: an identical conversation already running, subagent)",
+            ["how"], registry=r)
         self.output_tokens = Counter("turnstile_gateway_output_tokens",
                                      "Output tokens reported by engines", ["engine"], registry=r)
         self.ttft = Histogram("turnstile_gateway_ttft_seconds",

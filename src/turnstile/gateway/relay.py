@@ -63,7 +63,7 @@ class TurnEvents(Protocol):
 
     def turn_failed(self, p: PendingTurn, engine_down: bool, reason: str) -> None: ...
 
-    def engine_failed(self, engine_id: str) -> None: ...
+    def engine_failed(self, engine_id: str, *, dead: bool = True) -> None: ...
 
 
 class Relay:
@@ -113,6 +113,7 @@ class Relay:
         with contextlib.suppress(ValueError):
             if adapter.aborted_reply(resp.json()):
                 self._end(adapter, hints)
+                self.events.engine_failed(p.engine, dead=False)  # not again until re-checked
                 self.events.turn_failed(p, False, "the engine aborted the turn")
                 raise RetryableFailure(f"engine {p.engine} aborted the turn")
         self._end(adapter, hints)
@@ -142,7 +143,11 @@ class Relay:
         if e.status >= 500:
             self.events.turn_failed(p, False, f"HTTP {e.status}")
             raise RetryableFailure(f"engine {p.engine} answered HTTP {e.status}", e.status)
-        # the engine refused the request itself (bad parameters, context overflow): pass it on
+        # the engine refused the request itself (bad parameters, context overflow): pass it on;
+        # a session that this request opened never was one (closed as soon as it is over)
+        s = p.session
+        if s.turns == 0 and not s.waiters:
+            s.ephemeral = s.refused = True
         self.events.turn_finished(p, 0, None)
         return Outcome(e.status, [(b"content-type", e.content_type.encode()),
                                   *self.headers(p)], body=e.body)
@@ -151,20 +156,16 @@ class Relay:
                               hints: ForwardHints) -> Outcome:
         gen = adapter.stream_batches(p.path, p.body, hints)
         first: list[bytes] = []
+        failed: str | None = None
         try:
             while True:  # hold the leading events (a role chunk) until the first token
-                batch = await gen.__anext__()
-                first += batch
-                failed, begun = _leading(adapter, batch)
-                if failed is not None:
-                    await gen.aclose()
-                    self._end(adapter, hints)
-                    self.events.turn_failed(p, False, failed)
-                    raise RetryableFailure(f"engine {p.engine}: {failed}")
-                if begun:
+                first += await gen.__anext__()
+                failed, begun = _leading(adapter, first)
+                if failed is not None or begun:
                     break
         except StopAsyncIteration:
             self._end(adapter, hints)
+            self.events.engine_failed(p.engine, dead=False)
             self.events.turn_failed(p, False, "stream ended before its first token")
             raise RetryableFailure(f"engine {p.engine} closed the stream before its first "
                                    "token") from None
@@ -175,6 +176,12 @@ class Relay:
             self._end(adapter, hints)
             self.events.turn_finished(p, 0, None, cancelled=True)
             raise
+        if failed is not None:
+            await gen.aclose()
+            self._end(adapter, hints)
+            self.events.engine_failed(p.engine, dead=False)
+            self.events.turn_failed(p, False, failed)
+            raise RetryableFailure(f"engine {p.engine}: {failed}")
         return await started(Outcome(200, [*SSE_HEADERS, *self.headers(p)],
                                      events=self._relay(p, adapter, hints, gen, first)))
 
@@ -239,7 +246,7 @@ class Relay:
         except UpstreamError as e:
             self.metrics.turns_failed.labels(p.engine, "mid_stream").inc()
             if e.engine_down:
-                self.events.engine_failed(p.engine)
+                self.events.engine_failed(p.engine, dead=False)  # health decides the rest
             msg = f"engine {p.engine} failed mid-stream: {e}"
             yield b"data: " + error_body(msg, "upstream_error", 502) + b"\n\n"
         finally:
@@ -252,11 +259,14 @@ class Relay:
 
 def _leading(adapter: EngineAdapter, events: list[bytes]) -> tuple[str | None, bool]:
     """Scan a stream's events before its first token: ``(failure, begun)`` — ``failure`` when
-    the engine reported an error or aborted the turn (nothing went to the client: re-route),
-    ``begun`` once a token, a finish or ``[DONE]`` arrived (the stream goes to the client)."""
+    the engine reported an error, aborted the turn, or ended the stream with neither a token
+    nor a finish reason (vLLM does that to a request it drops before running it): nothing went
+    to the client, so the turn is re-routed; ``begun`` once a token or a finish arrived (the
+    stream goes to the client)."""
+    finished = False
     for ev in events:
         if ev.startswith(b"data: [DONE]"):
-            return None, True
+            return (None, True) if finished else ("the stream ended with no token", False)
         if adapter.aborted_event(ev):
             return "the engine aborted the turn", False
         if not ev.startswith(b"data: {"):
@@ -272,10 +282,12 @@ def _leading(adapter: EngineAdapter, events: list[bytes]) -> tuple[str | None, b
             msg = err.get("message") if isinstance(err, dict) else err
             return f"error event before the first token: {msg}", False
         choices = obj.get("choices")
-        if choices and (has_token(choices) or any(
-                isinstance(c, dict) and c.get("finish_reason") for c in choices)):
+        if choices and has_token(choices):
             return None, True
-    return None, False
+        finished = finished or any(isinstance(c, dict) and c.get("finish_reason")
+                                   for c in choices or ())
+    # a finish with no token yet: the stream has begun (it may still carry the usage)
+    return None, finished
 
 
 def _collect(choices: list[Any], reply: list[str], args: list[str]) -> None:

@@ -1,6 +1,8 @@
-"""Which session a request belongs to: the one its client names (``x-session-id`` or ``user``),
-one derived from its conversation (:mod:`.affinity`), or a one-turn session of its own — and
-where that session's KV is when another replica (or a run before a restart) served it last."""
+"""Which session a request belongs to: the one its client names (``x-session-id`` or another
+stack's key, :mod:`.identity`), one derived from its conversation (:mod:`.affinity`), or a
+one-turn session of its own — and where that session's KV is when another replica (or a run
+before a restart) served it last. Derived sessions are counted by how they were found
+(``turnstile_gateway_derived_sessions_total{how=new|continued|forked|subagent}``)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Any
 
 from turnstile.core.scheduler import Scheduler
 from turnstile.gateway.affinity import ConversationKeys, Resolution
+from turnstile.gateway.metrics import GatewayMetrics
 from turnstile.gateway.protocol import CHAT_PATH, TurnRequest
 from turnstile.gateway.replicas import ReplicaSync
 from turnstile.gateway.sessions import Session, SessionTable
@@ -31,7 +34,9 @@ def one_turn(body: dict[str, Any]) -> bool:
 
 class SessionResolver:
     def __init__(self, table: SessionTable, scheduler: Scheduler, now: Callable[[], float],
-                 keys: ConversationKeys | None, replicas: ReplicaSync | None) -> None:
+                 keys: ConversationKeys | None, replicas: ReplicaSync | None,
+                 metrics: GatewayMetrics | None = None) -> None:
+        self.metrics = metrics
         self.table = table
         self.scheduler = scheduler
         self.now = now
@@ -44,8 +49,12 @@ class SessionResolver:
         if sid is None and self.keys is not None and req.path == CHAT_PATH:
             res = await self.keys.resolve(req.body, rid)
             if res is not None:
+                if res.candidates:
+                    self._pick(res)
                 sid = res.session_id
                 self.keys.remember(res)
+                if self.metrics is not None:
+                    self.metrics.derived_sessions.labels(res.how).inc()
         s = self.table.open(sid if sid is not None else "req-" + rid, req.tenant, sid is None,
                             self.now())
         if res is None:
@@ -64,3 +73,21 @@ class SessionResolver:
             if s.in_scheduler and res.engine in self.scheduler.view:
                 self.scheduler.session_moved(s.id, res.engine, s.attained_tokens)
         return s, res
+
+    def _pick(self, res: Resolution) -> None:
+        """Which of the sessions the conversation may continue gets this request: an idle one;
+        else a busy one whose running turn's request this one extends (its client already has
+        that reply: the turn is being booked); else none — a fork near the first."""
+        busy = None
+        for cand in res.candidates:
+            s = self.table.get(cand[0])
+            if s is None or (s.active is None and not s.waiters):
+                res.choose(cand)
+                return
+            run = s.active
+            if busy is None and run is not None and run.conversation[0] in res.prefixes:
+                busy = cand
+        if busy is not None:
+            res.choose(busy)
+        else:
+            res.fork()

@@ -42,6 +42,7 @@ from turnstile.gateway.affinity import (
 from turnstile.gateway.config import GatewayConfig
 from turnstile.gateway.driving import ReleaseDriver
 from turnstile.gateway.durability import Durability, OffsetClock
+from turnstile.gateway.engine_check import check_engines
 from turnstile.gateway.estimate import TokenEstimator
 from turnstile.gateway.health import HealthMonitor
 from turnstile.gateway.logs import quiet_probe_logs
@@ -134,6 +135,8 @@ class Gateway:
         #: ``--record``: finished sessions appended to a workload file (set up in start())
         self.recorder: SessionRecorder | None = None
         self.started = False
+        #: engine → feature the policies need → the warning logged, or None (see engine_check)
+        self.engine_config: dict[str, dict[str, str | None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         #: requests accepted and not READY yet (counted by admission from their acceptance)
         self.admitting = 0
@@ -169,6 +172,9 @@ class Gateway:
         self.driver.bind_loop(asyncio.get_running_loop())
         await asyncio.gather(*(a.start() for a in self.adapters.values()),
                              return_exceptions=True)
+        await asyncio.gather(*(a.check_config() for a in self.adapters.values()),
+                             return_exceptions=True)
+        self.engine_config = check_engines(self.policies, self.adapters)
         for a in self.adapters.values():
             slots = getattr(a, "slots", None)  # llama.cpp: the slots the server reported
             if slots and a.id in self.scheduler.view:
@@ -200,7 +206,7 @@ class Gateway:
             self.spawn(self.replicas.loop())
         self.keys = keys
         self.resolver = SessionResolver(self.table, self.scheduler, self.clock.now, keys,
-                                        self.replicas)
+                                        self.replicas, self.metrics)
         self.started = True
         self.spawn(self.health.health_loop(self.driver.safety_tick))
         self.spawn(self.health.stats_loop())
@@ -279,10 +285,10 @@ class Gateway:
         if derived is not None:
             p.reply_text, p.reply_args = [], []
             p.conversation = (derived.chain, derived.root)
-            if derived.new and one_turn(body):
-                # no tools, no earlier reply: nothing follows; the session closes with its
-                # turn (a follow-up finds it again through its keys and starts afresh)
-                session.ephemeral = True
+            # no tools, no earlier reply: nothing may follow. Such a turn leaves the scheduler
+            # with its turn (it holds no slot, budget or paused KV past its own life); the
+            # session itself stays, so a follow-up found through its keys continues it
+            session.ephemeral = derived.new and one_turn(body)
         p.engine_hint = req.engine_hint
         if req.stream:
             opts = body.get("stream_options")
@@ -424,8 +430,10 @@ class Gateway:
         assert rec is not None
         self.scheduler.turn_first_token(self.clock.now(), rec.workflow_id, rec.index)
 
-    def engine_failed(self, engine_id: str) -> None:
-        self.health.set_health(engine_id, False, dead=True)
+    def engine_failed(self, engine_id: str, *, dead: bool = True) -> None:
+        """The engine failed a turn: down until its next health check says otherwise;
+        ``dead``: its requests in flight are dropped too (see health.py)."""
+        self.health.set_health(engine_id, False, dead=dead)
 
     def turn_failed(self, p: PendingTurn, engine_down: bool, reason: str) -> None:
         """Finish a failed attempt with 0 tokens; the retry loop re-readies the turn."""
@@ -488,7 +496,9 @@ class Gateway:
         if s.active is p:
             self.table.pass_on(s)
         if s.ephemeral and s.active is None:
-            actions.extend(self._close(s))
+            # a derived one-turn session stays findable for a follow-up (it holds nothing)
+            keep = s.derived and not s.refused
+            actions.extend(self._leave_scheduler(s) if keep else self._close(s))
         elif self.durable is not None and not (s.derived and self.durable.backend.shared):
             self.durable.session(s)
         return actions
@@ -501,7 +511,8 @@ class Gateway:
         s = p.session
         if s.active is p and p.rec is None:
             self.table.pass_on(s)
-        if s.ephemeral and s.active is None and not s.in_scheduler:
+        if (s.ephemeral and s.active is None and not s.in_scheduler
+                and (s.refused or not s.derived)):
             self.table.drop(s.id)
 
     def _close(self, s: Session) -> list[Action]:
@@ -510,6 +521,11 @@ class Gateway:
             self.recorder.session_closed(s.id)
         if self.durable is not None:
             self.durable.session_closed(s)
+        return self._leave_scheduler(s)
+
+    def _leave_scheduler(self, s: Session) -> list[Action]:
+        """The policies stop counting the session (its workflow finishes); a later turn of it
+        opens it there again."""
         if not s.in_scheduler:
             return []
         s.in_scheduler = False

@@ -34,9 +34,8 @@ def sweep_period_s(session_idle_s: float) -> float:
 
 class Session:
     __slots__ = ("active", "arrival_s", "attained_tokens", "context_tokens", "derived",
-                 "ephemeral", "id",
-                 "in_scheduler", "last_active_s", "last_engine", "parent", "stored", "tenant",
-                 "turns", "waiters")
+                 "ephemeral", "id", "in_scheduler", "last_active_s", "last_engine", "parent",
+                 "refused", "stored", "tenant", "turns", "waiters")
 
     def __init__(self, sid: str, tenant: str, ephemeral: bool, now_s: float) -> None:
         self.id = sid
@@ -52,6 +51,8 @@ class Session:
         self.parent: str | None = None
         #: its id derived from the conversation (its affinity keys carry its residency)
         self.derived = False
+        #: its only request so far was refused by the engine: it never was a session
+        self.refused = False
         self.in_scheduler = False
         self.stored = False  # a row in the state backend
         self.active: PendingTurn | None = None

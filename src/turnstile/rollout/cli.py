@@ -233,6 +233,9 @@ def live_cmd(
     console.print(table)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
+        from turnstile.bench.report import results_header
+
         path = out / "live.json"
-        path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        doc = {**results_header("rollout-live", simulated=False), **result}
+        path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
         console.print(f"wrote {path}")

@@ -191,8 +191,10 @@ def run_rollout_sim(
     spec = workload.spec
     planner_cfg = req.planner_config()
     sim_cfg = req.sim_config()
+    from turnstile.bench.report import results_header
+
     out: dict[str, Any] = {
-        "simulated": True,
+        **results_header("rollout-sim", simulated=True),
         "generator": "turnstile rollout sim",
         "config": {
             **{k: v for k, v in dataclasses.asdict(req).items() if k != "policies"},

@@ -26,6 +26,7 @@ import ast
 import asyncio
 import hashlib
 import itertools
+import json
 import math
 import operator
 import socket
@@ -36,10 +37,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from turnstile.rollout.workload import RolloutSpec, RolloutTrajectory, RolloutWorkload
 from turnstile.workload.model import ToolCall, ToolStatus
+
+if TYPE_CHECKING:
+    from turnstile.transport.client import HttpTransport
 
 __all__ = [
     "LiveBucket",
@@ -226,7 +230,8 @@ class LiveDriver:
             out.append((n, t.tools if j < len(turns) - 1 else ()))
         return out
 
-    async def run_trajectory(self, client: Any, tr: RolloutTrajectory) -> dict[str, Any]:
+    async def run_trajectory(self, transport: HttpTransport, tr: RolloutTrajectory
+                             ) -> dict[str, Any]:
         cfg = self.cfg
         t_start = self.now()
         sandbox = ToolSandbox(self.sandbox_root / tr.id)
@@ -243,16 +248,18 @@ class LiveDriver:
         statuses: list[str] = []
         output_tokens = 0
         for j, (max_tokens, tools) in enumerate(self._spec_turns(tr)):
-            resp = await client.post(
-                f"{self.gateway_url}/v1/chat/completions",
-                json={"model": "tiny", "messages": messages, "max_tokens": max_tokens,
-                      "temperature": 0.0, "cache_prompt": True},
-                headers=headers,
-                timeout=cfg.request_timeout_s,
+            resp = await transport.post(
+                "/v1/chat/completions",
+                json.dumps({"model": "tiny", "messages": messages, "max_tokens": max_tokens,
+                            "temperature": 0.0, "cache_prompt": True}).encode(),
+                headers,
             )
-            resp.raise_for_status()
+            data = await resp.read()
+            if resp.status >= 400:
+                raise RuntimeError(f"{tr.id} turn {j}: the gateway answered HTTP {resp.status}: "
+                                   f"{data[:200]!r}")
             served.append(resp.headers.get("x-turnstile-engine", ""))
-            body = resp.json()
+            body = json.loads(data)
             usage = body.get("usage") or {}
             output_tokens += int(usage.get("completion_tokens", max_tokens))
             text = body["choices"][0]["message"].get("content") or ""
@@ -276,12 +283,15 @@ class LiveDriver:
         }
 
     async def run_batch(self, batch: Sequence[RolloutTrajectory]) -> dict[str, Any]:
-        import httpx
+        from turnstile.transport.client import HttpTransport  # httpx: the gateway extra
 
         t0 = self.now()
-        limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-        async with httpx.AsyncClient(limits=limits) as client:
-            recs = await asyncio.gather(*(self.run_trajectory(client, t) for t in batch))
+        transport = HttpTransport(self.gateway_url, headers={"content-type": "application/json"},
+                                  read_timeout_s=self.cfg.request_timeout_s, max_keepalive=64)
+        try:
+            recs = await asyncio.gather(*(self.run_trajectory(transport, t) for t in batch))
+        finally:
+            await transport.aclose()
         return {"makespan_s": self.now() - t0, "trajectories": list(recs)}
 
 

@@ -203,12 +203,13 @@ class RolloutCluster:
     def engines(self) -> list[tuple[str, int, bool]]:
         """(id, TP, takes new work) of every engine not retired, joined or joining."""
         view = self.sim.scheduler.view
+        tps, retired = self.sim.tps, self.sim.retired_s
         out = []
         for i, e in enumerate(self.sim.engines):
-            if self.sim.retired_s[i] >= 0:
+            if retired[i] >= 0:
                 continue
             eid = e.engine_id
-            out.append((eid, self.sim._tps[i], eid not in view or view[eid].accepting))
+            out.append((eid, tps[i], eid not in view or view[eid].accepting))
         return out
 
     def open_on(self, engine_id: str) -> int:

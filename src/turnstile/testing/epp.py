@@ -10,7 +10,7 @@ from typing import Any
 from turnstile.epp.server import EppConfig, EppServer
 from turnstile.gateway.config import GatewayConfig
 
-__all__ = ["PickerThread", "start_picker"]
+__all__ = ["PickerProcess", "PickerThread", "start_picker"]
 
 
 class PickerThread:
@@ -68,11 +68,87 @@ class PickerThread:
 def start_picker(endpoints: list[str], *, policy: str = "eager", grpc_port: int = 0,
                  metrics_port: int | None = 0, endpoints_file: str | None = None,
                  engine_kind: str = "llama.cpp", fallbacks: int = 0,
-                 **gateway: Any) -> PickerThread:
+                 watch: str = "inline", **gateway: Any) -> PickerThread:
     """A picker over ``endpoints`` (``ip:port``); ``gateway``: GatewayConfig fields."""
     gateway.setdefault("stats_interval_s", 0.0)
     gcfg = GatewayConfig(policy=policy, **gateway)
     cfg = EppConfig(gateway=gcfg, grpc_port=grpc_port, metrics_port=metrics_port,
                     endpoints=endpoints, endpoints_file=endpoints_file, engine_kind=engine_kind,
-                    fallbacks=fallbacks)
+                    fallbacks=fallbacks, watch=watch)
     return PickerThread(cfg).start()
+
+
+class PickerProcess:
+    """``turnstile epp`` as its own process (the CLI end to end), for crash tests and
+    benchmarks: :meth:`kill` is a crash (SIGKILL), :meth:`stop` a clean shutdown."""
+
+    def __init__(self, endpoints: list[str], *, policy: str = "eager", grpc_port: int = 0,
+                 extra: list[str] | None = None, timeout_s: float = 60.0) -> None:
+        import os
+        import subprocess
+        import sys
+        import tempfile
+        import time
+        import urllib.request
+        from pathlib import Path
+
+        from turnstile.epp.envoy import free_port
+
+        self.grpc_port = grpc_port or free_port()
+        self.metrics_port = free_port()
+        fd, self.log = tempfile.mkstemp(prefix="turnstile-epp-", suffix=".log")
+        src = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        args = [sys.executable, "-c", "from turnstile.cli import app; app()", "epp",
+                "--grpc-port", str(self.grpc_port), "--metrics-port", str(self.metrics_port),
+                "--policy", policy, *(extra or [])]
+        for e in endpoints:
+            args += ["--endpoint", e]
+        with os.fdopen(fd, "wb") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=env)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(Path(self.log).read_text()[-2000:])
+            try:
+                with urllib.request.urlopen(
+                        f"http://127.0.0.1:{self.metrics_port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError("the picker did not become ready")
+            time.sleep(0.1)
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}"
+
+    def cpu_s(self) -> float:
+        import os
+        from pathlib import Path
+
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        import os
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if os.path.exists(self.log):
+            os.unlink(self.log)

@@ -4,7 +4,11 @@
 with ``max_tokens`` one-character tokens after ``ttft_s`` and ``tpot_s`` per token, serves
 ``/health``, ``/v1/models``, ``/metrics`` (llama.cpp-style names) and ``/slots``, records
 every request, and can be told to fail (``fail = "status:503"``, ``"crash"`` before the
-response, ``"die_after:3"`` mid-stream, ``"end_after:3"``: the stream closed cleanly after 3
+response, ``"abort"``: a 200 that vLLM gives a running request it dropped —
+``finish_reason: "abort"``, a stream of only a role chunk and that finish, without ``[DONE]``;
+``"abort_waiting"``: vLLM's stream for a request dropped before it ran — a role chunk, a usage
+chunk with 0 tokens and ``[DONE]``, no finish reason —
+``"die_after:3"`` mid-stream, ``"end_after:3"``: the stream closed cleanly after 3
 events, without ``[DONE]``) or stall (``stall = True``: requests in flight stop
 making progress but keep their connections open, as a dying engine's may). With zero delays it
 is the zero-cost target of the overhead benchmark.
@@ -51,8 +55,8 @@ class FakeEngine:
     tpot_s: float = 0.0
     default_max_tokens: int = 16
     slots: int = 4
-    #: failure to inject on the next requests: None, "status:CODE", "crash", "die_after:N",
-    #: "end_after:N"
+    #: failure to inject on the next requests: None, "status:CODE", "crash", "abort",
+    #: "abort_waiting", "die_after:N", "end_after:N"
     fail: str | None = None
     healthy: bool = True
     #: requests in flight make no progress while set (their connections stay open)
@@ -161,6 +165,9 @@ class FakeEngine:
             return
         if fail == "crash":
             raise RuntimeError("injected crash")
+        if fail in ("abort", "abort_waiting"):
+            await self._aborted(send, path, bool(body.get("stream")), fail == "abort_waiting")
+            return
         n = body.get("max_tokens") or body.get("max_completion_tokens") or self.default_max_tokens
         stream = bool(body.get("stream"))
         opts = body.get("stream_options") or {}
@@ -201,6 +208,30 @@ class FakeEngine:
         finally:
             self.in_flight -= 1
 
+
+    async def _aborted(self, send: Send, path: str, stream: bool, waiting: bool) -> None:
+        chat = path == "/v1/chat/completions"
+        base = {"id": "cmpl-fake", "created": 0, "model": self.model}
+        if not stream:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": "abort"}
+            choice |= {"message": {"role": "assistant", "content": ""}} if chat else {"text": ""}
+            body = {**base, "choices": [choice], "usage": {"prompt_tokens": 8,
+                                                           "completion_tokens": 0}}
+            await _send(send, 200, _JSON, json.dumps(body, separators=(",", ":")).encode())
+            return
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}} if chat else \
+            {"index": 0, "text": ""}
+        last = {"index": 0, "delta": {}, "finish_reason": "abort"} if chat else \
+            {"index": 0, "text": "", "finish_reason": "abort"}
+        usage = {"prompt_tokens": 8, "completion_tokens": 0, "total_tokens": 8}
+        events = ([{**base, "choices": [first]}, {**base, "choices": [], "usage": usage}]
+                  if waiting else [{**base, "choices": [c]} for c in (first, last)])
+        await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+        for e in events:
+            ev = b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n"
+            await send({"type": "http.response.body", "body": ev, "more_body": True})
+        end = b"data: [DONE]\n\n" if waiting else b""
+        await send({"type": "http.response.body", "body": end, "more_body": False})
 
     async def _while_stalled(self, receive: Receive) -> None:
         while self.stall:
@@ -253,6 +284,20 @@ class FakeServer:
 
     def stop(self) -> None:
         self.server.stop()
+
+    def stop_listening(self) -> None:
+        """Begin a shutdown as uvicorn does: stop listening (new connections are refused) and
+        close idle kept-alive connections, but leave those with a request in flight open;
+        with ``engine.stall`` they stay silent."""
+        server = self.server.server
+
+        def shut() -> None:
+            for srv in server.servers:
+                srv.close()
+            for conn in list(server.server_state.connections):
+                conn.shutdown()
+
+        server.servers[0].get_loop().call_soon_threadsafe(shut)
 
 
 def start_fake(port: int = 0, **kw: Any) -> FakeServer:

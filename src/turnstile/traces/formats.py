@@ -128,6 +128,7 @@ def _load_workload_file(path: Path) -> LoadedTrace:
     turns = sum(len(w.turns) for w in workflows)
     meta = read_header(path).get("meta")
     block_tokens = meta.get("hash_block_tokens") if isinstance(meta, dict) else None
+    warnings = meta.get("warnings") if isinstance(meta, dict) else None
     return LoadedTrace(
         name=f"workload:{path.stem}",
         source=str(path),
@@ -140,6 +141,7 @@ def _load_workload_file(path: Path) -> LoadedTrace:
             "skipped": 0,
         },
         hash_block_tokens=block_tokens if isinstance(block_tokens, int) else 0,
+        warnings=[str(w) for w in warnings] if isinstance(warnings, list) else [],
     )
 
 

@@ -11,12 +11,17 @@ One JSON object per LLM call, grouped by ``session_id``, in order within a sessi
     one (its tool calls and think time); on a sub-agent's first record, after the parent call it
     forks from finished.
 ``input_length`` / ``output_length``
-    the call's whole prompt and its output, in tokens.
+    tokens in and out. A session's first record carries its whole prompt; a later record only
+    the *new* input: AIPerf's multi-turn replay sends the session's history (earlier prompts and
+    replies) and adds the record's input as the next user message, so a later call's prompt is
+    the previous call's prompt + reply + ``input_length`` (a transcript a client compacted is
+    written as if it kept growing).
 ``hash_ids``
-    prefix block ids of the whole prompt (chained: an id fixes everything before it), renumbered
-    densely from 0 in order of first use; equal ids mean equal prefix blocks across sessions.
-    A workload without hashes gets ids of ``BLOCK_SIZE`` (512) token blocks that share, with the
-    session's previous call, the whole blocks of its ``context_tokens``.
+    block ids of the tokens the record adds (the whole prompt on a first record; AIPerf
+    synthesizes each block's text from its id, ``--isl-block-size`` tokens a block), renumbered
+    densely from 0 in order of first use: equal ids are equal text, so a system prompt shared
+    by many sessions is the same first ids. A workload without hashes gets fresh ids of
+    ``BLOCK_SIZE`` (512) tokens for each record's new input.
 ``parent_session_id``
     on every record of a sub-agent's session: the session that spawned it.
 
@@ -28,11 +33,9 @@ Writing (:func:`write_mooncake_sessions`): a chain workflow is one session; a DA
 recorder's sub-agents, AgentCgroup's Task calls) is split into threads — a turn continues the
 thread whose last turn it waits for (the oldest such thread) unless it starts a context of its
 own (no context tokens, a different first block), otherwise it opens a sub-agent session.
-Reading (:func:`load_mooncake_sessions`): the inverse; ``context_tokens`` is the prefix a call
-shares with its session's previous call — leading ``hash_ids`` both hold × the block
-size, or the previous prompt + output where its ids start with all of the previous call's (it
-extends that call's transcript) or where there are no hashes; capped at prompt − 1. Times are
-kept to the millisecond.
+Reading (:func:`load_mooncake_sessions`): the inverse — a later call's ``context_tokens`` is
+the previous call's prompt + output, its prefix hashes the previous call's followed by its own.
+Times are kept to the millisecond.
 """
 
 from __future__ import annotations
@@ -105,7 +108,7 @@ def mooncake_records(workflows: Iterable[Workflow]) -> list[dict[str, Any]]:
         threads, parent, fork = _threads(wf)
         names = [wf.id if k == 0 else f"{wf.id}.{k}" for k in range(len(threads))]
         waits: dict[int, list[str]] = {}
-        made: dict[int | None, list[int]] = {}  # synthetic hash ids of hashless turns
+        chains: dict[int, list[Any]] = {}  # each turn's prompt blocks, as the file implies
         for k, turns in enumerate(threads):
             if k:
                 last = turns[-1]
@@ -123,19 +126,25 @@ def mooncake_records(workflows: Iterable[Workflow]) -> list[dict[str, Any]]:
                     assert prev is not None
                     gap = wf.turns[prev].tool_duration_s + t.think_s
                     rec["delay"] = round(gap * 1000.0, 3)
-                rec["input_length"] = t.prompt_tokens
+                first_of_thread = pos == 0
+                # AIPerf's multi-turn replay sends the history (earlier prompts and replies)
+                # and adds each later record's input as the new user message: a later record
+                # carries the new input only (``input_tokens``), the first the whole prompt
+                rec["input_length"] = t.prompt_tokens if first_of_thread else t.input_tokens
                 rec["output_length"] = t.output_tokens
+                before = [] if first_of_thread else chains[turns[pos - 1]]
                 if t.block_hashes:
-                    rec["hash_ids"] = [ids.setdefault(h, len(ids)) for h in t.block_hashes]
-                else:  # blocks of BLOCK_SIZE tokens: the context shared with the previous call
-                    before = made.get(turns[pos - 1] if pos else fork[k], [])
-                    keep = min(t.context_tokens // BLOCK_SIZE, len(before))
-                    # ids through the output too: the next call's prompt extends this one's
-                    n = max(-(-(t.prompt_tokens + t.output_tokens) // BLOCK_SIZE), keep)
-                    chain = before[:keep] + [ids.setdefault(("synth", wf.id, i, b), len(ids))
-                                             for b in range(n - keep)]
-                    made[i] = chain
-                    rec["hash_ids"] = chain[:max(-(-t.prompt_tokens // BLOCK_SIZE), 1)]
+                    full = list(t.block_hashes)
+                    m = 0
+                    while m < min(len(full), len(before)) and full[m] == before[m]:
+                        m += 1
+                    new_ids = full[m:]
+                else:  # blocks of BLOCK_SIZE tokens, the new input's
+                    n = max(-(-rec["input_length"] // BLOCK_SIZE), 1)
+                    new_ids = [("synth", wf.id, i, b) for b in range(n)]
+                    full = before + new_ids
+                chains[i] = full
+                rec["hash_ids"] = [ids.setdefault(h, len(ids)) for h in new_ids]
                 pk = parent[k]
                 if pk is not None:
                     rec["parent_session_id"] = names[pk]
@@ -209,7 +218,7 @@ def load_mooncake_sessions(path: str | Path, block_size: int = BLOCK_SIZE) -> Lo
     for sid in sessions:  # file order: a parent's records come before its children's
         families.setdefault(root(sid), []).append(sid)
     workflows = []
-    clamped = capped = 0
+    clamped = 0
     for rid, members in families.items():
         first = sessions[rid][0]
         ts = _num(first[1], "timestamp", f"{p}:{first[0]}")
@@ -223,30 +232,19 @@ def load_mooncake_sessions(path: str | Path, block_size: int = BLOCK_SIZE) -> Lo
         joins: list[tuple[int, str]] = []  # (turn, sub-agent session it waits for)
         for sid in _parents_first(members, parent_of):
             prev_rec: dict[str, Any] | None = None
+            prev: Turn | None = None
             for pos, (lineno, d) in enumerate(sessions[sid]):
                 where = f"{p}:{lineno}"
-                prompt, out = int(d["input_length"]), int(d["output_length"])
-                if prompt < 1 or out < 1:
+                new, out = int(d["input_length"]), int(d["output_length"])
+                if new < 1 or out < 1:
                     clamped += 1
-                    prompt, out = max(prompt, 1), max(out, 1)
-                hashes = tuple(int(x) for x in d.get("hash_ids") or ())
-                context = 0
-                if prev_rec is not None:
-                    prev_hashes = tuple(int(x) for x in prev_rec.get("hash_ids") or ())
-                    if hashes and prev_hashes:
-                        k = 0
-                        while k < min(len(hashes), len(prev_hashes)) and \
-                                hashes[k] == prev_hashes[k]:
-                            k += 1
-                        context = k * block_size
-                        if k == len(prev_hashes):  # it extends the previous call's prompt
-                            context = max(context, int(prev_rec["input_length"])
-                                          + int(prev_rec["output_length"]))
-                    else:
-                        context = int(prev_rec["input_length"]) + int(prev_rec["output_length"])
-                    if context > prompt - 1:
-                        capped += 1
-                        context = prompt - 1
+                    new, out = max(new, 1), max(out, 1)
+                ids = tuple(int(x) for x in d.get("hash_ids") or ())
+                if prev is None:  # a session's first call: its whole prompt
+                    context, hashes = 0, ids
+                else:  # a later call: the history (previous prompt and reply) plus new input
+                    context = prev.prompt_tokens + prev.output_tokens
+                    hashes = (prev.block_hashes or ()) + ids
                 delay = _num(d, "delay", where)
                 if delay is None and pos and prev_rec is not None:
                     t_now, t_prev = _num(d, "timestamp", where), _num(prev_rec, "timestamp",
@@ -269,9 +267,10 @@ def load_mooncake_sessions(path: str | Path, block_size: int = BLOCK_SIZE) -> Lo
                     joins.append((me, str(child)))
                 index[(sid, pos)] = me
                 parents.append(par)
-                turns.append(Turn(input_tokens=prompt - context, output_tokens=out,
-                                  context_tokens=context, block_hashes=hashes or None))
-                prev_rec = d
+                turn = Turn(input_tokens=new, output_tokens=out, context_tokens=context,
+                            block_hashes=hashes or None)
+                turns.append(turn)
+                prev, prev_rec = turn, d
         for me, child in joins:  # the sub-agents' last calls, now that every session is read
             parents[me] = (*(parents[me] or ()), index[(child, len(sessions[child]) - 1)])
         # each turn's delay is the tool time of the turn it waits for (its first parent)
@@ -298,9 +297,8 @@ def load_mooncake_sessions(path: str | Path, block_size: int = BLOCK_SIZE) -> Lo
     notes = [f"mooncake sessions: {n:,} calls in {len(sessions):,} sessions grouped by "
              f"session_id into {len(workflows):,} workflows (sub-agent sessions, named by "
              "parent_session_id, are DAG branches of their root's workflow)",
-             f"mooncake sessions: context_tokens = leading hash_ids shared with the session's "
-             f"previous call × {block_size} (without hashes: its prompt + output), capped at "
-             f"prompt − 1 ({capped} capped)",
+             "mooncake sessions: a later call's context = the previous call's prompt + output "
+             "(AIPerf's multi-turn history); its input = input_length",
              "mooncake sessions: each 'delay' is the tool/think time after the call it waits "
              "for: one ToolCall(name='delay', status='unknown') on that call"]
     if clamped:

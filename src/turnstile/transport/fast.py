@@ -70,6 +70,7 @@ class EngineLost(ConnectionError):
 class _Conn:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
+    dropped: bool = False
 
     def usable(self) -> bool:
         return not self.reader.at_eof() and not self.writer.is_closing()
@@ -80,6 +81,7 @@ class _Conn:
 
     def abort(self) -> None:
         """Drop the connection now (no FIN handshake): a pending read sees EOF at once."""
+        self.dropped = True
         with contextlib.suppress(Exception):
             self.writer.transport.abort()
 
@@ -225,9 +227,9 @@ class FastHttpClient:
         """The engine is gone: drop every connection, in flight or idle. A request waiting for
         its response fails with :class:`EngineLost`, a body being read with
         :class:`EngineLost` too (:class:`BrokenResponse` semantics: bytes may have arrived).
-        Returns the number of requests dropped."""
+        Returns the number of requests dropped (not counting those dropped before)."""
         self.aborts += 1
-        busy = list(self._busy)
+        busy = [c for c in self._busy if not c.dropped]
         for conn in busy:
             conn.abort()
         while self._idle:

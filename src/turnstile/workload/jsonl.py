@@ -218,6 +218,24 @@ def _iter_lines(p: str, f: IO[str]) -> Iterator[Workflow]:
         yield wf
 
 
+def check_workload_file(path: str | Path, *, allow_torn_tail: bool = False) -> int:
+    """Check a whole workload file (header and every line) without keeping it; return how many
+    workflows it holds. ``allow_torn_tail``: ignore a last line without its newline (a writer
+    killed mid-line, which an appending recorder cuts). Raises :class:`WorkloadFormatError`;
+    never modifies the file."""
+    import io
+
+    data = Path(path).read_bytes()
+    if allow_torn_tail and not data.endswith(b"\n"):
+        data = data[: data.rfind(b"\n") + 1]
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise WorkloadFormatError(str(path), data[: e.start].count(b"\n") + 1, "<line>",
+                                  "not UTF-8 text") from None
+    return sum(1 for _ in _iter_lines(str(path), io.StringIO(text)))
+
+
 def read_workload(path: str | Path) -> list[Workflow]:
     return list(iter_workload(path))
 

@@ -8,6 +8,7 @@ validated once, at load time, by :mod:`turnstile.workload.jsonl`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Literal
@@ -104,6 +105,17 @@ class Workflow:
 #: the most tokens (prompt + output) one turn may have: ten times the longest context any
 #: model serves today; more is a corrupt record, rejected when loaded, not half-way through a run
 MAX_TURN_TOKENS = 10_000_000
+
+
+def check_turn_sizes(workflows: Iterable[Workflow], source: object) -> None:
+    """Raise ``ValueError`` naming ``source`` when a turn has more than :data:`MAX_TURN_TOKENS`
+    (every trace loader's output goes through this, not only the JSONL reader's checks)."""
+    for wf in workflows:
+        for i, t in enumerate(wf.turns):
+            n = t.prompt_tokens + t.output_tokens
+            if n > MAX_TURN_TOKENS:
+                raise ValueError(f"{source}: workflow {wf.id} turn {i} has {n:,} tokens (prompt "
+                                 f"+ output), over the limit of {MAX_TURN_TOKENS:,} per turn")
 
 
 def validate_workflow(wf: Workflow) -> list[str]:

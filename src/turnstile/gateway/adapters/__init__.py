@@ -20,6 +20,7 @@ byte arrived, so a completed turn is never run twice. Anything else surfaces as
 """
 
 from turnstile.gateway.adapters.base import (
+    FEATURES,
     EngineAdapter,
     EngineStats,
     ForwardHints,
@@ -40,6 +41,7 @@ from turnstile.gateway.adapters.kinds import (
 
 __all__ = [
     "ADAPTERS",
+    "FEATURES",
     "EngineAdapter",
     "EngineStats",
     "ForwardHints",

@@ -21,6 +21,7 @@ from turnstile.transport.fast import BrokenResponse, EngineLost
 from turnstile.transport.retry import RetryRule
 
 __all__ = [
+    "FEATURES",
     "EngineAdapter",
     "EngineStats",
     "ForwardHints",
@@ -33,6 +34,13 @@ __all__ = [
 
 JSON_HEADERS = {"content-type": "application/json"}
 log = logging.getLogger("turnstile.gateway")
+
+#: engine features a policy may rely on (:meth:`EngineAdapter.check_config` says which it has):
+#: ``priority`` — the request's admission priority orders the engine's queue; ``cached_tokens``
+#: — the usage reports the prompt tokens served from the prefix cache; ``prefix_caching`` —
+#: the engine reuses a session's KV for its next turn; ``slot_pinning`` — a session's KV can be
+#: pinned, offloaded and restored (retention decisions)
+FEATURES = ("priority", "cached_tokens", "prefix_caching", "slot_pinning")
 
 
 class UpstreamError(Exception):
@@ -185,6 +193,18 @@ class EngineAdapter:
             read_timeout_s=read_timeout_s, control_timeout_s=control_timeout_s,
             retry=RetryRule(retries=retries, backoff_s=0.0),
         )
+        #: health checks open a new connection each time: a server that stopped listening
+        #: (shutting down, its kept-alive connections maybe silent) is found at once
+        self._owns_health = client is None
+        self._health_client = client or httpx.AsyncClient(
+            timeout=self.transport.control_timeout,
+            limits=httpx.Limits(max_keepalive_connections=0))
+        #: what :meth:`check_config` found, per :data:`FEATURES` name: True (the engine does
+        #: it), False (it ignores it), None (unknown); with :attr:`config_notes`, the evidence
+        self.features: dict[str, bool | None] = dict.fromkeys(FEATURES)
+        self.config_notes: dict[str, str] = {}
+        #: the longest context (prompt + output tokens) the engine accepts, where it says
+        self.max_model_len: int | None = None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id} {self.base_url}>"
@@ -193,8 +213,19 @@ class EngineAdapter:
     async def start(self) -> None:
         """Discover what the engine offers (slots, …); called once, errors are not fatal."""
 
+    async def check_config(self) -> None:
+        """Learn what the engine is configured to do (:attr:`features`, :attr:`max_model_len`)
+        from its endpoints or a probe; called once at start, after :meth:`start`. Errors are
+        not fatal (the facts stay unknown). The base class knows nothing."""
+
+    def config_hint(self, feature: str) -> str:
+        """How to turn ``feature`` on for this kind of engine (for the warning)."""
+        return ""
+
     async def aclose(self) -> None:
         await self.transport.aclose()
+        if self._owns_health:
+            await self._health_client.aclose()
 
     # ------------------------------------------------------------------ forwarding
     def prepare(self, body: dict[str, Any], hints: ForwardHints) -> dict[str, Any]:
@@ -311,16 +342,19 @@ class EngineAdapter:
         return await self.health_state() == "up"
 
     async def health_state(self) -> str:
-        """``"up"`` (the health endpoint answered 200); ``"down"`` (refused, reset, or a
-        non-200 answer: the engine is not serving); ``"silent"`` (no answer within the
-        control timeout: hung, or only slow)."""
+        """``"up"`` (the health endpoint answered 200); ``"gone"`` (connection refused or
+        reset: no server there any more); ``"unhealthy"`` (it answered, not 200: loading,
+        draining or broken); ``"silent"`` (no answer within the control timeout: hung, or
+        only slow)."""
         try:
-            resp = await self._get(self.health_path)
+            resp = await self._health_client.get(self.base_url + self.health_path,
+                                                 headers=self.transport.headers,
+                                                 timeout=self.transport.control_timeout)
         except httpx.TimeoutException:
             return "silent"
         except httpx.HTTPError:
-            return "down"
-        return "up" if resp.status_code == 200 else "down"
+            return "gone"
+        return "up" if resp.status_code == 200 else "unhealthy"
 
     async def models(self) -> list[str]:
         """Model ids served (``GET /v1/models``); empty when unknown."""

@@ -3,6 +3,7 @@ other OpenAI-compatible server; :func:`make_adapter` picks one by name."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections.abc import Mapping
@@ -80,6 +81,15 @@ class LlamaCppAdapter(EngineAdapter):
             except (httpx.HTTPError, ValueError, AttributeError, TypeError):
                 n = 0
         self.slots = [_Slot(i) for i in range(int(n or 0))]
+
+    async def check_config(self) -> None:
+        # llama-server has no request priority; it reports cached tokens and keeps a slot's
+        # prompt with cache_prompt; pinning needs the slots it reported (``--slots``)
+        self.features.update(priority=False, cached_tokens=True, prefix_caching=True,
+                             slot_pinning=bool(self.slots))
+        self.config_notes["priority"] = "llama-server has no request priority"
+        if not self.slots:
+            self.config_notes["slot_pinning"] = "GET /slots reported no slots"
 
     def prepare(self, body: dict[str, Any], hints: ForwardHints) -> dict[str, Any]:
         out = dict(body)
@@ -189,6 +199,63 @@ class VllmAdapter(EngineAdapter):
         out["priority"] = _int_priority(hints.priority, self.priority_scale)
         return out
 
+    async def check_config(self) -> None:
+        """``/v1/models`` (max_model_len), ``/metrics`` (cache_config_info: prefix caching),
+        ``/server_info`` where the server runs with ``VLLM_SERVER_DEV_MODE=1`` (the scheduling
+        policy), and a one-token probe request (whether its usage has cached-token details).
+        vLLM 0.32 accepts ``priority`` under any scheduling policy and ignores it unless the
+        server runs ``--scheduling-policy priority``: without /server_info that stays unknown,
+        unless the engine option ``priority`` says so."""
+        f, notes = self.features, self.config_notes
+        f["slot_pinning"] = False
+        notes["slot_pinning"] = "vLLM has no per-session KV pinning or offload API"
+        model = None
+        with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError, TypeError):
+            resp = await self._get("/v1/models")
+            for m in resp.json().get("data") or ():
+                model = model or m.get("id")
+                if isinstance(m.get("max_model_len"), int):
+                    self.max_model_len = m["max_model_len"]
+        with contextlib.suppress(httpx.HTTPError):
+            resp = await self._get("/metrics")
+            if resp.status_code == 200:
+                found = _PREFIX_CACHING.search(resp.text)
+                if found:
+                    f["prefix_caching"] = found.group(1) == "True"
+                    notes["prefix_caching"] = f"/metrics: enable_prefix_caching={found.group(1)}"
+        with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError, TypeError):
+            # its first answer takes seconds (vLLM collects its environment: 4.7 s measured)
+            resp = await self.transport.get("/server_info?config_format=json", timeout=20.0)
+            if resp.status_code == 200:
+                cfg = resp.json()["vllm_config"]
+                policy = cfg["scheduler_config"]["policy"]
+                f["priority"] = policy == "priority"
+                notes["priority"] = f"/server_info: scheduling policy {policy!r}"
+        if f["priority"] is None and "priority" in self.options:
+            f["priority"] = bool(self.options["priority"])
+            notes["priority"] = f"engine option priority = {f['priority']}"
+        if model is not None:
+            with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError, TypeError):
+                resp = await self._post_json("/v1/completions", {
+                    "model": model, "prompt": "turnstile probe", "max_tokens": 1})
+                if resp.status_code == 200:
+                    usage = resp.json().get("usage") or {}
+                    f["cached_tokens"] = isinstance(usage.get("prompt_tokens_details"), dict)
+                    notes["cached_tokens"] = ("probe: usage has prompt_tokens_details"
+                                              if f["cached_tokens"] else
+                                              "probe: usage has no prompt_tokens_details")
+
+    def config_hint(self, feature: str) -> str:
+        return {
+            "priority": "start vLLM with --scheduling-policy priority (then set the engine "
+                        "option priority = true, or run it with VLLM_SERVER_DEV_MODE=1 so "
+                        "turnstile can read /server_info)",
+            "cached_tokens": "start vLLM with --enable-prompt-tokens-details",
+            "prefix_caching": "start vLLM with --enable-prefix-caching",
+            "slot_pinning": "retention decisions are no-ops on vLLM; its prefix cache keeps a "
+                            "paused session's blocks until evicted (LRU)",
+        }.get(feature, "")
+
     # vLLM finishes the requests it drops (shutdown, engine error) with these reasons, as a 200
     def aborted_reply(self, reply: Any) -> bool:
         choices = reply.get("choices") if isinstance(reply, dict) else None
@@ -210,6 +277,7 @@ class VllmAdapter(EngineAdapter):
 
 
 _VLLM_ABORTED = ("abort", "error")
+_PREFIX_CACHING = re.compile(r'vllm:cache_config_info\{[^}]*enable_prefix_caching="(\w+)"')
 
 
 def _int_priority(priority: float, scale: float) -> int:
@@ -239,6 +307,12 @@ class SglangAdapter(EngineAdapter):
         "sglang:generation_tokens_total": "output_tokens",
     }
 
+    async def check_config(self) -> None:
+        self.features.update(priority=bool(self.options.get("priority", False)),
+                             slot_pinning=False)
+        self.config_notes["priority"] = "sent only with the engine option priority = true"
+        self.config_notes["slot_pinning"] = "no per-session KV pinning API"
+
     def prepare(self, body: dict[str, Any], hints: ForwardHints) -> dict[str, Any]:
         if not self.options.get("priority", False):
             return body
@@ -255,6 +329,11 @@ class OpenAIAdapter(EngineAdapter):
     kind = "openai"
     health_path = "/v1/models"
     metrics_path = None
+
+    async def check_config(self) -> None:
+        self.features.update(priority=False, slot_pinning=False)
+        self.config_notes["priority"] = "the generic adapter sends no priority"
+        self.config_notes["slot_pinning"] = "no KV API"
 
 
 ADAPTERS: dict[str, type[EngineAdapter]] = {

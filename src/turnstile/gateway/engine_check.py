@@ -1,0 +1,84 @@
+"""The engines' configuration against the chosen policies, checked once at start.
+
+A policy may rely on something an engine ignores without a word: vLLM accepts a request's
+``priority`` and drops it unless started with ``--scheduling-policy priority``; without
+``--enable-prompt-tokens-details`` its usage has no cached tokens (hit rates read 0); no vLLM
+can pin a session's KV (retention decisions). Each adapter says what its engine does
+(:meth:`EngineAdapter.check_config`: True, False or unknown); this module says what the policies
+need, logs one warning per engine and feature that is missing (or, for priority, cannot be
+confirmed), and keeps the verdicts for ``/metrics``
+(``turnstile_engine_config_warning{engine,feature}``).
+
+Retention on an engine that cannot pin (vLLM) is not an error: its decisions become no-ops there
+(the driver sends them only to adapters that act on them), and the log says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from turnstile.gateway.adapters import EngineAdapter
+from turnstile.policies import PolicySet
+
+__all__ = ["check_engines", "policy_needs"]
+
+log = logging.getLogger("turnstile.gateway")
+
+#: routing policies that place a session where its KV is (they rely on prefix caching)
+KV_ROUTING = frozenset({"kv-affinity", "composite", "composite-noshadow", "cmlfq",
+                        "cmlfq-adaptive"})
+
+
+def _name(policy: object) -> str:
+    return str(getattr(policy, "name", type(policy).__name__))
+
+
+def policy_needs(policies: PolicySet) -> dict[str, str]:
+    """Feature → why the chosen policies need it (see :data:`adapters.base.FEATURES`)."""
+    needs = {"cached_tokens": "prefix-hit telemetry (/metrics, replay hit rates) and the "
+                              "scheduler's cached-token records read it"}
+    admission = _name(policies.admission)
+    if admission != "fcfs":
+        needs["priority"] = f"admission policy {admission!r} orders the engine's queue by priority"
+    routing = _name(policies.routing)
+    if routing in KV_ROUTING:
+        needs["prefix_caching"] = f"routing policy {routing!r} sends a session to its cached KV"
+    retention = _name(policies.retention)
+    if retention != "lru":
+        needs["slot_pinning"] = f"retention policy {retention!r} pins or offloads KV across " \
+                                "tool calls"
+    return needs
+
+
+def check_engines(policies: PolicySet, adapters: Mapping[str, EngineAdapter]
+                  ) -> dict[str, dict[str, str | None]]:
+    """Engine → needed feature → the warning logged (None: the engine does it). Logs each
+    warning once."""
+    needs = policy_needs(policies)
+    out: dict[str, dict[str, str | None]] = {}
+    for eid, a in adapters.items():
+        verdicts: dict[str, str | None] = {}
+        for feature, why in needs.items():
+            state = a.features.get(feature)
+            # unknown is worth a warning only where an engine may drop it silently
+            if state or (state is None and feature != "priority"):
+                verdicts[feature] = None
+                continue
+            note = a.config_notes.get(feature)
+            hint = a.config_hint(feature)
+            if feature == "slot_pinning" and state is False:
+                msg = (f"engine {eid} ({a.kind}) cannot pin or offload KV ({note}): "
+                       f"{why}, and its decisions are no-ops there. {hint}")
+            elif state is False:
+                msg = (f"engine {eid} ({a.kind}) ignores {feature} ({note}), but {why}. "
+                       f"{hint}")
+            else:
+                msg = (f"engine {eid} ({a.kind}): cannot confirm {feature}, and {why}. "
+                       f"{hint}")
+            verdicts[feature] = msg.strip()
+            log.warning("%s", verdicts[feature])
+        out[eid] = verdicts
+        if a.max_model_len is not None:
+            log.info("engine %s accepts contexts up to %d tokens", eid, a.max_model_len)
+    return out
