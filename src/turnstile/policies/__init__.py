@@ -19,6 +19,7 @@ from turnstile.core.interfaces import (
 # importing the modules registers their policies
 from turnstile.policies import (  # noqa: F401
     admission,
+    auto,
     buckets,
     cmlfq,
     cvar,
@@ -29,7 +30,7 @@ from turnstile.policies import (  # noqa: F401
 )
 from turnstile.policies.base import ADMISSION, RELEASE, RETENTION, ROUTING
 
-DEFAULTS = {"release": "eager", "routing": "kv-affinity", "admission": "fcfs", "retention": "lru"}
+DEFAULTS = {"release": "auto", "routing": "kv-affinity", "admission": "fcfs", "retention": "lru"}
 _BY_KIND = {"release": RELEASE, "routing": ROUTING, "admission": ADMISSION, "retention": RETENTION}
 
 
