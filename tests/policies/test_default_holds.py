@@ -58,7 +58,7 @@ def test_default_policy_never_holds_past_its_bound_while_an_engine_is_idle_with_
         wfs: list[Workflow], engines: int, kv_k: int, slots: int) -> None:
     # every request fits an engine (a slot) on its own: contention, never an impossible turn
     need = max(t.prompt_tokens + t.output_tokens for w in wfs for t in w.turns)
-    kv = max(kv_k * 1000, need * max(slots, 1))
+    kv = max(kv_k * 1000, (need + 64) * max(slots, 1))  # + a block of rounding
     group = EngineGroup(count=engines, kv_tokens=kv, kv_slots=slots,
                         max_num_seqs=slots or 256)
     policies = PolicySet.from_spec(DEFAULTS["release"])

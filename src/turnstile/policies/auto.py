@@ -1,38 +1,37 @@
-"""``auto``: the default release policy — ``cvar``'s order, holding only where the regime
-justifies it.
+"""``auto``: the default release policy — ``cvar``'s KV gate and order, holding a ready turn
+only where the regime justifies it (``docs/policies.md``).
 
 ``cvar`` (WSPT order with tail weights, a released-work budget, a KV gate for new workflows)
-wins where engines contend for KV, and loses where they do not: measured on workloads it was
-never tuned on, it held ready turns for minutes while engines had room, its gate shrank on
-prefix misses that no gate can prevent, and its hold limits (600 s, 3,600 s for the gate) were
-fixed numbers unrelated to the workload. ``auto`` keeps cvar's order and mechanisms and changes
-*when a hold is allowed* (see ``docs/policies.md``):
+wins where engines contend for KV and loses where they do not: on workloads it was never tuned
+on it held ready turns for minutes while engines had room (its budget counts decode tokens 8x,
+so a few long outputs fill it), its gate shrank on prefix misses no gate can prevent, and its
+hold limits (600 s; 3,600 s at the gate) were fixed numbers unrelated to the workload. ``auto``:
 
-1. **Room means release.** A ready turn is released whenever some engine has room for it: the
-   engine takes new work, has a free slot (or holds the turn's own session), and its KV demand
-   — released work plus the contexts of sessions paused there — leaves room for the turn's
-   prompt and expected output without evicting a paused session (:meth:`AutoRelease.has_room`).
-   Holding it could neither protect KV nor save a wait. Engines of unknown KV capacity have
-   room unless they report a queue. Only when no engine has room do cvar's budget and gate
-   decide, and then the hold names what it protects: the paused sessions' KV.
-2. **The gate shrinks only on evictions.** cvar adapts its gate (``kv_fill``) on every context
-   token the prefix cache missed. Many misses are not evictions — a session moved to another
-   engine, a prompt whose blocks the engine names differently than the last turn's (measured:
-   19% of context tokens missed on one uncontended engine replaying mini-swe-agent sessions) —
-   and a gate cannot prevent them. ``auto`` counts a miss only when the turn ran on the engine
-   its session paused on *and* that engine's KV demand exceeded its capacity during the pause
-   (an eviction the gate could have prevented); with no such misses the gate opens up to full
-   capacity.
-3. **Holds are bounded by the workload's own times.** A turn held longer than
-   :meth:`AutoRelease.hold_bound_s` — ``hold_frac`` × the median flow time of recent workflows,
-   at least ``4 ×`` the median turn time (release → finish), ``boot_hold_s`` before any turn
-   finished — is released whatever the budget and gate say. The same bound covers new
-   workflows at the gate (cvar: 3,600 s).
-4. **No starvation behind one large prompt.** The gate admits new workflows oldest first but
-   lets a later one that fits pass one that does not (the one that does not is bounded by 3).
+1. **Started workflows are not held.** A turn of a workflow that has run before goes at once
+   (in WSPT order when several are ready): its context is already in an engine's KV, and
+   holding it only lets that KV age out (``hold_started=True`` holds it while every engine
+   would queue it; measured worse). No budget.
+2. **New workflows pass the KV gate** (cvar's rule 5): admitted, oldest first, while some
+   engine's KV demand — released work plus the contexts of the sessions paused in tool calls —
+   leaves room for the prompt within ``kv_fill`` x its capacity, and, at full capacity, for the
+   prompt and expected output without evicting a paused session (:meth:`has_room`); or when an
+   engine is idle with a free slot. The KV a hold protects is named: the paused sessions'
+   contexts plus the headroom ``(1 - kv_fill)`` x capacity their growth needs. A later new
+   workflow that fits may pass one that does not (no stall behind one large prompt).
+3. **The gate shrinks only on evictions.** cvar adapts ``kv_fill`` on every context token the
+   prefix cache missed. Many misses are not evictions — a session moved to another engine, a
+   prompt whose blocks are named differently than the last turn's (measured: 19% of context
+   tokens missed on one uncontended engine replaying mini-swe-agent sessions) — and no gate
+   can prevent them. ``auto`` counts a miss only when the turn ran on the engine its session
+   paused on and that engine's KV demand exceeded its capacity during the pause.
+4. **Holds are bounded by the workload's own times**: :meth:`hold_bound_s` — ``hold_frac`` x
+   the median flow time (net of holds) of recent workflows, at least ``turn_hold_factor`` x the
+   median turn time (release -> finish), ``boot_hold_s`` before any turn finished. A turn held
+   that long goes, whatever the gate says.
 
-Everything else (WSPT index, tail weights, output estimates, budget adaptation on engine-queue
-waits, slot awareness, sessions taken as done) is cvar's.
+Unknown KV capacity (a gateway told no ``kv_tokens``): no gate; every turn goes unless the
+engine reports a queue. Everything else (WSPT index, tail weights, output estimates, slot
+awareness, sessions taken as done) is cvar's.
 """
 
 from __future__ import annotations
@@ -57,8 +56,7 @@ class AutoRelease(CvarRelease):
         boot_hold_s: float = 5.0,
         turn_hold_factor: float = 4.0,
         gate_scan: int = 16,
-        use_budget: bool = False,
-        started_protect: bool = False,
+        hold_started: bool = False,
         net_flow: bool = True,
         **kw: float,
     ) -> None:
@@ -70,11 +68,10 @@ class AutoRelease(CvarRelease):
         self.turn_hold_factor = turn_hold_factor
         #: how many new workflows that do not fit the gate may be passed over by one that does
         self.gate_scan = gate_scan
-        #: also release under cvar's released-work budget when no engine has room
-        self.use_budget = use_budget
-        #: hold a started workflow's turn to protect other sessions' paused KV (else only
-        #: while it would queue at the engine)
-        self.started_protect = started_protect
+        #: also hold a started workflow's turn while every engine would queue it, in WSPT
+        #: order (off by default: measured, it let held sessions' KV age out of the cache —
+        #: 87% of context tokens missed on a long-context family at 3x load)
+        self.hold_started = hold_started
         #: the bound scales with flow times net of the workflows' own holds (no feedback)
         self.net_flow = net_flow
         self._held_s: dict[str, float] = {}  # per workflow: seconds its turns were held
@@ -109,13 +106,16 @@ class AutoRelease(CvarRelease):
         return max(0.0, now - expiry[0][0]) if expiry else 0.0
 
     # ------------------------------------------------------------ room
-    def has_room(self, turn: TurnRecord, view: ClusterView, protect: bool = True) -> bool:
-        """Some engine would start ``turn`` now: it takes work, has a free slot (or holds the
-        turn's session), and its released work leaves room in its KV for the prompt and
-        expected output — with ``protect``, beside the contexts of the sessions paused there
-        too (it would evict none of them). Unknown capacity: room unless it reports a queue."""
+    def evict_cost_s(self, turn: TurnRecord, view: ClusterView) -> float:
+        """What releasing ``turn`` now costs the sessions paused in tool calls, in seconds of
+        re-prefill: over the engines that take work, have a free slot (or hold its session)
+        and KV for it beside their released work, the least of (paused context it would push
+        out of KV) × (the engine's prefill time per token). 0: some engine has room without
+        evicting anyone; ``inf``: every engine would queue it. Unknown capacity: 0 unless the
+        engine reports a queue."""
         wf = turn.workflow
         need = turn.prompt_tokens + self.outputs.expect(turn)
+        best = math.inf
         for e in view.values():
             if not (e.healthy and e.accepting):
                 continue
@@ -124,16 +124,21 @@ class AutoRelease(CvarRelease):
                 continue
             if e.capacity_tokens <= 0:
                 if e.queue_len <= 0:
-                    return True
+                    return 0.0
                 continue
-            free = e.capacity_tokens - e.outstanding_tokens
-            if protect:
-                free -= e.paused_context_tokens
-            elif own:
-                free += wf.paused_tokens  # its own context is not counted twice below
-            if need - (wf.paused_tokens if own else 0) <= free:
-                return True
-        return False
+            free = e.capacity_tokens - e.outstanding_tokens  # what running work leaves
+            if need > free:
+                continue  # it would queue here
+            others = e.paused_context_tokens - (wf.paused_tokens if own else 0)
+            evicted = need + others - free  # paused KV beyond what the engine holds
+            if evicted <= 0:
+                return 0.0
+            best = min(best, evicted * e.prefill_s_per_token)
+        return best
+
+    def has_room(self, turn: TurnRecord, view: ClusterView) -> bool:
+        """Some engine would start ``turn`` now without evicting a paused session."""
+        return self.evict_cost_s(turn, view) == 0.0
 
     def _watch_overflow(self, view: ClusterView, now: float) -> None:
         for e in view.values():
@@ -169,19 +174,18 @@ class AutoRelease(CvarRelease):
             _, seq, turn = heapq.heappop(expiry)
             if self._valid(seq, turn):
                 yield self._take(seq, turn, now)  # held as long as the bound allows
-        budget = self.budget(view) - view.peer_released_tokens
         while True:  # turns of started workflows, by WSPT index
             best = self._best()
             if best is None:
                 break
-            w, seq, turn = best
-            if not (self.use_budget and self.released_work + w <= budget) and not (
-                    view.any_idle() or self.has_room(turn, view, self.started_protect)):
-                break
+            _, seq, turn = best
+            if self.hold_started and not view.any_idle() and math.isinf(
+                    self.evict_cost_s(turn, view)):
+                break  # every engine would queue it: it waits here, in WSPT order
             yield self._take(seq, turn, now)
-        yield from self._admit_new(view, now, budget)
+        yield from self._admit_new(view, now)
 
-    def _admit_new(self, view: ClusterView, now: float, budget: float) -> Iterator[TurnRecord]:
+    def _admit_new(self, view: ClusterView, now: float) -> Iterator[TurnRecord]:
         """New workflows, oldest first; one that fits may pass up to ``gate_scan`` that do
         not."""
         gate = self._gate
@@ -190,12 +194,9 @@ class AutoRelease(CvarRelease):
             seq, turn = gate.popleft()
             if not self._valid(seq, turn):
                 continue
-            w = self._work[seq]
             started = turn.workflow.id in self._active  # a DAG's second root
             fits = (started or self.idle_with_free_slot(view, now)
-                    or (turn.prompt_tokens <= self.kv_room(view)
-                        and ((self.use_budget and self.released_work + w <= budget)
-                             or self.has_room(turn, view))))
+                    or (turn.prompt_tokens <= self.kv_room(view) and self.has_room(turn, view)))
             if fits:
                 yield self._take(seq, turn, now)
             else:

@@ -112,8 +112,8 @@ class CmlfqRouting:
     ``min_obs``, ``max_depth``: the prefix trees; ``rebuild_every``: RL steps between tree
     rebuilds (sessions of unknown step: every ``rebuild_every_done`` finished trajectories);
     ``history``: recent trajectories the trees are rebuilt from; ``cap``: open trajectories per
-    engine past which least connections looks elsewhere in the bucket; ``balance``: a move
-    into a larger bucket whose least-loaded engine holds more than one open trajectory per
+    engine past which least connections looks elsewhere in the bucket; ``balance``: a start or
+    a move into a bucket whose least-loaded engine holds more than one open trajectory per
     GPU above the pool's average is not made (the trajectory stays on the engine holding its
     KV, or takes the least-loaded engine per GPU) — Libra moves regardless, which piles long
     trajectories onto a small bucket (``balance=False`` restores it).
@@ -189,11 +189,13 @@ class CmlfqRouting:
         if home is not None and levels.level_of[home.id] == level:
             return home.id
         dest = least_open(levels.nearest(level), cap=self.cap)
-        if self.balance and level > 0 and not _within_share(dest, levels):
-            # the bucket is oversubscribed: moving there would queue the trajectory behind
+        if self.balance and not _within_share(dest, levels):
+            # the bucket is oversubscribed: placing the trajectory there would queue it behind
             # more open trajectories per GPU than the pool has on average (measured: with the
             # planner's TP1×10 + TP2×1 mix every long trajectory piled onto the one TP2 engine,
-            # 0.26× least-open); stay where the KV is, or take the least-loaded engine
+            # 0.26× least-open; and every start in the smallest bucket left the larger ones
+            # idle, so the planner chose a mix of TP1 engines slower than least-open's); stay
+            # where the KV is, or take the least-loaded engine
             if home is not None:
                 return home.id
             dest = least_open([e for es in levels for e in es], weighted=True)
