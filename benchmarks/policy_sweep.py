@@ -176,6 +176,36 @@ def ratios(result: dict[str, Any], base: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def markdown(results: list[dict[str, Any]], base: str = "eager") -> str:
+    """Per half, one row per cell: eager's contention share, then per policy P95 / mean /
+    TTFT P95 ratios to eager (eager / policy), and the geometric mean of the P95 ratios."""
+    specs = [s for s in results[0]["policies"] if s != base]
+    lines = []
+    for half, fams in HALVES.items():
+        rows = [r for r in results if r["cell"]["family"] in fams]
+        if not rows:
+            continue
+        lines.append(f"\n**{half} half** (ratios eager/policy, P95 / mean / TTFT P95; > 1 is "
+                     "better)\n")
+        lines.append("| family | load | engines | eager queue+recompute | "
+                     + " | ".join(specs) + " |")
+        lines.append("|---|---|---|---|" + "---|" * len(specs))
+        for r in rows:
+            c, rs = r["cell"], ratios(r, base)
+            cont = r["policies"][base].get("contention", float("nan"))
+            cells = [f"{rs[s]['p95']:.2f} / {rs[s]['mean']:.2f} / {rs[s]['ttft_p95']:.2f}"
+                     for s in specs]
+            lines.append(f"| {c['family']} | {c['load']} | {c['engines']}"
+                         f"{' slots' if c.get('slots') else ''} | {cont:.0%} | "
+                         + " | ".join(cells) + " |")
+        gms = []
+        for s in specs:
+            gm = float(np.exp(np.mean([math.log(ratios(r, base)[s]["p95"]) for r in rows])))
+            gms.append(f"{gm:.3f}")
+        lines.append("| geometric mean P95 | | | | " + " | ".join(gms) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--half", default="tune", help="tune, report, all or family names (comma)")
@@ -186,7 +216,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--policies", default="eager,cvar,cvar-fixed,plas")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("-o", "--out", type=Path)
+    p.add_argument("--table", type=Path, nargs="+", help="print results JSON as markdown")
     a = p.parse_args(argv)
+    if a.table:
+        res: list[dict[str, Any]] = []
+        for path in a.table:
+            res += json.loads(path.read_text())
+        print(markdown(res))
+        return
     if a.half == "all":
         fams = HALVES["tune"] + HALVES["report"]
     elif a.half in HALVES:

@@ -52,9 +52,9 @@ class AutoRelease(CvarRelease):
 
     def __init__(
         self,
-        hold_frac: float = 2.0,
+        hold_frac: float = 4.0,
         boot_hold_s: float = 5.0,
-        turn_hold_factor: float = 4.0,
+        turn_hold_factor: float = 10.0,
         gate_scan: int = 16,
         hold_started: bool = False,
         net_flow: bool = True,
