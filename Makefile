@@ -61,3 +61,10 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(COMPILED) build/compiled .pytest_cache .ruff_cache
+
+# The robustness suite (simulated): every policy on every workload family, cluster and load
+# (docs/robustness.md); `make robustness SUITE=quick` for the ≤ 3 min form CI runs.
+SUITE ?= full
+.PHONY: robustness
+robustness: $(STAMP)
+	$(BIN)/python benchmarks/robustness.py --suite $(SUITE) --out benchmarks/results/robustness-$(SUITE)

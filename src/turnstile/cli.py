@@ -72,7 +72,7 @@ def traces_info(
     loaded = _load(path, subset, progress=not json_out, group_by=group_by)
     summary = summarize(loaded.workflows)
     out = {"trace": loaded.name, "source": str(path), **summary,
-           "counts": loaded.counts, "notes": loaded.notes}
+           "counts": loaded.counts, "notes": loaded.notes, "warnings": loaded.warnings}
     if json_out:
         print(json.dumps(out, indent=2, default=float))
         return
@@ -89,6 +89,8 @@ def traces_info(
     console.print(table)
     for note in loaded.notes:
         console.print(f"[dim]note:[/] {note}")
+    for warning in loaded.warnings:
+        console.print(f"[bold yellow]warning:[/] {warning}")
 
 
 @traces_app.command("convert")
@@ -103,6 +105,8 @@ def traces_convert(
 
     loaded = _load(path, subset, progress=True, group_by=group_by)
     meta: dict[str, object] = {"source": str(path), "trace": loaded.name, "notes": loaded.notes}
+    if loaded.warnings:  # carried into the file: bench on it says them too
+        meta["warnings"] = loaded.warnings
     if loaded.hash_block_tokens:
         meta["hash_block_tokens"] = loaded.hash_block_tokens
     # write beside the target and rename: a failure never leaves a partial workload behind
@@ -163,6 +167,7 @@ def traces_fit(
 
 @app.command("bench")
 def bench(
+    ctx: typer.Context,
     trace: Annotated[
         str | None, typer.Option(help="Trace dir/file; omit for the built-in synthetic generator")
     ] = None,
@@ -175,8 +180,9 @@ def bench(
     model: Annotated[str, typer.Option(help="Model name, e.g. llama-3.1-8b")] = "llama-3.1-8b",
     tp: Annotated[int, typer.Option(min=1, help="Tensor parallelism per engine")] = 1,
     load: Annotated[
-        str, typer.Option(help="Offered load: light/medium/high/overload or a fraction of the "
-                          "estimated capacity")
+        str, typer.Option(help="Offered load as a fraction of the estimated capacity: a number "
+                          "or light (0.3), medium (0.7), high (1.2), overload (2.0); an "
+                          "estimate, not a measured saturation point (see --suite)")
     ] = "medium",
     rate: Annotated[
         float | None, typer.Option(help="Arrival rate in workflows/s (overrides --load)")
@@ -193,8 +199,31 @@ def bench(
     subset: Annotated[str | None, typer.Option(help="agentcgroup subset")] = None,
     seed: Annotated[int, typer.Option()] = 0,
     out: Annotated[Path | None, typer.Option(help="Write results.json and plots here")] = None,
+    suite: Annotated[
+        str | None, typer.Option(help="Run the robustness suite instead: quick (≤ 3 min) or "
+                                 "full (every family, cluster and load; docs/robustness.md)")
+    ] = None,
+    ray: Annotated[
+        str | None, typer.Option(help="--suite: run cells on Ray (auto, local or an ADDRESS)")
+    ] = None,
 ) -> None:
     """Simulate every policy on the same workload and compare them side by side (simulated)."""
+    if suite is not None:
+        from turnstile.bench.suite import run_with_progress
+
+        if suite not in ("quick", "full"):
+            raise _fail(f"--suite must be quick or full; got {suite!r}")
+        # --policies as given; its default means the suite's own set (plas, cvar, the default)
+        # (compared by name: typer may ship its own click)
+        source = ctx.get_parameter_source("policies")
+        given = getattr(source, "name", "DEFAULT") != "DEFAULT"
+        names = [p for p in policies.split(",") if p.strip()] if given else None
+        try:
+            run_with_progress(suite, out or Path(f"robustness-{suite}"), policies=names,
+                              seed=seed, ray=ray, console=console)
+        except (RuntimeError, ValueError) as e:
+            raise _fail(str(e)) from None
+        return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from turnstile.bench import runner
@@ -232,6 +261,10 @@ def bench(
         f"[bold]simulated[/] {len(wfs)} workflows from {trace_info['name']} "
         f"({rate_txt}, {trace_info['arrivals']}) on {engines}x {gpu} {model} TP{tp}"
     )
+    if trace_info.get("used"):
+        console.print(f"[dim]{trace_info['used']}[/]")
+    for warning in trace_info.get("warnings", []):
+        console.print(f"[bold yellow]warning:[/] {warning}")
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err_console, transient=True) as bar:
         task = bar.add_task("", total=len(wfs))

@@ -163,3 +163,20 @@ def test_format_count() -> None:
     assert format_count(12_345) == "12.3k"
     assert format_count(4_560_000) == "4.56M"
     assert format_count(0.5) == "0.5"
+
+
+def test_render_table_shows_mean_and_ttft_ratios_and_flags_harm_in_red(wf: Factory) -> None:
+    results = _results(wf)
+    # a policy whose P95 ties the baseline but whose TTFT P95 is twice as long
+    worse = {"policy": "slow-ttft", "metrics": {
+        "flow_time_s": dict(results[0]["metrics"]["flow_time_s"]),
+        "ttft_s": {"p95": 2 * results[0]["metrics"]["ttft_s"]["p95"]}}}
+    console = Console(record=True, width=240, color_system="truecolor")
+    render_table([results[0], worse], console)
+    text = console.export_text(styles=False, clear=False)
+    assert "mean vs first" in text and "TTFT P95 vs first" in text
+    assert "0.50×" in text and "1.00×" in text
+    styled = console.export_text(styles=True)
+    red = next(line for line in styled.splitlines() if "slow-ttft" in line)
+    assert "31m0.50×" in red
+    assert "31m1.00×" not in styled  # parity is not flagged

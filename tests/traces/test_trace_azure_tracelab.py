@@ -91,3 +91,33 @@ def test_tracelab_real(traces_dir: Path) -> None:
     assert [(t.name, t.duration_s) for t in first.tools] == [("Bash", 0.86), ("WebSearch", 19.291)]
     for wf in lt.workflows:
         assert validate_workflow(wf) == []
+
+
+def test_azure_folder_and_code_trace_label(fixtures_dir: Path, tmp_path: Path) -> None:
+    from turnstile.traces import load_trace
+
+    text = (fixtures_dir / "azure_tiny.csv").read_text()
+    conv = tmp_path / "conv"
+    conv.mkdir()
+    (conv / "AzureLLMInferenceTrace_conv.csv").write_text(text)
+    (conv / "SOURCE.md").write_text("about the trace\n")
+    by_dir = load_trace(conv)
+    by_file = load_azure_conv(fixtures_dir / "azure_tiny.csv")
+    assert by_dir.name == "azure:conv"
+    assert [w.turns for w in by_dir.workflows] == [w.turns for w in by_file.workflows]
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "AzureLLMInferenceTrace_code.csv").write_text(text)
+    for lt in (load_trace(code), load_trace(code / "AzureLLMInferenceTrace_code.csv")):
+        assert lt.name == "azure:code"
+        assert all(w.id.startswith("azure-code-") for w in lt.workflows)
+        assert lt.workflows[0].meta["source"] == "azure_llm_2023_code"
+    # both services in one folder: the conversation trace; two unrelated CSVs: ask for the file
+    (code / "AzureLLMInferenceTrace_conv.csv").write_text(text)
+    assert load_trace(code).name == "azure:conv"
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "a.csv").write_text(text)
+    (other / "b.csv").write_text(text)
+    with pytest.raises(ValueError, match="one Azure trace CSV"):
+        load_azure_conv(other)

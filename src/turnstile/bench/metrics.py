@@ -133,7 +133,10 @@ def compute_metrics(
     ``engine_stats``: per engine id, cumulative counters (see :data:`ENGINE_STAT_KEYS` for the
     names read, aliases included; every numeric counter is summed over engines into
     ``engine_totals``, under its canonical name). ``makespan_s``: the run's
-    duration, the denominator of every rate and of the GPU-hours (``num_gpus × makespan_s``).
+    duration, the denominator of every rate and of the GPU-hours (``num_gpus × makespan_s``);
+    it must end at the run's last completion (the simulator's ``SimResult.makespan_s`` does),
+    not at a policy timer still pending after it. ``last_completion_s`` (the latest turn
+    finish in the records) is reported beside it so a reader can check.
 
     SLOs: a turn meets TTFT when ``ttft <= slo_ttft_s`` and TPOT when ``tpot <= slo_tpot_s``
     (vacuously for single-token turns); ``goodput_tokens_per_s`` counts the output tokens of
@@ -254,6 +257,7 @@ def compute_metrics(
         "turns_unfinished": n_turns_total - n_done_turns,
         "output_tokens": output_tokens,
         "makespan_s": _float(makespan_s),
+        "last_completion_s": _float(finished.max()) if n_done_turns else None,
         "flow_time_s": summarize(flow),
         "ttft_s": summarize(ttft),
         "engine_ttft_s": summarize(engine_ttft),

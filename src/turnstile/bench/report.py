@@ -32,6 +32,7 @@ from turnstile import __version__
 from turnstile.bench.metrics import public_metrics
 
 __all__ = [
+    "HARM_RATIO",
     "RESULTS_FILE",
     "RESULTS_SCHEMA",
     "RESULTS_VERSION",
@@ -102,6 +103,18 @@ def p95_ratio(first_p95: float | None, p95: float | None) -> float | None:
     return first_p95 / p95
 
 
+#: a ratio vs the first row below this is flagged (red): this policy is worse than the
+#: baseline by more than the 3% the no-harm goal allows
+HARM_RATIO = 0.97
+
+
+def _ratio_cell(ratio: float | None) -> str:
+    if ratio is None:
+        return "–"
+    text = f"{ratio:.2f}×"
+    return f"[bold red]{text}[/]" if ratio < HARM_RATIO else text
+
+
 def render_table(
     results: Sequence[Mapping[str, Any]],
     console: Console | None = None,
@@ -111,35 +124,41 @@ def render_table(
     """Print one row per policy (in the given order) and return the table.
 
     "P95 vs first" is the first row's P95 flow time divided by this row's: > 1 means this
-    policy's tail is better than the first (the baseline, by convention).
+    policy's tail is better than the first (the baseline, by convention). "mean vs first" and
+    "TTFT P95 vs first" are the same ratio for the mean flow time and the TTFT P95: a policy can
+    keep the flow tail while its median or its first tokens suffer. A ratio below
+    :data:`HARM_RATIO` is printed in red.
     """
     table = Table(title=title, header_style="bold")
-    table.add_column("policy", style="bold")
+    # the policy spec is never cut: the numeric columns' headers wrap instead
+    width = max((len(str(r.get("policy", ""))) for r in results), default=6)
+    table.add_column("policy", style="bold", no_wrap=True, min_width=width)
     for name in ("flow P50", "flow P95", "flow P99", "flow mean", "TTFT P95"):
         table.add_column(name, justify="right")
     table.add_column("hit rate", justify="right")
     table.add_column("recomputed tok", justify="right")
     table.add_column("out tok/s", justify="right")
-    table.add_column("P95 vs first", justify="right")
-    first_p95: float | None = None
+    for name in ("P95 vs first", "mean vs first", "TTFT P95 vs first"):
+        table.add_column(name, justify="right")
+    first: tuple[Any, Any, Any] = (None, None, None)
     for i, result in enumerate(results):
         m = result.get("metrics", {})
         flow = m.get("flow_time_s", {}) or {}
-        p95 = flow.get("p95")
+        p95, mean, ttft = flow.get("p95"), flow.get("mean"), _get(m, "ttft_s", "p95")
         if i == 0:
-            first_p95 = p95
-        ratio = p95_ratio(first_p95, p95)
+            first = (p95, mean, ttft)
         table.add_row(
             str(result.get("policy", f"#{i}")),
             format_seconds(flow.get("p50")),
             format_seconds(p95),
             format_seconds(flow.get("p99")),
-            format_seconds(flow.get("mean")),
-            format_seconds(_get(m, "ttft_s", "p95")),
+            format_seconds(mean),
+            format_seconds(ttft),
             _pct(m.get("prefix_hit_rate")),
             format_count(m.get("recomputed_prefill_tokens")),
             format_count(_get(m, "throughput", "output_tokens_per_s")),
-            "–" if ratio is None else f"{ratio:.2f}×",
+            *(_ratio_cell(p95_ratio(f, v)) for f, v in zip(first, (p95, mean, ttft),
+                                                            strict=True)),
         )
     (console or Console()).print(table)
     return table

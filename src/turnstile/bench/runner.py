@@ -103,7 +103,8 @@ def load_base_workflows(spec: WorkloadSpec) -> tuple[list[Workflow], dict[str, A
     # know the unit
     hash_tokens = loaded.hash_block_tokens
     return loaded.workflows, {"path": str(path), "name": loaded.name, "sha256": digest,
-                              "notes": loaded.notes, "hash_block_tokens": hash_tokens}
+                              "notes": loaded.notes, "hash_block_tokens": hash_tokens,
+                              "warnings": list(loaded.warnings)}
 
 
 def build_workload(
@@ -112,7 +113,7 @@ def build_workload(
     base, info = load_base_workflows(spec)
     if spec.arrivals == "trace":
         wfs = sorted(base, key=lambda w: w.arrival_s)[: spec.workflows]
-        info.update(arrivals="trace", rate=None)
+        info.update(arrivals="trace", rate=None, used=workflows_used(len(wfs), len(base), True))
         return wfs, info
     if spec.arrivals != "poisson":
         raise ValueError(f"unknown arrival process {spec.arrivals!r}; use poisson or trace")
@@ -120,7 +121,23 @@ def build_workload(
     times = synth.poisson_arrivals(rate, spec.workflows, spec.seed)
     info.update(arrivals=f"poisson (real sessions superimposed on Poisson arrivals, seed "
                 f"{spec.seed})", rate=rate, offered_load=spec.load if spec.rate is None else None)
+    if spec.trace is not None:
+        info["used"] = workflows_used(spec.workflows, len(base), False)
     return synth.superimpose(base, times, seed=spec.seed), info
+
+
+def workflows_used(n: int, available: int, trace_arrivals: bool) -> str:
+    """One sentence: how many of the trace's workflows ``--workflows n`` used."""
+    if trace_arrivals:
+        return (f"--workflows {n:,}: the first {n:,} of the trace's {available:,} workflows "
+                "by arrival")
+    if n < available:
+        return (f"--workflows {n:,}: {n:,} of the trace's {available:,} workflows "
+                "(a seeded shuffle)")
+    if n == available:
+        return f"--workflows {n:,}: all {available:,} of the trace's workflows, once each"
+    return (f"--workflows {n:,}: the trace's {available:,} workflows, each replayed about "
+            f"{n / available:.1f} times (repeats get new ids)")
 
 
 def workload_digest(wfs: Sequence[Workflow]) -> str:

@@ -4,8 +4,12 @@
 
 * a directory of AgentCgroup sessions (``haiku/`` / ``glm47flash_local/`` subsets, a subset
   folder of ``<task>/attempt_<n>``, a task folder or one attempt folder) → :func:`load_agentcgroup`
-* ``*.csv`` (Azure LLM inference trace columns) → :func:`load_azure_conv`
+* ``*.csv`` (Azure LLM inference trace columns), or a folder holding
+  ``AzureLLMInferenceTrace_*.csv`` → :func:`load_azure_conv` (named ``azure:conv`` or
+  ``azure:code`` after the file)
 * ``*.jsonl[.gz]`` whose first line is a turnstile workload header → the workload file itself
+* ``*.jsonl[.gz]`` whose records have ``hash_ids`` and ``session_id`` (AIPerf's multi-turn
+  Mooncake format) → :func:`load_mooncake_sessions`
 * ``*.jsonl[.gz]`` whose records have ``hash_ids`` → :func:`load_mooncake`
 * ``*.jsonl[.gz]`` whose records have ``round_index`` → :func:`load_tracelab` (TraceLab's
   Claude Code and Codex session exports)
@@ -28,6 +32,7 @@ from turnstile.traces.agentcgroup import is_agentcgroup_dir, load_agentcgroup
 from turnstile.traces.azure import arrival_times, load_azure_conv
 from turnstile.traces.base import LoadedTrace, TraceFormatError, default_traces_dir, open_text
 from turnstile.traces.mooncake import load_mooncake
+from turnstile.traces.mooncake_sessions import load_mooncake_sessions
 from turnstile.traces.requestlog import load_request_log, looks_like_request_log
 from turnstile.traces.tracelab import load_tracelab
 from turnstile.traces.trajectory import is_trajectory_path, load_trajectories
@@ -38,6 +43,7 @@ SUPPORTED_FORMATS: tuple[str, ...] = (
     "an attempt folder with trace.jsonl[.gz])",
     "Azure LLM inference trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens)",
     "Mooncake JSON Lines (records with hash_ids)",
+    "AIPerf multi-turn Mooncake JSON Lines (records with session_id, hash_ids, delay)",
     "TraceLab round_trace JSON Lines (records with round_index): Claude Code / Codex sessions",
     "OpenAI-style request logs, JSON Lines (LiteLLM StandardLoggingPayload or spend logs, "
     "request/response pairs)",
@@ -64,6 +70,7 @@ def _load_workload_file(path: Path) -> LoadedTrace:
     turns = sum(len(w.turns) for w in workflows)
     meta = read_header(path).get("meta")
     block_tokens = meta.get("hash_block_tokens") if isinstance(meta, dict) else None
+    warnings = meta.get("warnings") if isinstance(meta, dict) else None
     return LoadedTrace(
         name=f"workload:{path.stem}",
         source=str(path),
@@ -76,6 +83,7 @@ def _load_workload_file(path: Path) -> LoadedTrace:
             "skipped": 0,
         },
         hash_block_tokens=block_tokens if isinstance(block_tokens, int) else 0,
+        warnings=[str(w) for w in warnings] if isinstance(warnings, list) else [],
     )
 
 
@@ -94,6 +102,8 @@ def load_trace(path: str | Path, progress: bool = False, **kw: Any) -> LoadedTra
             return load_agentcgroup(p, progress=progress, **kw)
         if is_trajectory_path(p):
             return load_trajectories(p, **kw)
+        if any(c.name.startswith("AzureLLMInferenceTrace") for c in p.iterdir()):
+            return load_azure_conv(p, **kw)
         raise _unsupported(p, "a directory that holds no AgentCgroup sessions or trajectories")
     name = p.name.lower()
     if is_trajectory_path(p):
@@ -111,6 +121,8 @@ def load_trace(path: str | Path, progress: bool = False, **kw: Any) -> LoadedTra
             if kw:
                 raise TypeError(f"workload files take no options, got {sorted(kw)}")
             return _load_workload_file(p)
+        if "hash_ids" in first and "session_id" in first:
+            return load_mooncake_sessions(p, **kw)
         if "hash_ids" in first:
             return load_mooncake(p, **kw)
         if "round_index" in first:
@@ -132,6 +144,7 @@ __all__ = [
     "load_agentcgroup",
     "load_azure_conv",
     "load_mooncake",
+    "load_mooncake_sessions",
     "load_request_log",
     "load_trace",
     "load_tracelab",

@@ -81,9 +81,37 @@ def arrival_times(path: str | Path) -> np.ndarray:
     return out
 
 
+def service_of(path: Path) -> str:
+    """``code`` for the code-completion trace (``AzureLLMInferenceTrace_code*.csv``), else
+    ``conv`` (the conversation service)."""
+    return "code" if "code" in path.name.lower() else "conv"
+
+
+def find_azure_csv(folder: Path) -> Path:
+    """The Azure trace CSV in ``folder``: the only ``AzureLLMInferenceTrace*.csv[.gz]`` (or the
+    only ``*.csv``); the conversation trace when both services are there."""
+    cands = sorted(p for p in folder.iterdir() if p.is_file()
+                   and p.name.lower().endswith((".csv", ".csv.gz")))
+    named = [p for p in cands if p.name.startswith("AzureLLMInferenceTrace")] or cands
+    if len(named) > 1:
+        conv = [p for p in named if service_of(p) == "conv"]
+        if len(conv) == 1:
+            return conv[0]
+    if len(named) != 1:
+        raise ValueError(f"{folder}: expected one Azure trace CSV, found "
+                         f"{[p.name for p in named] or 'none'}; name the file")
+    return named[0]
+
+
 def load_azure_conv(csv_path: str | Path) -> LoadedTrace:
-    """Every row → a one-turn workflow (prompt = ContextTokens, output = GeneratedTokens)."""
+    """Every row → a one-turn workflow (prompt = ContextTokens, output = GeneratedTokens).
+
+    ``csv_path`` may be the CSV or the folder holding it (:func:`find_azure_csv`); the trace is
+    named after its service (``azure:conv`` or ``azure:code``)."""
     path = Path(csv_path)
+    if path.is_dir():
+        path = find_azure_csv(path)
+    service = service_of(path)
     rows = _rows(path)
     t0 = min((r[0] for r in rows), default=0.0)
     was_sorted = all(a[0] <= b[0] for a, b in pairwise(rows))
@@ -96,10 +124,10 @@ def load_azure_conv(csv_path: str | Path) -> LoadedTrace:
             zero_out += 1
         workflows.append(
             Workflow(
-                id=f"azure-conv-{lineno - 1}",
+                id=f"azure-{service}-{lineno - 1}",
                 arrival_s=ts - t0,
                 turns=(Turn(input_tokens=max(1, ctx), output_tokens=max(1, gen)),),
-                meta={"source": "azure_llm_2023_conv", "row": str(lineno - 1)},
+                meta={"source": f"azure_llm_2023_{service}", "row": str(lineno - 1)},
             )
         )
     workflows.sort(key=lambda w: w.arrival_s)
@@ -122,5 +150,6 @@ def load_azure_conv(csv_path: str | Path) -> LoadedTrace:
         "skipped": 0,
     }
     return LoadedTrace(
-        name="azure:conv", source=str(path), workflows=workflows, notes=notes, counts=counts
+        name=f"azure:{service}", source=str(path), workflows=workflows, notes=notes,
+        counts=counts
     )

@@ -34,6 +34,9 @@ class LoadedTrace:
     counts: dict[str, int] = field(default_factory=dict)
     #: tokens one entry of ``Turn.block_hashes`` names (0: no hashes, or the simulator's block)
     hash_block_tokens: int = 0
+    #: caveats that change what a simulation of this trace means (e.g. tool time modelled as
+    #: zero for a log without timestamps): ``traces info`` and ``bench`` print them
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def n_turns(self) -> int:

@@ -12,9 +12,14 @@ gzipped, one file per task instance, or a folder of them (searched recursively).
 * Context: every turn's messages extend the previous turn's (the agent appends), so
   ``context_tokens`` = previous prompt + output, checked on the canonical text.
 * Tool: the messages between one assistant message and the next are the command's result (the
-  bash output): one ``ToolCall("bash")``, status ``ok`` for ``returncode`` 0, ``error`` for
-  another code, ``timeout`` when the agent reported a time-out, ``unknown`` without a code;
-  ``result_tokens`` = the result's characters ÷ 4.
+  bash output): one ``ToolCall("bash")``, status ``ok`` for return code 0, ``error`` for
+  another code, ``timeout`` when the agent itself reported a time-out, ``unknown`` without a
+  code; ``result_tokens`` = the result's characters ÷ 4. The return code is the message's
+  ``extra.returncode`` or, in the observation text, ``<returncode>N</returncode>`` (what
+  mini-swe-agent shows the model). A time-out is only the agent's own signal:
+  ``extra.interrupt_type == "ExecutionTimeoutError"`` or its timeout template ("… timed out
+  and has been killed"), never the word in a command's output (``timeout-2.3.1`` in a pytest
+  header is not a time-out).
 * Tool time: when both carry ``extra.timestamp`` (newer versions stamp the reply when it arrived
   and the observation when the command ended), their difference. Otherwise from the responses'
   ``created`` stamps (whole seconds; ≈ when the provider started the call):
@@ -29,7 +34,15 @@ gzipped, one file per task instance, or a folder of them (searched recursively).
 carry no per-call usage or timestamps: prompt = the step's ``query`` messages' characters ÷ 4
 and output = the ``response`` characters ÷ 4, both scaled so their sums match
 ``model_stats.tokens_sent`` / ``tokens_received`` when present; tool time = ``execution_time``
-(measured by SWE-agent); arrival 0 for every file.
+(measured by SWE-agent); status ``timeout`` only from SWE-agent's own message ("… was
+cancelled because it took more than N seconds", or the older "EXECUTION TIMED OUT"), else
+``unknown``; arrival 0 for every file.
+
+Notes count what the import had to bend: tool times clamped to 0 (the created-stamp gap was
+shorter than the LLM-time estimate), prompts clamped below the context carried from the
+previous turn, and runaway outputs (≥ :data:`RUNAWAY_OUTPUT_TOKENS`). Where a log has no
+timestamps at all, tool time is modelled as zero, and ``LoadedTrace.warnings`` says so (``traces
+info`` and ``bench`` print it).
 
 Prefix block hashes are computed from the messages (:mod:`.prefix`), so instances that share a
 system prompt and task template share leading blocks.
@@ -40,6 +53,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Iterator
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +78,15 @@ from turnstile.workload.model import ToolCall, ToolStatus, Workflow
 PREFILL_TOK_S = 5000.0
 DECODE_TOK_S = 50.0
 SUFFIXES = (".traj.json", ".traj.json.gz", ".traj", ".traj.gz")
-_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+#: mini-swe-agent's timeout template ("The last command <command>…</command> timed out and has
+#: been killed."), and its exception name
+_MINI_TIMEOUT = re.compile(r"timed out and has been killed|ExecutionTimeoutError")
+#: SWE-agent's command_cancelled_timeout_template, and the older "EXECUTION TIMED OUT ..."
+_SWE_TIMEOUT = re.compile(r"was cancelled because it took more than \d+ seconds|"
+                          r"EXECUTION TIMED OUT")
+_RETURNCODE = re.compile(r"<returncode>\s*(-?\d+)\s*</returncode>")
+#: an output this long is a runaway turn (a model that did not stop), flagged in the notes
+RUNAWAY_OUTPUT_TOKENS = 32_000
 
 
 def is_trajectory_path(path: Path) -> bool:
@@ -184,11 +206,19 @@ class _Mini:
             chars += _content_chars(m.get("content"))
             extra = m.get("extra") if isinstance(m.get("extra"), dict) else {}
             rc = extra.get("returncode")
+            content = m.get("content")
+            text = content if isinstance(content, str) else ""
+            if isinstance(content, list):
+                text = "".join(p["text"] for p in content if isinstance(p, dict)
+                               and isinstance(p.get("text"), str))
             if isinstance(rc, int) and not isinstance(rc, bool):
                 code = rc
-            content = m.get("content")
+            else:
+                found = _RETURNCODE.search(text[:500])
+                if found is not None:
+                    code = int(found.group(1))
             if (extra.get("interrupt_type") == "ExecutionTimeoutError"
-                    or (isinstance(content, str) and _TIMEOUT.search(content[:300]))):
+                    or _MINI_TIMEOUT.search(text[:500])):
                 timeout = True
         status: ToolStatus = "timeout" if timeout else (
             "unknown" if code is None else ("ok" if code == 0 else "error"))
@@ -223,10 +253,14 @@ class _Mini:
             if reply_ts is not None and obs_ts is not None:
                 duration = max(0.0, obs_ts - reply_ts)
                 c["tool_time_from_timestamps"] += 1
+                if obs_ts < reply_ts and call.tools:
+                    c["tool_time_clamped_to_zero"] += 1
             elif k + 1 < n and created is not None and stamps[k + 1][0] is not None:
                 gap = float(stamps[k + 1][0]) - float(created)  # type: ignore[arg-type]
                 duration = max(0.0, gap - llm)
                 c["tool_time_from_created"] += 1
+                if gap < llm and call.tools:
+                    c["tool_time_clamped_to_zero"] += 1
             elif call.tools:
                 c["tool_time_unknown"] += 1
             if call.tools:
@@ -254,7 +288,7 @@ def _swe_agent_calls(path: Path, data: dict[str, Any], c: Counter[str], prefill:
         outs.append(tokens_from_chars(len(response)))
         dur = j.get(st, where, "execution_time", (int, float))
         obs = j.get(st, where, "observation", (str,)) or ""
-        status: ToolStatus = "timeout" if _TIMEOUT.search(obs[:300]) else "unknown"
+        status: ToolStatus = "timeout" if _SWE_TIMEOUT.search(obs[:500]) else "unknown"
         tools.append(ToolCall("bash", round(max(0.0, float(dur or 0.0)), 6), status,
                               tokens_from_chars(len(obs)) if obs else 0))
         if dur is None:
@@ -318,6 +352,15 @@ def load_trajectories(path: str | Path, *, prefill_tok_s: float = PREFILL_TOK_S,
         if isinstance(info.get("exit_status"), str):
             meta["exit_status"] = info["exit_status"]
         per_file.append((f, name, calls, meta))
+    for _f, _name, calls, _meta in per_file:
+        for prev, call in pairwise(calls):
+            # the cases where build_workflow carries the previous prompt + output as context
+            grows = call.extends_previous or (call.extends_previous is None
+                                              and not call.block_hashes
+                                              and call.prompt_tokens >= prev.prompt_tokens)
+            if grows and prev.prompt_tokens + prev.output_tokens > call.prompt_tokens - 1:
+                c["prompt_clamped_to_context"] += 1
+        c["runaway_outputs"] += sum(call.output_tokens >= RUNAWAY_OUTPUT_TOKENS for call in calls)
     origin = min(cs[0].start_s for _, _, cs, m in per_file if m["source"] != "swe-agent") \
         if c["mini_swe_agent_files"] else 0.0
     workflows: list[Workflow] = []
@@ -349,11 +392,26 @@ def load_trajectories(path: str | Path, *, prefill_tok_s: float = PREFILL_TOK_S,
         "model_stats.tokens_sent / tokens_received",
         "execution_time_missing": "SWE-agent steps without execution_time: duration 0",
         "query_missing": "SWE-agent steps without query messages: empty prompt text (no hashes)",
+        "tool_time_clamped_to_zero": "tool times clamped to 0 (the gap between two calls was "
+        "shorter than the LLM-time estimate, or the observation stamp precedes the reply's)",
+        "prompt_clamped_to_context": "prompts shorter than the previous prompt + output they "
+        "extend: context capped at prompt − 1 (the provider counted fewer tokens than the "
+        "transcript grew)",
+        "runaway_outputs": f"runaway outputs (≥ {RUNAWAY_OUTPUT_TOKENS:,} tokens, max "
+        f"{max((x.output_tokens for _, _, cs, _ in per_file for x in cs), default=0):,})",
     }
     notes.extend(counted_notes("trajectories", c, explain))
+    n_tools = sum(len(call.tools or ()) for _, _, cs, _ in per_file for call in cs)
+    untimed = c["tool_time_unknown"] + c["execution_time_missing"]
+    warnings = []
+    if n_tools and untimed:
+        warnings.append(
+            f"tool time is modelled as zero for {untimed:,} of {n_tools:,} tool calls: the log "
+            "has no timestamps for them (no extra.timestamp, response created stamp or "
+            "execution_time), so a simulation sees back-to-back LLM calls")
     counts = dict(c)
     counts.update(sessions=len(workflows), llm_calls=sum(len(w.turns) for w in workflows),
                   tool_calls=sum(len(t.tools) for w in workflows for t in w.turns), skipped=0)
     return LoadedTrace(name=f"trajectories:{p.name}", source=str(p), workflows=workflows,
-                       notes=notes, counts=counts,
+                       notes=notes, counts=counts, warnings=warnings,
                        hash_block_tokens=hash_block_tokens(ratio, BLOCK_CHARS))
