@@ -37,23 +37,31 @@ def test_misses_that_are_not_evictions_do_not_shrink_the_gate() -> None:
 
 
 def test_started_workflows_are_never_held_and_new_ones_wait_for_kv() -> None:
-    """Two long sessions fill a small engine's KV; a third waits at the gate while they run
-    (until the engine is idle), and their own next turns are never held."""
+    """Two long sessions fill a small engine's KV. Their own next turns are never held; a
+    third session waits at the gate while they run only once evictions were observed (or
+    with ``evidence_gate=False``)."""
     def session(i: int, at: float) -> Workflow:
         turns = tuple(Turn(30_000 if k == 0 else 500, 2_000, 0 if k == 0 else 32_000 + 2_500 * k,
                            tools=(ToolCall("t", 20.0),) if k < 2 else ())
                       for k in range(3))
         return Workflow(f"s{i}", at, turns)
     wfs = [session(0, 0.0), session(1, 0.1), session(2, 5.0)]
-    sim = _run("auto", wfs, kv_tokens=80_000)
-    done = {w.id: w for w in sim.finished}
-    for w in done.values():
-        for t in w.turns[1:]:
-            assert t.released_s == t.ready_s  # a started workflow's turn goes at once
-    assert done["s2"].turns[0].released_s > done["s2"].turns[0].ready_s  # gated
-    rel = sim.policies.release
-    assert done["s2"].turns[0].released_s - done["s2"].turns[0].ready_s <= max(
-        rel.hold_bound_s(sim.now), 60.0)
+    for evidence in (True, False):
+        pset = PolicySet.from_spec("auto")
+        pset.release = AutoRelease(evidence_gate=evidence)
+        sim = ClusterSim(wfs, pset, [EngineGroup(kv_tokens=80_000)])
+        sim.run()
+        done = {w.id: w for w in sim.finished}
+        for w in done.values():
+            for t in w.turns[1:]:
+                assert t.released_s == t.ready_s  # a started workflow's turn goes at once
+        first = done["s2"].turns[0]
+        if evidence:  # no eviction seen yet: nothing to protect, no hold
+            assert first.released_s == first.ready_s
+        else:  # the gate holds on KV demand alone
+            assert first.released_s > first.ready_s
+            assert first.released_s - first.ready_s <= max(
+                pset.release.hold_bound_s(sim.now), 60.0)
 
 
 def test_the_bound_follows_observed_turn_and_flow_times() -> None:

@@ -18,6 +18,11 @@ hold limits (600 s; 3,600 s at the gate) were fixed numbers unrelated to the wor
    engine is idle with a free slot. The KV a hold protects is named: the paused sessions'
    contexts plus the headroom ``(1 - kv_fill)`` x capacity their growth needs. A later new
    workflow that fits may pass one that does not (no stall behind one large prompt).
+   The gate holds only within a hold bound of the last observed eviction (a turn that lost
+   more than ``target_context_miss`` of its context, counted as in rule 3): with no eviction
+   seen there is nothing to protect and new workflows go at once (``evidence_gate``; summing
+   paused contexts overstates KV demand where sessions share prefix blocks — measured on
+   AIPerf's agentic-code sessions, the gate without it held new sessions at 2% contention).
 3. **The gate shrinks only on evictions.** cvar adapts ``kv_fill`` on every context token the
    prefix cache missed. Many misses are not evictions — a session moved to another engine, a
    prompt whose blocks are named differently than the last turn's (measured: 19% of context
@@ -57,6 +62,7 @@ class AutoRelease(CvarRelease):
         turn_hold_factor: float = 10.0,
         gate_scan: int = 16,
         hold_started: bool = False,
+        evidence_gate: bool = True,
         net_flow: bool = True,
         **kw: float,
     ) -> None:
@@ -80,6 +86,10 @@ class AutoRelease(CvarRelease):
         self._turn_p50 = math.inf
         #: per engine, the last time its KV demand was seen above its capacity
         self._overflow_at: dict[str, float] = {}
+        #: when a turn last lost more than ``target_context_miss`` of its context to an
+        #: eviction (the gate holds only within a hold bound of that: evidence, not a guess)
+        self._evicted_at = -math.inf
+        self.evidence_gate = evidence_gate
 
     # ------------------------------------------------------------ the bound
     def hold_bound_s(self, now: float) -> float:
@@ -158,7 +168,10 @@ class AutoRelease(CvarRelease):
             return  # moved (a routing matter) or unknown: not an eviction the gate governs
         self._miss[1] += ctx
         if self._overflow_at.get(turn.engine, -math.inf) >= prev.finished_s:
-            self._miss[0] += max(0, ctx - turn.cached_tokens)
+            missed = max(0, ctx - turn.cached_tokens)
+            self._miss[0] += missed
+            if missed > self.target_context_miss * ctx:
+                self._evicted_at = max(self._evicted_at, turn.finished_s)
 
     # ------------------------------------------------------------- protocol
     def select(self, view: ClusterView, now: float) -> Iterator[TurnRecord]:
@@ -196,6 +209,8 @@ class AutoRelease(CvarRelease):
                 continue
             started = turn.workflow.id in self._active  # a DAG's second root
             fits = (started or self.idle_with_free_slot(view, now)
+                    or (self.evidence_gate
+                        and now - self._evicted_at > self.hold_bound_s(now))
                     or (turn.prompt_tokens <= self.kv_room(view) and self.has_room(turn, view)))
             if fits:
                 yield self._take(seq, turn, now)
