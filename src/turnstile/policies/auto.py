@@ -18,11 +18,12 @@ hold limits (600 s; 3,600 s at the gate) were fixed numbers unrelated to the wor
    engine is idle with a free slot. The KV a hold protects is named: the paused sessions'
    contexts plus the headroom ``(1 - kv_fill)`` x capacity their growth needs. A later new
    workflow that fits may pass one that does not (no stall behind one large prompt).
-   The gate holds only within a hold bound of the last observed eviction (a turn that lost
-   more than ``target_context_miss`` of its context, counted as in rule 3): with no eviction
-   seen there is nothing to protect and new workflows go at once (``evidence_gate``; summing
-   paused contexts overstates KV demand where sessions share prefix blocks — measured on
-   AIPerf's agentic-code sessions, the gate without it held new sessions at 2% contention).
+   ``evidence_gate=True`` (off by default) holds only within a hold bound of the last
+   observed eviction (a turn that lost more than ``target_context_miss`` of its context,
+   counted as in rule 3). Summing paused contexts overstates KV demand where sessions share
+   prefix blocks (AIPerf's agentic-code sessions: new sessions held at 2% contention); the
+   option fixed one such cell (TTFT P95 0.17x -> 3.41x eager) but cost others (syn-reasoning
+   at 1.2x: P95 1.01x -> 0.94x; TraceLab: TTFT 1.06x -> 0.68x), so it stays off.
 3. **The gate shrinks only on evictions.** cvar adapts ``kv_fill`` on every context token the
    prefix cache missed. Many misses are not evictions — a session moved to another engine, a
    prompt whose blocks are named differently than the last turn's (measured: 19% of context
@@ -62,7 +63,7 @@ class AutoRelease(CvarRelease):
         turn_hold_factor: float = 10.0,
         gate_scan: int = 16,
         hold_started: bool = False,
-        evidence_gate: bool = True,
+        evidence_gate: bool = False,
         net_flow: bool = True,
         **kw: float,
     ) -> None:
