@@ -247,8 +247,9 @@ def bench(
         str | None, typer.Option(help="Trace dir/file; omit for the built-in synthetic generator")
     ] = None,
     policies: Annotated[
-        str, typer.Option(help="Comma-separated policy specs, e.g. eager,cvar+kv-affinity+ttl")
-    ] = "eager",
+        str, typer.Option(help="Comma-separated policy specs, e.g. eager,cvar+kv-affinity+ttl "
+                          "(default: eager beside the default policy, auto)")
+    ] = "eager,auto",
     engines: Annotated[int, typer.Option(min=1, help="Number of simulated engines")] = 2,
     gpu: Annotated[str, typer.Option(help="GPU name (A100-80G, H100-SXM, H200, L40S)")] = "H100",
     model: Annotated[str, typer.Option(help="Model name, e.g. llama-3.1-8b")] = "llama-3.1-8b",

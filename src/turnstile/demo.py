@@ -12,7 +12,7 @@ from pathlib import Path
 from turnstile.cli import app
 
 # the release policies compared (the first is the baseline), all with the same routing
-RELEASE = ["eager", "plas", "cvar"]
+RELEASE = ["eager", "plas", "cvar", "auto"]
 ROUTING = "least-loaded-shadow"
 
 

@@ -46,6 +46,9 @@ class RandomHoldRelease:
     def expected_hold_s(self, workflow: WorkflowRecord, now: float) -> float | None:
         return None
 
+    def hold_bound_s(self, now: float) -> float:
+        return float("inf")  # a random hold has no bound
+
     def admission_order(self) -> None:
         return None
 

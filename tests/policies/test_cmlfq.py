@@ -36,9 +36,20 @@ def test_registered_by_name() -> None:
 
 
 def test_every_trajectory_starts_in_the_shortest_bucket() -> None:
-    d = Driver(libra())
+    d = Driver(libra(balance=False))  # Libra's rule, whatever the load
     engines = {d.start(trajectory(f"t{i}", [100, 100], [("Bash", "ok")])) for i in range(6)}
     assert engines == LEVEL0  # least connections spreads them over level 0's engines
+
+
+def test_balance_starts_in_the_shortest_bucket_until_it_is_oversubscribed() -> None:
+    d = Driver(libra())
+    first = [d.start(trajectory(f"t{i}", [100, 100], [("Bash", "ok")])) for i in range(2)]
+    assert set(first) == LEVEL0  # the shortest bucket while it is not queued deeper
+    more = [d.start(trajectory(f"u{i}", [100, 100], [("Bash", "ok")])) for i in range(6)]
+    # past one open trajectory per GPU above the pool's mean, starts go to the idle bucket
+    # instead of piling onto level 0 (0.26x least-open at the README's rollout command)
+    assert more.count("b0") == 2  # Libra's rule: all 8 on a0/a1, 4 each
+    assert more.count("a0") == more.count("a1") == 2
 
 
 def test_moves_only_when_a_tool_returns_and_the_tree_agrees() -> None:

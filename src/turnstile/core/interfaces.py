@@ -51,6 +51,11 @@ class ReleasePolicy(Protocol):
         (read by retention policies bound to this one); None: the policy does not estimate it."""
         ...
 
+    def hold_bound_s(self, now: float) -> float:
+        """The longest this policy holds a ready turn as of ``now`` (0: it never holds;
+        ``inf``: no bound). Health checks compare :meth:`Scheduler.oldest_hold_age` to it."""
+        ...
+
     def admission_order(self) -> AdmissionPolicy | None:
         """The engine-queue order that belongs with this release order (PLAS orders engine
         queues by the same levels it releases by), used when a spec names no admission

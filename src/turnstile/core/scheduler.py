@@ -82,6 +82,8 @@ class Scheduler:
         self._peer: dict[str, tuple[int, int, int, int]] = {}
         self._peer_ready = 0
         self._peer_seq = 0
+        #: turns held READY, in the order they became ready (for oldest_hold_age)
+        self._ready: dict[TurnRecord, None] = {}
 
     # ------------------------------------------------------------------ events
     def workflow_arrived(self, now: float, workflow: Workflow) -> list[Action]:
@@ -351,6 +353,18 @@ class Scheduler:
     def held_turns(self) -> int:
         return len(self.release)
 
+    def oldest_hold_age(self, now: float) -> float:
+        """Seconds the oldest turn held READY (ready, not yet released) has waited; 0 when
+        none is held. Compare with :meth:`hold_bound_s` (``/ready``, the
+        ``turnstile_oldest_hold_seconds`` gauge)."""
+        for rec in self._ready:  # the first entry is the oldest (amortized O(1))
+            return max(0.0, now - rec.ready_s)
+        return 0.0
+
+    def hold_bound_s(self, now: float) -> float:
+        """The release policy's bound on a hold as of ``now`` (0: it never holds)."""
+        return self.release.hold_bound_s(now)
+
     # --------------------------------------------------------------- internals
     def _new_workflow(
         self, wf_id: str, now: float, tenant: str, source: Workflow | None
@@ -382,6 +396,7 @@ class Scheduler:
         rec.ready_s = ready_s
         now = ready_s if now is None else now
         count_ready(self.view, 1)
+        self._ready[rec] = None
         self.release.add(rec, now)
 
     def _release(self, now: float) -> list[Action]:
@@ -409,6 +424,7 @@ class Scheduler:
             rec.priority = self.admission.priority(rec, engine, now)
             charge(engine, work)
             count_ready(view, -1)
+            del self._ready[rec]
             count_released(view, 1, work)
             self.released_total += 1
             out.append(Release(rec, engine_id, rec.priority))

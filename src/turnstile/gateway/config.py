@@ -62,7 +62,7 @@ class EngineConfig:
 @dataclass
 class GatewayConfig:
     engines: list[EngineConfig] = field(default_factory=list)
-    policy: str = "eager"
+    policy: str = "auto"
     #: constructor arguments per policy kind: {"release": {"budget_per_engine": 32768}}
     policy_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     host: str = "127.0.0.1"

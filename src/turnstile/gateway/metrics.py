@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from turnstile.core.clock import Clock
 from turnstile.core.scheduler import Scheduler
 
 __all__ = ["GatewayMetrics", "GatewayState"]
@@ -40,6 +41,9 @@ class GatewayState(Protocol):
     @property
     def engine_config(self) -> dict[str, dict[str, str | None]]: ...
 
+    @property
+    def clock(self) -> Clock: ...
+
 
 class _StateCollector(Collector):
     """Gauges read from the gateway at scrape time."""
@@ -55,6 +59,13 @@ class _StateCollector(Collector):
         view = sched.view
         yield GaugeMetricFamily("turnstile_gateway_held_turns",
                                 "Ready turns held by the release policy", value=sched.held_turns)
+        now = gw.clock.now()
+        yield GaugeMetricFamily("turnstile_oldest_hold_seconds",
+                                "Age of the oldest ready turn the release policy holds (0: none)",
+                                value=sched.oldest_hold_age(now))
+        yield GaugeMetricFamily("turnstile_hold_bound_seconds",
+                                "The release policy's bound on a hold (0: it never holds)",
+                                value=sched.hold_bound_s(now))
         yield GaugeMetricFamily("turnstile_gateway_session_queued_turns",
                                 "Turns queued behind a running turn of the same session",
                                 value=gw.session_queued)

@@ -22,6 +22,7 @@ from turnstile.core.registry import Registry
 # importing the modules registers their policies
 from turnstile.policies import (  # noqa: F401
     admission,
+    auto,
     buckets,
     cmlfq,
     cvar,
@@ -32,7 +33,7 @@ from turnstile.policies import (  # noqa: F401
 )
 from turnstile.policies.base import ADMISSION, RELEASE, RETENTION, ROUTING
 
-DEFAULTS = {"release": "eager", "routing": "kv-affinity", "admission": "fcfs", "retention": "lru"}
+DEFAULTS = {"release": "auto", "routing": "kv-affinity", "admission": "fcfs", "retention": "lru"}
 _BY_KIND: dict[str, Registry[Any]] = {
     "release": RELEASE, "routing": ROUTING, "admission": ADMISSION, "retention": RETENTION,
 }

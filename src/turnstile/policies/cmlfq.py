@@ -92,6 +92,16 @@ def _agreeing_level(obs: RecentWindow, bounds: LevelBounds, gpus: tuple[int, ...
     return lm if lm == bounds.level(obs.p90, gpus) else None
 
 
+def _within_share(dest: EngineLoad, levels: Levels) -> bool:
+    """``dest`` has at most one open trajectory per GPU more than the pool's average: a
+    bucket's lower per-token latency pays for a move only while it is not queued deeper than
+    the rest of the pool."""
+    engines = [e for es in levels for e in es]
+    gpus = sum(e.tp for e in engines)
+    mean = sum(e.open_sessions for e in engines) / max(1, gpus)
+    return dest.open_sessions / dest.tp <= mean + 1.0
+
+
 @ROUTING.register("cmlfq")
 class CmlfqRouting:
     """Libra's C-MLFQ (see the module docstring).
@@ -102,7 +112,11 @@ class CmlfqRouting:
     ``min_obs``, ``max_depth``: the prefix trees; ``rebuild_every``: RL steps between tree
     rebuilds (sessions of unknown step: every ``rebuild_every_done`` finished trajectories);
     ``history``: recent trajectories the trees are rebuilt from; ``cap``: open trajectories per
-    engine past which least connections looks elsewhere in the bucket.
+    engine past which least connections looks elsewhere in the bucket; ``balance``: a start or
+    a move into a bucket whose least-loaded engine holds more than one open trajectory per
+    GPU above the pool's average is not made (the trajectory stays on the engine holding its
+    KV, or takes the least-loaded engine per GPU) — Libra moves regardless, which piles long
+    trajectories onto a small bucket (``balance=False`` restores it).
     """
 
     name: ClassVar[str] = "cmlfq"
@@ -118,8 +132,10 @@ class CmlfqRouting:
         rebuild_every_done: int = 32,
         history: int = 2000,
         cap: int | None = None,
+        balance: bool = True,
     ) -> None:
         self.bounds = _bounds(bounds)
+        self.balance = balance
         self.window, self.min_obs, self.max_depth = window, min_obs, max_depth
         self.rebuild_every = rebuild_every
         self.rebuild_every_done = rebuild_every_done
@@ -172,7 +188,18 @@ class CmlfqRouting:
         level = min(st[0], len(levels) - 1)
         if home is not None and levels.level_of[home.id] == level:
             return home.id
-        return least_open(levels.nearest(level), cap=self.cap).id
+        dest = least_open(levels.nearest(level), cap=self.cap)
+        if self.balance and not _within_share(dest, levels):
+            # the bucket is oversubscribed: placing the trajectory there would queue it behind
+            # more open trajectories per GPU than the pool has on average (measured: with the
+            # planner's TP1×10 + TP2×1 mix every long trajectory piled onto the one TP2 engine,
+            # 0.26× least-open; and every start in the smallest bucket left the larger ones
+            # idle, so the planner chose a mix of TP1 engines slower than least-open's); stay
+            # where the KV is, or take the least-loaded engine
+            if home is not None:
+                return home.id
+            dest = least_open([e for es in levels for e in es], weighted=True)
+        return dest.id
 
     def on_workflow_done(self, workflow: WorkflowRecord, now: float) -> None:
         tr = self._tracker.finish(workflow)

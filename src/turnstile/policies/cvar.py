@@ -250,7 +250,7 @@ class CvarRelease:
         self._n += 1
         if turn.workflow.id not in self._active:
             self._gate.append((seq, turn))  # a new workflow: FCFS at the KV gate
-            heapq.heappush(self._expiry, (now + self.gate_hold_limit_s, seq, turn))
+            self._push_expiry(now, seq, turn, self.gate_hold_limit_s)
             return
         if self.is_tail(turn.workflow, now):
             self._tail_seqs.add(seq)
@@ -258,7 +258,11 @@ class CvarRelease:
         else:
             heapq.heappush(self._mean, (w, seq, turn))
             heapq.heappush(self._by_age, (turn.workflow.arrival_s, seq, turn))
-        heapq.heappush(self._expiry, (now + self.hold_limit_s, seq, turn))
+        self._push_expiry(now, seq, turn, self.hold_limit_s)
+
+    def _push_expiry(self, now: float, seq: int, turn: TurnRecord, limit_s: float) -> None:
+        """Record when a held turn's hold limit expires (``auto`` keys it by ready time)."""
+        heapq.heappush(self._expiry, (now + limit_s, seq, turn))
 
     def _valid(self, seq: int, turn: TurnRecord) -> bool:
         return self._seq_of.get(turn) == seq and turn.state == TurnState.READY
@@ -349,11 +353,8 @@ class CvarRelease:
         w = self._charged.pop(turn, 0.0)
         self.released_work = max(0.0, self.released_work - w)
         self.outputs.observe(turn)
+        self._count_miss(turn)
         self._paused_at[turn.workflow.id] = now
-        ctx = turn.turn.context_tokens
-        if ctx > 0 and turn.cached_tokens >= 0:
-            self._miss[0] += max(0, ctx - turn.cached_tokens)
-            self._miss[1] += ctx
         if turn.started_s >= 0:
             self._waits.append(turn.started_s - turn.released_s)
         if self.adapt:
@@ -361,6 +362,21 @@ class CvarRelease:
             if self._finished_since_adapt >= self.adapt_every and len(self._waits) >= 8:
                 self._finished_since_adapt = 0
                 self._adapt()
+
+    def _expiry_due(self, now: float) -> float:
+        """When the first entry of the (valid-topped) expiry heap is due."""
+        return self._expiry[0][0]
+
+    def _count_miss(self, turn: TurnRecord) -> None:
+        """Count the finished turn's context tokens and those the prefix cache missed."""
+        ctx = turn.turn.context_tokens
+        if ctx > 0 and turn.cached_tokens >= 0:
+            self._miss[0] += max(0, ctx - turn.cached_tokens)
+            self._miss[1] += ctx
+
+    def hold_bound_s(self, now: float) -> float:
+        """The longest a ready turn is held: the new-workflow gate's limit."""
+        return max(self.hold_limit_s, self.gate_hold_limit_s)
 
     def on_workflow_done(self, workflow: WorkflowRecord, now: float) -> None:
         self.flow_q.add(now - workflow.arrival_s)
@@ -391,7 +407,7 @@ class CvarRelease:
             heapq.heappop(self._expiry)
         times = []
         if self._expiry:
-            times.append(self._expiry[0][0])
+            times.append(self._expiry_due(now))
         while self._by_age and not self._valid(self._by_age[0][1], self._by_age[0][2]):
             heapq.heappop(self._by_age)
         if self._by_age and self.flow_q.q != float("inf"):

@@ -85,6 +85,9 @@ class _KeyedGatedRelease:
     def expected_hold_s(self, workflow: WorkflowRecord, now: float) -> float | None:
         return None  # held behind a cap, for no estimated time
 
+    def hold_bound_s(self, now: float) -> float:
+        return self.starvation_s  # a turn held this long goes first
+
     def next_wakeup(self, now: float) -> float | None:
         fifo = self._fifo
         while fifo and not self._valid(fifo[0][1], fifo[0][2]):

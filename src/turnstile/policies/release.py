@@ -40,6 +40,9 @@ class EagerRelease:
     def expected_hold_s(self, workflow: WorkflowRecord, now: float) -> float | None:
         return 0.0  # every ready turn is released at once
 
+    def hold_bound_s(self, now: float) -> float:
+        return 0.0  # never holds
+
     def admission_order(self) -> AdmissionPolicy | None:
         return None
 

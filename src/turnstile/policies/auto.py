@@ -1,0 +1,242 @@
+"""``auto``: the default release policy — ``cvar``'s KV gate and order, holding a ready turn
+only where the regime justifies it (``docs/policies.md``).
+
+``cvar`` (WSPT order with tail weights, a released-work budget, a KV gate for new workflows)
+wins where engines contend for KV and loses where they do not: on workloads it was never tuned
+on it held ready turns for minutes while engines had room (its budget counts decode tokens 8x,
+so a few long outputs fill it), its gate shrank on prefix misses no gate can prevent, and its
+hold limits (600 s; 3,600 s at the gate) were fixed numbers unrelated to the workload. ``auto``:
+
+1. **Started workflows are not held.** A turn of a workflow that has run before goes at once
+   (in WSPT order when several are ready): its context is already in an engine's KV, and
+   holding it only lets that KV age out (``hold_started=True`` holds it while every engine
+   would queue it; measured worse). No budget.
+2. **New workflows pass the KV gate** (cvar's rule 5): admitted, oldest first, while some
+   engine's KV demand — released work plus the contexts of the sessions paused in tool calls —
+   leaves room for the prompt within ``kv_fill`` x its capacity, and, at full capacity, for the
+   prompt and expected output without evicting a paused session (:meth:`has_room`); or when an
+   engine is idle with a free slot. The KV a hold protects is named: the paused sessions'
+   contexts plus the headroom ``(1 - kv_fill)`` x capacity their growth needs. A later new
+   workflow that fits may pass one that does not (no stall behind one large prompt).
+   ``evidence_gate=True`` (off by default) holds only within a hold bound of the last
+   observed eviction (a turn that lost more than ``target_context_miss`` of its context,
+   counted as in rule 3). Summing paused contexts overstates KV demand where sessions share
+   prefix blocks (AIPerf's agentic-code sessions: new sessions held at 2% contention); the
+   option fixed one such cell (TTFT P95 0.17x -> 3.41x eager) but cost others (syn-reasoning
+   at 1.2x: P95 1.01x -> 0.94x; TraceLab: TTFT 1.06x -> 0.68x), so it stays off.
+3. **The gate shrinks only on evictions.** cvar adapts ``kv_fill`` on every context token the
+   prefix cache missed. Many misses are not evictions — a session moved to another engine, a
+   prompt whose blocks are named differently than the last turn's (measured: 19% of context
+   tokens missed on one uncontended engine replaying mini-swe-agent sessions) — and no gate
+   can prevent them. ``auto`` counts a miss only when the turn ran on the engine its session
+   paused on and that engine's KV demand exceeded its capacity during the pause.
+4. **Holds are bounded by the workload's own times**: :meth:`hold_bound_s` — ``hold_frac`` x
+   the median flow time (net of holds) of recent workflows, at least ``turn_hold_factor`` x the
+   median turn time (release -> finish), ``boot_hold_s`` before any turn finished. A turn held
+   that long goes, whatever the gate says.
+
+Unknown KV capacity (a gateway told no ``kv_tokens``): no gate; every turn goes unless the
+engine reports a queue. Everything else (WSPT index, tail weights, output estimates, slot
+awareness, sessions taken as done) is cvar's.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Iterator
+
+from turnstile.core.state import ClusterView, TurnRecord, WorkflowRecord
+from turnstile.policies.base import RELEASE
+from turnstile.policies.cvar import CvarRelease
+from turnstile.policies.estimators import QuantileTracker, RecentWindow
+
+
+@RELEASE.register("auto")
+class AutoRelease(CvarRelease):
+    name = "auto"
+
+    def __init__(
+        self,
+        hold_frac: float = 4.0,
+        boot_hold_s: float = 5.0,
+        turn_hold_factor: float = 10.0,
+        gate_scan: int = 16,
+        hold_started: bool = False,
+        evidence_gate: bool = False,
+        net_flow: bool = True,
+        **kw: float,
+    ) -> None:
+        kw.setdefault("kv_fill", 0.5)
+        kw.setdefault("max_kv_fill", 0.8)
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.hold_frac = hold_frac
+        self.boot_hold_s = boot_hold_s
+        self.turn_hold_factor = turn_hold_factor
+        #: how many new workflows that do not fit the gate may be passed over by one that does
+        self.gate_scan = gate_scan
+        #: also hold a started workflow's turn while every engine would queue it, in WSPT
+        #: order (off by default: measured, it let held sessions' KV age out of the cache —
+        #: 87% of context tokens missed on a long-context family at 3x load)
+        self.hold_started = hold_started
+        #: the bound scales with flow times net of the workflows' own holds (no feedback)
+        self.net_flow = net_flow
+        self._held_s: dict[str, float] = {}  # per workflow: seconds its turns were held
+        self._flow_p50 = QuantileTracker(0.5, window=256, every=4, min_samples=5)
+        self._turn_s = RecentWindow(256)  # release -> finish of recent turns
+        self._turn_p50 = math.inf
+        #: per engine, the last time its KV demand was seen above its capacity
+        self._overflow_at: dict[str, float] = {}
+        #: when a turn last lost more than ``target_context_miss`` of its context to an
+        #: eviction (the gate holds only within a hold bound of that: evidence, not a guess)
+        self._evicted_at = -math.inf
+        self.evidence_gate = evidence_gate
+
+    # ------------------------------------------------------------ the bound
+    def hold_bound_s(self, now: float) -> float:
+        """The longest any ready turn is held (documented in ``docs/policies.md``):
+        ``hold_frac`` × the median flow time of recent workflows, at least
+        ``turn_hold_factor`` × the median turn time; ``boot_hold_s`` before any turn finished."""
+        turn = self.turn_hold_factor * self._turn_p50
+        flow = self._flow_p50.q
+        if math.isinf(turn):
+            return self.boot_hold_s
+        if math.isinf(flow):
+            return max(turn, self.boot_hold_s)
+        return max(self.hold_frac * flow, turn, self.boot_hold_s)
+
+    def _push_expiry(self, now: float, seq: int, turn: TurnRecord, limit_s: float) -> None:
+        # keyed by the ready time: the bound is evaluated when read (it moves with the workload)
+        heapq.heappush(self._expiry, (turn.ready_s, seq, turn))
+
+    def oldest_hold_s(self, now: float) -> float:
+        """Age of the oldest turn this policy holds (0 when none)."""
+        expiry = self._expiry
+        while expiry and not self._valid(expiry[0][1], expiry[0][2]):
+            heapq.heappop(expiry)
+        return max(0.0, now - expiry[0][0]) if expiry else 0.0
+
+    # ------------------------------------------------------------ room
+    def evict_cost_s(self, turn: TurnRecord, view: ClusterView) -> float:
+        """What releasing ``turn`` now costs the sessions paused in tool calls, in seconds of
+        re-prefill: over the engines that take work, have a free slot (or hold its session)
+        and KV for it beside their released work, the least of (paused context it would push
+        out of KV) × (the engine's prefill time per token). 0: some engine has room without
+        evicting anyone; ``inf``: every engine would queue it. Unknown capacity: 0 unless the
+        engine reports a queue."""
+        wf = turn.workflow
+        need = turn.prompt_tokens + self.outputs.expect(turn)
+        best = math.inf
+        for e in view.values():
+            if not (e.healthy and e.accepting):
+                continue
+            own = wf.paused_engine == e.id
+            if not (own or e.has_free_slot):
+                continue
+            if e.capacity_tokens <= 0:
+                if e.queue_len <= 0:
+                    return 0.0
+                continue
+            free = e.capacity_tokens - e.outstanding_tokens  # what running work leaves
+            if need > free:
+                continue  # it would queue here
+            others = e.paused_context_tokens - (wf.paused_tokens if own else 0)
+            evicted = need + others - free  # paused KV beyond what the engine holds
+            if evicted <= 0:
+                return 0.0
+            best = min(best, evicted * e.prefill_s_per_token)
+        return best
+
+    def has_room(self, turn: TurnRecord, view: ClusterView) -> bool:
+        """Some engine would start ``turn`` now without evicting a paused session."""
+        return self.evict_cost_s(turn, view) == 0.0
+
+    def _watch_overflow(self, view: ClusterView, now: float) -> None:
+        for e in view.values():
+            cap = e.capacity_tokens
+            if cap > 0 and e.outstanding_tokens + e.paused_context_tokens > cap:
+                self._overflow_at[e.id] = now
+
+    def _count_miss(self, turn: TurnRecord) -> None:
+        """Count context misses a gate could have prevented: the turn ran where its session
+        paused, and that engine's KV demand overflowed during the pause."""
+        ctx = turn.turn.context_tokens
+        if ctx <= 0 or turn.cached_tokens < 0 or turn.index == 0:
+            return
+        turns = turn.workflow.turns
+        prev = turns[turn.index - 1] if turn.index - 1 < len(turns) else None
+        if prev is None or prev.engine != turn.engine or turn.engine is None:
+            return  # moved (a routing matter) or unknown: not an eviction the gate governs
+        self._miss[1] += ctx
+        if self._overflow_at.get(turn.engine, -math.inf) >= prev.finished_s:
+            missed = max(0, ctx - turn.cached_tokens)
+            self._miss[0] += missed
+            if missed > self.target_context_miss * ctx:
+                self._evicted_at = max(self._evicted_at, turn.finished_s)
+
+    # ------------------------------------------------------------- protocol
+    def select(self, view: ClusterView, now: float) -> Iterator[TurnRecord]:
+        self._view = view
+        if not self._n:
+            return
+        self._watch_overflow(view, now)
+        self._promote(now)
+        bound = self.hold_bound_s(now)
+        expiry = self._expiry
+        while expiry and (not self._valid(expiry[0][1], expiry[0][2])
+                          or expiry[0][0] + bound <= now):
+            _, seq, turn = heapq.heappop(expiry)
+            if self._valid(seq, turn):
+                yield self._take(seq, turn, now)  # held as long as the bound allows
+        while True:  # turns of started workflows, by WSPT index
+            best = self._best()
+            if best is None:
+                break
+            _, seq, turn = best
+            if self.hold_started and not view.any_idle() and math.isinf(
+                    self.evict_cost_s(turn, view)):
+                break  # every engine would queue it: it waits here, in WSPT order
+            yield self._take(seq, turn, now)
+        yield from self._admit_new(view, now)
+
+    def _admit_new(self, view: ClusterView, now: float) -> Iterator[TurnRecord]:
+        """New workflows, oldest first; one that fits may pass up to ``gate_scan`` that do
+        not."""
+        gate = self._gate
+        skipped: list[tuple[int, TurnRecord]] = []
+        while gate and len(skipped) < self.gate_scan:
+            seq, turn = gate.popleft()
+            if not self._valid(seq, turn):
+                continue
+            started = turn.workflow.id in self._active  # a DAG's second root
+            fits = (started or self.idle_with_free_slot(view, now)
+                    or (self.evidence_gate
+                        and now - self._evicted_at > self.hold_bound_s(now))
+                    or (turn.prompt_tokens <= self.kv_room(view) and self.has_room(turn, view)))
+            if fits:
+                yield self._take(seq, turn, now)
+            else:
+                skipped.append((seq, turn))
+        gate.extendleft(reversed(skipped))
+
+    def on_finished(self, turn: TurnRecord, now: float) -> None:
+        if turn.released_s >= 0:
+            self._turn_s.add(now - turn.released_s)
+            if len(self._turn_s) >= 5 and len(self._turn_s) % 4 == 0:
+                self._turn_p50 = self._turn_s.quantile(0.5)
+        if self._view is not None:
+            self._watch_overflow(self._view, now)
+        super().on_finished(turn, now)
+
+    def _take(self, seq: int, turn: TurnRecord, now: float) -> TurnRecord:
+        wid = turn.workflow.id
+        self._held_s[wid] = self._held_s.get(wid, 0.0) + max(0.0, now - turn.ready_s)
+        return super()._take(seq, turn, now)
+
+    def on_workflow_done(self, workflow: WorkflowRecord, now: float) -> None:
+        held = self._held_s.pop(workflow.id, 0.0) if self.net_flow else 0.0
+        self._flow_p50.add(max(0.0, now - workflow.arrival_s - held))
+        super().on_workflow_done(workflow, now)
+
+    def _expiry_due(self, now: float) -> float:
+        return self._expiry[0][0] + self.hold_bound_s(now)
