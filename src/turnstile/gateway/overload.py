@@ -26,7 +26,6 @@ import asyncio
 from typing import Any, Protocol
 
 from turnstile.core.scheduler import Scheduler
-from turnstile.core.state import TurnState
 from turnstile.gateway.config import GatewayConfig
 from turnstile.gateway.driving import ReleaseDriver
 from turnstile.gateway.durability import Durability, OffsetClock
@@ -73,18 +72,9 @@ def shed(gw: OverloadHost) -> None:
 
 
 def oldest_hold_s(gw: OverloadHost, now_s: float) -> float:
-    """How long the oldest turn held by the release policy has waited (0 when none is held).
-
-    Read from the service's own held turns (O(turns in flight), on probes only). The scheduler
-    will offer this directly (``turnstile_oldest_hold_seconds``); this is the one place to swap
-    it in."""
-    if not gw.scheduler.held_turns:
-        return 0.0
-    oldest = now_s
-    for rec, p in gw.driver.by_rec.items():
-        if p.state == TurnState.READY and rec.ready_s < oldest:
-            oldest = rec.ready_s
-    return max(now_s - oldest, 0.0)
+    """How long the oldest turn held by the release policy has waited (0 when none is held):
+    the scheduler's own figure (``turnstile_oldest_hold_seconds``)."""
+    return gw.scheduler.oldest_hold_age(now_s)
 
 
 async def _state_error(gw: OverloadHost) -> str | None:
