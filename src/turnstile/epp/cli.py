@@ -63,9 +63,9 @@ def epp(
                         fallbacks=fallbacks)
         if not cfg.endpoints and not cfg.endpoints_file:
             raise ValueError("give --endpoint IP:PORT (repeat) or --endpoints-file")
-        from turnstile.gateway.config import build_policies
+        from turnstile.policies import PolicySet
 
-        build_policies(gcfg.policy, gcfg.policy_params)
+        PolicySet.from_spec(gcfg.policy, gcfg.policy_params)
     except (ValueError, OSError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
