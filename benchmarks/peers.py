@@ -126,7 +126,8 @@ def render_table(rows: Sequence[dict[str, Any]], baseline: str = "turnstile-eage
         out.append(
             f"| {r['family']} | {r['load']} | {r['system']} | {r['reps']} | "
             f"{_fmt(r['flow_p50_s'])} | {_fmt(r['flow_p95_s'])} | "
-            f"{_fmt(r['p95_vs_base'])}{'×' if r['p95_vs_base'] else ''} | {_fmt(r['ttft_p95_s'])} | "
+            f"{_fmt(r['p95_vs_base'])}{'×' if r['p95_vs_base'] else ''} | "
+            f"{_fmt(r['ttft_p95_s'])} | "
             f"{_fmt(r['engine_hit_rate'], pct=True)} | {r['errors']} | {r['unfinished']} |")
     return "\n".join(out) + "\n"
 
