@@ -188,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         gw.wait(15)
         log.close()
         ap_sum = aiperf_summary(art)
+        for p in art.rglob("profile_export_aiperf.json"):  # AIPerf's own aggregated report
+            rep = json.loads(p.read_text())
+            ap_sum["report"] = {k: (rep.get(k) or {}).get("avg")
+                                for k in ("request_count", "total_isl", "total_osl")}
         for name in ("profile_export_aiperf.json", "profile_export_aiperf.csv"):
             for p in art.rglob(name):
                 shutil.copy(p, args.out / name)
@@ -221,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
             "sessions": ts["sessions_recorded"] == ap_sum["conversations"] == trace["sessions"],
             "turns_per_session": ts["turns_per_session"] == ap_sum["turns_per_conversation"]
             == trace["turns_per_session"],
+            "report": ap_sum.get("report") == {"request_count": ap_sum["requests"],
+                                               "total_isl": ap_sum["input_tokens"],
+                                               "total_osl": ap_sum["output_tokens"]},
             "requests": ap_sum["requests"] == ts["turns_finished_metric"]
             == ts["turns_recorded"],
             "input_tokens": ap_sum["input_tokens"] == ts["prompt_tokens_recorded"],
