@@ -27,6 +27,7 @@ import argparse
 import json
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -102,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, default=6)
     ap.add_argument("--max-turns", type=int, default=5)
     ap.add_argument("--policy", default="cvar")
+    ap.add_argument("--via", choices=("serve", "epp"), default="serve",
+                    help="turnstile serve, or turnstile epp behind Envoy")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=300.0)
     args = ap.parse_args(argv)
@@ -139,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     servers = [LlamaServerProcess(model, n_parallel=4, ctx=8192, threads=1,
                                   slot_save_dir=tmp / f"slots{i}") for i in range(2)]
     gw = None
+    envoy = None
     try:
         for s in servers:
             s.start()
@@ -153,18 +157,32 @@ def main(argv: list[str] | None = None) -> int:
         cfg = tmp / "gw.toml"
         cfg.write_text(toml)
         log = open(args.out / "gateway.log", "wb")  # noqa: SIM115
-        import sys
+        if args.via == "serve":
+            gw = subprocess.Popen([sys.executable, "-m", "turnstile.gateway", "serve",
+                                   "--config", str(cfg)], stdout=log, stderr=subprocess.STDOUT)
+            gw_url = metrics_url = f"http://127.0.0.1:{port}"
+        else:  # turnstile epp behind Envoy (ORIGINAL_DST cluster), the same TOML
+            from turnstile.epp.envoy import EnvoyProcess, envoy_config
 
-        gw = subprocess.Popen([sys.executable, "-m", "turnstile.gateway", "serve", "--config",
-                               str(cfg)], stdout=log, stderr=subprocess.STDOUT)
-        gw_url = f"http://127.0.0.1:{port}"
+            grpc, mport = free_port(), free_port()
+            cmd = [sys.executable, "-m", "turnstile", "epp", "--config", str(cfg), "--policy",
+                   policy_spec(args.policy), "--grpc-port", str(grpc), "--metrics-port",
+                   str(mport)]
+            for u in urls:
+                cmd += ["--endpoint", u.removeprefix("http://")]
+            gw = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            metrics_url = f"http://127.0.0.1:{mport}"
         for _ in range(300):
             try:
-                urllib.request.urlopen(gw_url + "/health", timeout=1)
+                urllib.request.urlopen(metrics_url + "/health", timeout=1)
                 break
             except OSError:
                 time.sleep(0.2)
-        before = _metrics(gw_url)
+        if args.via == "epp":
+            envoy = EnvoyProcess(envoy_config(listen_port=free_port(), picker_port=grpc))
+            envoy.start()
+            gw_url = envoy.url
+        before = _metrics(metrics_url)
         art = tmp / "artifacts"
         # AIPerf's `builtin` tokenizer downloads its BPE; a local HF tokenizer needs no network
         # (it only sizes AIPerf's synthesized prompts: the counts compared are the server's)
@@ -183,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
             print(res.stdout[-3000:], res.stderr[-3000:])
             raise SystemExit(f"aiperf exited {res.returncode}")
         time.sleep(3.0 + 2.0)  # sessions close after session_idle_s; then they are recorded
-        after = _metrics(gw_url)
+        after = _metrics(metrics_url)
+        if envoy is not None:
+            envoy.stop()
         gw.terminate()
         gw.wait(15)
         log.close()
@@ -220,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                  "turns_per_session": sorted(len(w.turns) for w in sessions),
                  "requests": len(rows)}
         doc = {"trace": trace, "aiperf": ap_sum, "turnstile": ts, "aiperf_wall_s": round(wall, 1),
-               "command": " ".join(cmd), "policy": args.policy}
+               "command": " ".join(cmd), "policy": args.policy, "via": args.via}
         doc["agree"] = {
             "sessions": ts["sessions_recorded"] == ap_sum["conversations"] == trace["sessions"],
             "turns_per_session": ts["turns_per_session"] == ap_sum["turns_per_conversation"]
@@ -236,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "aiperf_drive.json").write_text(json.dumps(doc, indent=1) + "\n")
         print(json.dumps(doc, indent=1))
     finally:
+        if envoy is not None:
+            envoy.stop()
         if gw is not None and gw.poll() is None:
             gw.kill()
         for s in servers:
