@@ -71,9 +71,9 @@ def epp(
             raise ValueError(f"--watch {watch!r}: expected inline or observe")
         if not cfg.endpoints and not cfg.endpoints_file:
             raise ValueError("give --endpoint IP:PORT (repeat) or --endpoints-file")
-        from turnstile.gateway.config import build_policies
+        from turnstile.policies import PolicySet
 
-        build_policies(gcfg.policy, gcfg.policy_params)
+        PolicySet.from_spec(gcfg.policy, gcfg.policy_params)
     except (ValueError, OSError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
