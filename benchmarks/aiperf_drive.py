@@ -39,27 +39,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def to_aiperf_rows(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """turnstile's Mooncake records (whole-prompt ``input_length``) as AIPerf's multi-turn loader
-    reads them: a session's first row keeps its prompt; every later row has the tokens the turn
-    adds to the previous prompt and reply (at least 1); ``hash_ids`` dropped; sub-agent fields
-    (``parent_session_id``, ``parent_turn``, ``wait_for``) dropped too (AIPerf replays chains)."""
-    last: dict[str, tuple[int, int]] = {}
+    """turnstile's Mooncake records as AIPerf's multi-turn loader reads them. The writer already
+    uses AIPerf's semantics (a session's first row: the whole prompt; every later row: the
+    tokens the turn adds after the previous prompt and reply); this keeps at least 1 new token
+    per row and drops ``hash_ids`` and the sub-agent fields (``parent_session_id``,
+    ``parent_turn``, ``wait_for``): AIPerf replays chains."""
     out = []
     for r in records:
-        sid = str(r["session_id"])
-        prompt, reply = int(r["input_length"]), int(r["output_length"])
-        row: dict[str, Any] = {"session_id": sid}
-        if "timestamp" in r:
-            row["timestamp"] = r["timestamp"]
-        if "delay" in r:
-            row["delay"] = r["delay"]
-        if sid in last:
-            p, o = last[sid]
-            row["input_length"] = max(1, prompt - p - o)
-        else:
-            row["input_length"] = prompt
-        row["output_length"] = reply
-        last[sid] = (prompt, reply)
+        row: dict[str, Any] = {"session_id": str(r["session_id"])}
+        for key in ("timestamp", "delay"):
+            if key in r:
+                row[key] = r[key]
+        row["input_length"] = max(1, int(r["input_length"]))
+        row["output_length"] = int(r["output_length"])
         out.append(row)
     return out
 

@@ -27,8 +27,8 @@ def _session(wid: str, arrival: float) -> Workflow:
 def test_rows_carry_new_tokens_per_turn_as_aiperf_reads_them() -> None:
     wfs = [_session("a", 0.0), _session("b", 1.5)]
     recs = mooncake_records(wfs)
-    # turnstile's writer: the whole prompt per call
-    assert [r["input_length"] for r in recs if r["session_id"] == "a"] == [300, 350, 387]
+    # turnstile's writer already uses AIPerf's semantics: the new tokens per later call
+    assert [r["input_length"] for r in recs if r["session_id"] == "a"] == [300, 40, 25]
     rows = drive.to_aiperf_rows(recs)
     a = [r for r in rows if r["session_id"] == "a"]
     assert [r["input_length"] for r in a] == [300, 40, 25]
@@ -47,5 +47,5 @@ def test_rows_carry_new_tokens_per_turn_as_aiperf_reads_them() -> None:
 
 def test_a_turn_adding_nothing_still_sends_one_token() -> None:
     recs = [{"session_id": "s", "timestamp": 0, "input_length": 100, "output_length": 5},
-            {"session_id": "s", "delay": 10, "input_length": 104, "output_length": 5}]
+            {"session_id": "s", "delay": 10, "input_length": 0, "output_length": 5}]
     assert [r["input_length"] for r in drive.to_aiperf_rows(recs)] == [100, 1]

@@ -127,7 +127,7 @@ def test_aiperf_multi_turn_mooncake_sessions(tmp_path: Path) -> None:
     assert t0.tools[0].duration_s == pytest.approx(2.5) and not t1.tools
     # the first turn's complete blocks keep the file's ids (shared with b); the rest are unique
     assert t0.block_hashes[:2] == (1, 2) == b.turns[0].block_hashes[:2]
-    assert t1.block_hashes[:3] == t0.block_hashes and len(t1.block_hashes) == 3
+    assert t1.block_hashes[:3] == t0.block_hashes  # the later turn extends the first's blocks
     assert t0.block_hashes[2] != b.turns[0].block_hashes[2]
 
 
