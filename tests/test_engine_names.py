@@ -24,6 +24,7 @@ GENERAL_SIM = (
     "__init__.py",
     "batch_scheduler.py",
     "block_pool.py",
+    "closed_loop.py",
     "cluster.py",
     "engine.py",
     "engine_config.py",
