@@ -206,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                         # computes while they serve is the profile's host contention
                         neighbours=() if args.profile_all or args.no_contention else urls[1:],
                         quick=args.quick_profile, repeats=args.profile_repeats,
+                        # vLLM does not report its --max-num-seqs: sweep batches up to it
+                        max_seqs=args.n_parallel if vllm else None,
                         # the sweep covers the contexts the scaled trace reaches
                         max_context=args.max_context + 64,
                         # fresh prompts per profile: a repeat of the last profile's prompts

