@@ -68,3 +68,4 @@ def test_vllm_servers_get_a_small_pool_and_one_session_per_sequence(tmp_path: Pa
     s = servers[0]
     assert s.max_model_len == 796 and s.max_num_seqs == 4
     assert list(s.extra_args) == ["--num-gpu-blocks-override", "11"]
+    assert servers[0].cpus is not None  # vLLM would put both on the first core

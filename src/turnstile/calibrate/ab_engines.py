@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+import os
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -118,7 +119,10 @@ def start_servers(engine: str, tmp: Path, *, count: int, hidden: int, layers: in
                              heads=heads, kv_heads=kv_heads)
     per_seq = ctx // n_parallel
     blocks = vllm_blocks(kv_tokens, per_seq)
+    # vLLM binds every engine's compute threads to the first core unless told: one core each,
+    # round robin over the CPUs this process may use (llama.cpp's -t 1 engines float instead)
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
     return [VllmServerProcess(hf, max_model_len=per_seq, max_num_seqs=n_parallel,
-                              log_path=tmp / f"vllm{i}.log",
+                              log_path=tmp / f"vllm{i}.log", cpus=str(cpus[i % len(cpus)]),
                               extra_args=["--num-gpu-blocks-override", str(blocks)])
             for i in range(count)]
