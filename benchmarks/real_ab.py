@@ -116,12 +116,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--engine-slowdown", type=float, default=None,
                     help="serving term: how much slower the engines compute while serving "
                          "than the profile measured (same)")
-    ap.add_argument("--serving-probe", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--serving-probe", action=argparse.BooleanOptionalAction, default=None,
                     help="before the cells, serve one probe cell and measure the serving terms "
-                         "from its turns (calibrate.ab_real.measure_serving)")
+                         "from its turns (calibrate.ab_real.measure_serving; default on with "
+                         "llama.cpp, off with vLLM: it reads llama.cpp's per-request timings)")
     args = ap.parse_args(argv)
     if args.kv_model is None:
         args.kv_model = "paged" if args.engine == "vllm" else "slots"
+    if args.serving_probe is None:
+        args.serving_probe = args.engine != "vllm"
     if args.engine == "vllm" and args.pin_cores:
         ap.error("--pin-cores is for llama.cpp engines")
     return args
