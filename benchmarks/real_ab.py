@@ -121,7 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "from its turns (calibrate.ab_real.measure_serving; default on with "
                          "llama.cpp, off with vLLM: it reads llama.cpp's per-request timings)")
     args = ap.parse_args(argv)
-    if args.kv_model is None:
+    if args.kv_model is None and args.from_dir is None:  # --from: the stored run's engine
         args.kv_model = "paged" if args.engine == "vllm" else "slots"
     if args.serving_probe is None:
         args.serving_probe = args.engine != "vllm"
@@ -185,6 +185,8 @@ def repredict_main(args: argparse.Namespace) -> int:
     src: Path = args.from_dir
     doc = json.loads((src / "real_ab.json").read_text())
     setup, run = doc["setup"], doc["run"]
+    if args.kv_model is None:
+        args.kv_model = "paged" if setup.get("engine") == "vllm" else "slots"
     scale = TraceScale(**setup["scale"])
     sessions = _sessions(Path(setup["trace"]), setup["subset"], setup["trace_sessions"],
                          setup["synth_sessions"], scale, setup.get("seed", 0))
