@@ -50,7 +50,7 @@ from turnstile.calibrate.ab import (
     slot_kv_tokens,
     with_profile_slots,
 )
-from turnstile.calibrate.ab_engines import ENGINES, gateway_kind
+from turnstile.calibrate.ab_engines import ENGINES, VLLM_CPU_BLOCK, gateway_kind
 from turnstile.calibrate.ab_real import AbRun, run_ab
 from turnstile.calibrate.fidelity import TraceScale
 from turnstile.engines.llama_server import require_llama_server
@@ -191,7 +191,10 @@ def repredict_main(args: argparse.Namespace) -> int:
     sessions = _sessions(Path(setup["trace"]), setup["subset"], setup["trace_sessions"],
                          setup["synth_sessions"], scale, setup.get("seed", 0))
     perf = FittedPerf.from_profile(src / "profile.json")
-    engines = with_profile_slots(AbEngines(**{**run["engines"], "kv_model": args.kv_model}), perf)
+    stored = dict(run["engines"])
+    if setup.get("engine") == "vllm":  # runs from before the block size was stored
+        stored.setdefault("block_size", VLLM_CPU_BLOCK)
+    engines = with_profile_slots(AbEngines(**{**stored, "kv_model": args.kv_model}), perf)
     rates = {float(k): v for k, v in doc["rates"].items()}
     t0 = time.time()
     serving = _serving(args, setup.get("serving") or {}) or ServingTerms()
@@ -232,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     engines = AbEngines(count=args.engines, n_parallel=args.n_parallel, ctx=args.ctx,
                         kv_tokens=slot_kv_tokens(sessions, args.n_parallel),
                         kv_model=args.kv_model,
-                        **({"chunk": 8192} if args.engine == "vllm" else {}))
+                        **({"chunk": 8192, "block_size": VLLM_CPU_BLOCK}
+                           if args.engine == "vllm" else {}))
     # a slot must hold a whole session as the replay sends it: template tokens per message, the
     # replay's margins, and 10% for its characters-per-token estimate; else the replay shrinks
     # the prompts and the simulator would not be predicting the same work

@@ -69,3 +69,22 @@ def test_vllm_servers_get_a_small_pool_and_one_session_per_sequence(tmp_path: Pa
     assert s.max_model_len == 796 and s.max_num_seqs == 4
     assert list(s.extra_args) == ["--num-gpu-blocks-override", "11"]
     assert servers[0].cpus is not None  # vLLM would put both on the first core
+
+
+def test_the_prediction_reuses_whole_blocks_of_the_engines_size() -> None:
+    """vLLM on a CPU reuses 128-token blocks: a prediction with them keeps less of each
+    session's prefix than one with 16-token blocks (the tail past the last full block)."""
+    from turnstile.calibrate.ab import ServingTerms, build_sessions, cell_workload, predict
+    from turnstile.calibrate.fidelity import TraceScale
+    from turnstile.sim.fitted_perf import FittedPerf
+
+    scale = TraceScale(max_output=16, tool_div=20.0, max_tool_s=0.5, max_context=600,
+                       max_turns=6)
+    wfs = cell_workload(build_sessions([], 0, 6, scale, seed=1), 0.5, 0)
+    perf = FittedPerf(0.002, 1e-4, 6e-4, 1e-6, 5e-8, engine="test")
+    hits = {}
+    for block in (16, 128):
+        eng = AbEngines(count=1, n_parallel=4, ctx=8192, kv_model="paged", block_size=block)
+        got = predict(wfs, ["eager"], eng, perf, None, ServingTerms())
+        hits[block] = got["eager"]["prefix_hit_rate"]
+    assert hits[128] < hits[16]
