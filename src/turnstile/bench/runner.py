@@ -156,12 +156,14 @@ def run_bench(
     slo_ttft_s: float = 2.0,
     slo_tpot_s: float = 0.1,
     hash_block_tokens: int = 0,
+    block_size: int = 16,
     on_policy_start: Callable[[str], None] | None = None,
     on_progress: Callable[[int], None] | None = None,
     detailed: bool = False,
 ) -> list[dict[str, Any]]:
     """Run each policy spec on the same workflows; one result dict per policy.
 
+    ``block_size``: the engines' KV block (their prefix cache reuses whole blocks).
     ``detailed``: add every workflow's and turn's samples (``--save-detailed``,
     :mod:`turnstile.bench.detailed`)."""
     from turnstile.bench.metrics import compute_metrics
@@ -172,7 +174,7 @@ def run_bench(
         if on_policy_start is not None:
             on_policy_start(spec)
         res = run_sim(workflows, spec, groups, on_progress=on_progress,
-                      hash_block_tokens=hash_block_tokens)
+                      hash_block_tokens=hash_block_tokens, block_size=block_size)
         metrics = compute_metrics(
             res.workflows,
             engine_stats=res.engine_stats,

