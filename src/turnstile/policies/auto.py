@@ -46,7 +46,7 @@ import heapq
 import math
 from collections.abc import Iterator
 
-from turnstile.core.state import ClusterView, TurnRecord, WorkflowRecord
+from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, WorkflowRecord
 from turnstile.policies.base import RELEASE
 from turnstile.policies.cvar import CvarRelease
 from turnstile.policies.estimators import QuantileTracker, RecentWindow
@@ -65,6 +65,7 @@ class AutoRelease(CvarRelease):
         hold_started: bool = False,
         evidence_gate: bool = False,
         net_flow: bool = True,
+        dedup_shared: bool = True,
         **kw: float,
     ) -> None:
         kw.setdefault("kv_fill", 0.5)
@@ -91,6 +92,12 @@ class AutoRelease(CvarRelease):
         #: eviction (the gate holds only within a hold bound of that: evidence, not a guess)
         self._evicted_at = -math.inf
         self.evidence_gate = evidence_gate
+        #: count KV blocks that paused sessions share (by ``block_hashes``) once per engine
+        self.dedup_shared = dedup_shared
+        #: per workflow: the hash blocks of its last finished turn's prompt, and tokens each
+        self._blocks: dict[str, tuple[tuple[int, ...], float]] = {}
+        #: per engine: (paused tokens, paused sessions) -> KV paused sessions share, in tokens
+        self._shared: dict[str, tuple[int, int, float, dict[int, int]]] = {}
 
     # ------------------------------------------------------------ the bound
     def hold_bound_s(self, now: float) -> float:
@@ -117,6 +124,77 @@ class AutoRelease(CvarRelease):
         return max(0.0, now - expiry[0][0]) if expiry else 0.0
 
     # ------------------------------------------------------------ room
+    def _shared_on(self, e: EngineLoad) -> tuple[float, dict[int, int]]:
+        """KV tokens the sessions paused on ``e`` hold twice over in ``paused_context_tokens``
+        (prefix blocks named by the same ``block_hashes``, which a paged engine stores once),
+        and how many of them hold each hash block. Slot engines keep a copy per slot: 0."""
+        if not self.dedup_shared or e.kv_slots or not self._blocks:
+            return 0.0, {}
+        key = (e.paused_context_tokens, len(e.cached_sessions))
+        hit = self._shared.get(e.id)
+        if hit is not None and hit[:2] == key:
+            return hit[2], hit[3]
+        seen: dict[int, int] = {}
+        dup = 0.0
+        for wid in e.cached_sessions:
+            blocks = self._blocks.get(wid)
+            if blocks is None:
+                continue
+            hashes, per = blocks
+            n = 0
+            for h in hashes:
+                c = seen.get(h, 0)
+                if c:
+                    n += 1
+                seen[h] = c + 1
+            dup += n * per
+        self._shared[e.id] = (*key, dup, seen)
+        return dup, seen
+
+    def paused_kv(self, e: EngineLoad) -> float:
+        """The KV (tokens) the sessions paused on ``e`` occupy: their contexts, blocks they
+        share counted once."""
+        return e.paused_context_tokens - self._shared_on(e)[0]
+
+    def _need_on(self, turn: TurnRecord, e: EngineLoad, need: float) -> float:
+        """``need`` less the prompt's hash blocks already resident on ``e`` (paused sessions')."""
+        hashes = turn.turn.block_hashes
+        if not hashes or not self.dedup_shared or e.kv_slots:
+            return need
+        seen = self._shared_on(e)[1]
+        if not seen:
+            return need
+        hit = sum(1 for h in hashes if h in seen)
+        return need - hit * turn.prompt_tokens / len(hashes)
+
+    def _fits_gate(self, turn: TurnRecord, view: ClusterView) -> bool:
+        """Some engine's KV demand leaves room for ``turn``'s prompt (net of the hash blocks
+        it shares with the sessions paused there) within ``kv_fill`` x its capacity."""
+        if not self.kv_gate:
+            return True
+        for e in view.values():
+            if not e.healthy:
+                continue
+            if e.capacity_tokens <= 0:
+                return True  # unknown capacity: no gate
+            room = self.kv_fill * e.capacity_tokens - e.outstanding_tokens - self.paused_kv(e)
+            if self._need_on(turn, e, turn.prompt_tokens) <= room:
+                return True
+        return False
+
+    def kv_room(self, view: ClusterView) -> float:
+        if not self.kv_gate:
+            return float("inf")
+        room = float("-inf")
+        for e in view.values():
+            if not e.healthy:
+                continue
+            if e.capacity_tokens <= 0:
+                return float("inf")  # unknown capacity: no gate
+            room = max(room, self.kv_fill * e.capacity_tokens - e.outstanding_tokens
+                       - self.paused_kv(e))
+        return room
+
     def evict_cost_s(self, turn: TurnRecord, view: ClusterView) -> float:
         """What releasing ``turn`` now costs the sessions paused in tool calls, in seconds of
         re-prefill: over the engines that take work, have a free slot (or hold its session)
@@ -140,8 +218,12 @@ class AutoRelease(CvarRelease):
             free = e.capacity_tokens - e.outstanding_tokens  # what running work leaves
             if need > free:
                 continue  # it would queue here
-            others = e.paused_context_tokens - (wf.paused_tokens if own else 0)
-            evicted = need + others - free  # paused KV beyond what the engine holds
+            # paused KV beyond what the engine holds (shared blocks once; a new session's prompt
+            # net of the blocks it shares with the paused ones)
+            if own:
+                evicted = need + self.paused_kv(e) - wf.paused_tokens - free
+            else:
+                evicted = self._need_on(turn, e, need) + self.paused_kv(e) - free
             if evicted <= 0:
                 return 0.0
             best = min(best, evicted * e.prefill_s_per_token)
@@ -154,7 +236,7 @@ class AutoRelease(CvarRelease):
     def _watch_overflow(self, view: ClusterView, now: float) -> None:
         for e in view.values():
             cap = e.capacity_tokens
-            if cap > 0 and e.outstanding_tokens + e.paused_context_tokens > cap:
+            if cap > 0 and e.outstanding_tokens + self.paused_kv(e) > cap:
                 self._overflow_at[e.id] = now
 
     def _count_miss(self, turn: TurnRecord) -> None:
@@ -212,7 +294,7 @@ class AutoRelease(CvarRelease):
             fits = (started or self.idle_with_free_slot(view, now)
                     or (self.evidence_gate
                         and now - self._evicted_at > self.hold_bound_s(now))
-                    or (turn.prompt_tokens <= self.kv_room(view) and self.has_room(turn, view)))
+                    or (self._fits_gate(turn, view) and self.has_room(turn, view)))
             if fits:
                 yield self._take(seq, turn, now)
             else:
@@ -220,6 +302,10 @@ class AutoRelease(CvarRelease):
         gate.extendleft(reversed(skipped))
 
     def on_finished(self, turn: TurnRecord, now: float) -> None:
+        hashes = turn.turn.block_hashes
+        if hashes and self.dedup_shared:  # (a turn without them keeps its session's last:
+            # the context grows by appending, the named prefix blocks stay in it)
+            self._blocks[turn.workflow.id] = (hashes, turn.prompt_tokens / len(hashes))
         if turn.released_s >= 0:
             self._turn_s.add(now - turn.released_s)
             if len(self._turn_s) >= 5 and len(self._turn_s) % 4 == 0:
@@ -234,6 +320,7 @@ class AutoRelease(CvarRelease):
         return super()._take(seq, turn, now)
 
     def on_workflow_done(self, workflow: WorkflowRecord, now: float) -> None:
+        self._blocks.pop(workflow.id, None)
         held = self._held_s.pop(workflow.id, 0.0) if self.net_flow else 0.0
         self._flow_p50.add(max(0.0, now - workflow.arrival_s - held))
         super().on_workflow_done(workflow, now)
