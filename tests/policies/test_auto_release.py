@@ -99,3 +99,23 @@ def test_paused_sessions_sharing_a_prefix_count_its_kv_once() -> None:
         assert held[dedup] <= max(rel.hold_bound_s(sim.now), 60.0)
     assert held[True] == 0.0
     assert held[False] > 0.0
+
+
+def test_holds_past_the_ttft_tail_are_capped_once_their_share_is_spent() -> None:
+    """First turns held past the TTFT P95 of unheld turns may be at most ``ttft_tail_share``
+    of all turns (with n turns per workflow, that share x n of first turns); past it, the
+    bound drops to that P95."""
+    rel = AutoRelease()
+    rel._turn_p50 = 30.0
+    assert rel.hold_bound_s(0.0) == 300.0
+    rel._ttft_cap = 4.0
+    for _ in range(5):
+        rel._wf_turns.add(10.0)  # 10 turns per workflow: 25% of first turns may go past
+    for over in [True] * 3 + [False] * 13:
+        rel._ttft_tail.append(over)
+        rel._tail_n += over
+    assert not rel._tail_spent() and rel.hold_bound_s(0.0) == 300.0  # 3/16 < 25%
+    for _ in range(2):
+        rel._ttft_tail.append(True)
+        rel._tail_n += 1
+    assert rel._tail_spent() and rel.hold_bound_s(0.0) == 4.0  # 5/18 >= 25%: capped

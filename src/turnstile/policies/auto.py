@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Iterator
 
 from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, WorkflowRecord
@@ -66,6 +67,7 @@ class AutoRelease(CvarRelease):
         evidence_gate: bool = False,
         net_flow: bool = True,
         dedup_shared: bool = True,
+        ttft_tail_share: float = 0.025,
         **kw: float,
     ) -> None:
         kw.setdefault("kv_fill", 0.5)
@@ -94,6 +96,16 @@ class AutoRelease(CvarRelease):
         self.evidence_gate = evidence_gate
         #: count KV blocks that paused sessions share (by ``block_hashes``) once per engine
         self.dedup_shared = dedup_shared
+        #: at most this share of turns may be held past :meth:`ttft_hold_cap_s` (into the
+        #: time-to-first-token tail of the turns nobody held): half of the 5% a P95 leaves out,
+        #: so holds do not set the TTFT P95; once spent, holds end at the cap. Negative: off.
+        self.ttft_tail_share = ttft_tail_share
+        self._ttft_free = RecentWindow(512)  # ready -> first token of turns released at once
+        self._ttft_cap = math.inf
+        #: per recent first turn: held past the cap? (first turns are the ones the gate holds)
+        self._ttft_tail: deque[bool] = deque(maxlen=128)
+        self._tail_n = 0
+        self._wf_turns = RecentWindow(256)  # turns per finished workflow
         #: per workflow: the hash blocks of its last finished turn's prompt, and tokens each
         self._blocks: dict[str, tuple[tuple[int, ...], float]] = {}
         #: per engine: (paused tokens, paused sessions) -> KV paused sessions share, in tokens
@@ -109,8 +121,26 @@ class AutoRelease(CvarRelease):
         if math.isinf(turn):
             return self.boot_hold_s
         if math.isinf(flow):
-            return max(turn, self.boot_hold_s)
-        return max(self.hold_frac * flow, turn, self.boot_hold_s)
+            bound = max(turn, self.boot_hold_s)
+        else:
+            bound = max(self.hold_frac * flow, turn, self.boot_hold_s)
+        if self._tail_spent():  # holds already fill their share of the TTFT tail
+            bound = min(bound, self._ttft_cap)
+        return bound
+
+    def ttft_hold_cap_s(self) -> float:
+        """How long a hold may last before it puts the turn in the TTFT tail: the P95 time to
+        first token (ready -> first token) of recent turns released at once (``inf`` until 64
+        were seen)."""
+        return self._ttft_cap
+
+    def _tail_spent(self) -> bool:
+        """Recent first turns held past the cap are ``ttft_tail_share`` of all turns: with
+        ``n`` turns per workflow, a share ``ttft_tail_share`` x ``n`` of the first turns."""
+        tail = self._ttft_tail
+        if self.ttft_tail_share < 0 or len(tail) < 16 or len(self._wf_turns) < 5:
+            return False
+        return self._tail_n >= self.ttft_tail_share * self._wf_turns.mean * len(tail)
 
     def _push_expiry(self, now: float, seq: int, turn: TurnRecord, limit_s: float) -> None:
         # keyed by the ready time: the bound is evaluated when read (it moves with the workload)
@@ -306,6 +336,20 @@ class AutoRelease(CvarRelease):
         if hashes and self.dedup_shared:  # (a turn without them keeps its session's last:
             # the context grows by appending, the named prefix blocks stay in it)
             self._blocks[turn.workflow.id] = (hashes, turn.prompt_tokens / len(hashes))
+        if turn.first_token_s >= 0 and turn.released_s >= 0 and self.ttft_tail_share >= 0:
+            held = turn.released_s - turn.ready_s
+            if held <= 0.0:
+                free = self._ttft_free
+                free.add(turn.first_token_s - turn.ready_s)
+                if len(free) >= 64 and len(free) % 16 == 0:
+                    self._ttft_cap = free.quantile(0.95)
+            if turn.index == 0:
+                tail = self._ttft_tail
+                if len(tail) == tail.maxlen and tail[0]:
+                    self._tail_n -= 1
+                over = held > self._ttft_cap
+                tail.append(over)
+                self._tail_n += over
         if turn.released_s >= 0:
             self._turn_s.add(now - turn.released_s)
             if len(self._turn_s) >= 5 and len(self._turn_s) % 4 == 0:
@@ -321,6 +365,7 @@ class AutoRelease(CvarRelease):
 
     def on_workflow_done(self, workflow: WorkflowRecord, now: float) -> None:
         self._blocks.pop(workflow.id, None)
+        self._wf_turns.add(float(len(workflow.turns)))
         held = self._held_s.pop(workflow.id, 0.0) if self.net_flow else 0.0
         self._flow_p50.add(max(0.0, now - workflow.arrival_s - held))
         super().on_workflow_done(workflow, now)
