@@ -18,12 +18,12 @@ hold limits (600 s; 3,600 s at the gate) were fixed numbers unrelated to the wor
    engine is idle with a free slot. The KV a hold protects is named: the paused sessions'
    contexts plus the headroom ``(1 - kv_fill)`` x capacity their growth needs. A later new
    workflow that fits may pass one that does not (no stall behind one large prompt).
-   ``evidence_gate=True`` (off by default) holds only within a hold bound of the last
-   observed eviction (a turn that lost more than ``target_context_miss`` of its context,
-   counted as in rule 3). Summing paused contexts overstates KV demand where sessions share
-   prefix blocks (AIPerf's agentic-code sessions: new sessions held at 2% contention); the
-   option fixed one such cell (TTFT P95 0.17x -> 3.41x eager) but cost others (syn-reasoning
-   at 1.2x: P95 1.01x -> 0.94x; TraceLab: TTFT 1.06x -> 0.68x), so it stays off.
+   On a paged engine, blocks paused sessions share (same ``block_hashes``) count once and a
+   new prompt counts net of the blocks resident there (AIPerf's sessions share a 32k system
+   prompt: summing whole contexts held new sessions at 2% contention). ``evidence_gate=True``
+   (off by default) holds only within a hold bound of the last observed eviction (a turn that
+   lost more than ``target_context_miss`` of its context, counted as in rule 3); measured
+   mixed.
 3. **The gate shrinks only on evictions.** cvar adapts ``kv_fill`` on every context token the
    prefix cache missed. Many misses are not evictions — a session moved to another engine, a
    prompt whose blocks are named differently than the last turn's (measured: 19% of context
@@ -34,6 +34,9 @@ hold limits (600 s; 3,600 s at the gate) were fixed numbers unrelated to the wor
    the median flow time (net of holds) of recent workflows, at least ``turn_hold_factor`` x the
    median turn time (release -> finish), ``boot_hold_s`` before any turn finished. A turn held
    that long goes, whatever the gate says.
+5. **A hold may not set the TTFT tail**: first turns held past the TTFT P95 of the turns
+   released at once may be at most ``ttft_tail_share`` (2.5%, half the tail a P95 leaves out)
+   of all turns; once that share is spent, the bound drops to that P95.
 
 Unknown KV capacity (a gateway told no ``kv_tokens``): no gate; every turn goes unless the
 engine reports a queue. Everything else (WSPT index, tail weights, output estimates, slot
