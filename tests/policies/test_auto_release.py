@@ -72,3 +72,50 @@ def test_the_bound_follows_observed_turn_and_flow_times() -> None:
     for _ in range(8):
         rel._flow_p50.add(100.0)
     assert rel.hold_bound_s(0.0) == 400.0  # 4 x the median flow time
+
+
+def test_paused_sessions_sharing_a_prefix_count_its_kv_once() -> None:
+    """Two sessions paused in long tool calls share a 30,720-token prefix (same
+    ``block_hashes``, as AIPerf's shared system prompts). A paged engine stores it once: a
+    third session with the same prefix fits beside them (and a running turn) and is not held.
+    Counting each paused context whole (``dedup_shared=False``) holds it at the gate."""
+    shared = tuple(range(30))  # 30 hash blocks of 1,024 tokens
+
+    def session(i: int, at: float) -> Workflow:
+        turns = tuple(Turn(30_720 if k == 0 else 500, 500, 0 if k == 0 else 31_220 + 1_000 * k,
+                           tools=(ToolCall("t", 200.0),) if k < 2 else (), block_hashes=shared)
+                      for k in range(3))
+        return Workflow(f"s{i}", at, turns)
+    busy = Workflow("busy", 55.0, (Turn(500, 4_000, 0),))  # keeps the engine from idling
+    wfs = [session(0, 0.0), session(1, 0.1), busy, session(2, 60.0)]
+    held = {}
+    for dedup in (True, False):
+        pset = PolicySet.from_spec("auto")
+        rel = pset.release = AutoRelease(dedup_shared=dedup)
+        sim = ClusterSim(wfs, pset, [EngineGroup(kv_tokens=80_000)], hash_block_tokens=1_024)
+        sim.run()
+        first = {w.id: w for w in sim.finished}["s2"].turns[0]
+        held[dedup] = first.released_s - first.ready_s
+        assert held[dedup] <= max(rel.hold_bound_s(sim.now), 60.0)
+    assert held[True] == 0.0
+    assert held[False] > 0.0
+
+
+def test_holds_past_the_ttft_tail_are_capped_once_their_share_is_spent() -> None:
+    """First turns held past the TTFT P95 of unheld turns may be at most ``ttft_tail_share``
+    of all turns (with n turns per workflow, that share x n of first turns); past it, the
+    bound drops to that P95."""
+    rel = AutoRelease()
+    rel._turn_p50 = 30.0
+    assert rel.hold_bound_s(0.0) == 300.0
+    rel._ttft_cap = 4.0
+    for _ in range(5):
+        rel._wf_turns.add(10.0)  # 10 turns per workflow: 25% of first turns may go past
+    for over in [True] * 3 + [False] * 13:
+        rel._ttft_tail.append(over)
+        rel._tail_n += over
+    assert not rel._tail_spent() and rel.hold_bound_s(0.0) == 300.0  # 3/16 < 25%
+    for _ in range(2):
+        rel._ttft_tail.append(True)
+        rel._tail_n += 1
+    assert rel._tail_spent() and rel.hold_bound_s(0.0) == 4.0  # 5/18 >= 25%: capped

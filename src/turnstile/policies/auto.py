@@ -18,12 +18,12 @@ hold limits (600 s; 3,600 s at the gate) were fixed numbers unrelated to the wor
    engine is idle with a free slot. The KV a hold protects is named: the paused sessions'
    contexts plus the headroom ``(1 - kv_fill)`` x capacity their growth needs. A later new
    workflow that fits may pass one that does not (no stall behind one large prompt).
-   ``evidence_gate=True`` (off by default) holds only within a hold bound of the last
-   observed eviction (a turn that lost more than ``target_context_miss`` of its context,
-   counted as in rule 3). Summing paused contexts overstates KV demand where sessions share
-   prefix blocks (AIPerf's agentic-code sessions: new sessions held at 2% contention); the
-   option fixed one such cell (TTFT P95 0.17x -> 3.41x eager) but cost others (syn-reasoning
-   at 1.2x: P95 1.01x -> 0.94x; TraceLab: TTFT 1.06x -> 0.68x), so it stays off.
+   On a paged engine, blocks paused sessions share (same ``block_hashes``) count once and a
+   new prompt counts net of the blocks resident there (AIPerf's sessions share a 32k system
+   prompt: summing whole contexts held new sessions at 2% contention). ``evidence_gate=True``
+   (off by default) holds only within a hold bound of the last observed eviction (a turn that
+   lost more than ``target_context_miss`` of its context, counted as in rule 3); measured
+   mixed.
 3. **The gate shrinks only on evictions.** cvar adapts ``kv_fill`` on every context token the
    prefix cache missed. Many misses are not evictions — a session moved to another engine, a
    prompt whose blocks are named differently than the last turn's (measured: 19% of context
@@ -34,6 +34,9 @@ hold limits (600 s; 3,600 s at the gate) were fixed numbers unrelated to the wor
    the median flow time (net of holds) of recent workflows, at least ``turn_hold_factor`` x the
    median turn time (release -> finish), ``boot_hold_s`` before any turn finished. A turn held
    that long goes, whatever the gate says.
+5. **A hold may not set the TTFT tail**: first turns held past the TTFT P95 of the turns
+   released at once may be at most ``ttft_tail_share`` (2.5%, half the tail a P95 leaves out)
+   of all turns; once that share is spent, the bound drops to that P95.
 
 Unknown KV capacity (a gateway told no ``kv_tokens``): no gate; every turn goes unless the
 engine reports a queue. Everything else (WSPT index, tail weights, output estimates, slot
@@ -44,9 +47,10 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Iterator
 
-from turnstile.core.state import ClusterView, TurnRecord, WorkflowRecord
+from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, WorkflowRecord
 from turnstile.policies.base import RELEASE
 from turnstile.policies.cvar import CvarRelease
 from turnstile.policies.estimators import QuantileTracker, RecentWindow
@@ -65,6 +69,8 @@ class AutoRelease(CvarRelease):
         hold_started: bool = False,
         evidence_gate: bool = False,
         net_flow: bool = True,
+        dedup_shared: bool = True,
+        ttft_tail_share: float = 0.025,
         **kw: float,
     ) -> None:
         kw.setdefault("kv_fill", 0.5)
@@ -91,6 +97,22 @@ class AutoRelease(CvarRelease):
         #: eviction (the gate holds only within a hold bound of that: evidence, not a guess)
         self._evicted_at = -math.inf
         self.evidence_gate = evidence_gate
+        #: count KV blocks that paused sessions share (by ``block_hashes``) once per engine
+        self.dedup_shared = dedup_shared
+        #: at most this share of turns may be held past :meth:`ttft_hold_cap_s` (into the
+        #: time-to-first-token tail of the turns nobody held): half of the 5% a P95 leaves out,
+        #: so holds do not set the TTFT P95; once spent, holds end at the cap. Negative: off.
+        self.ttft_tail_share = ttft_tail_share
+        self._ttft_free = RecentWindow(512)  # ready -> first token of turns released at once
+        self._ttft_cap = math.inf
+        #: per recent first turn: held past the cap? (first turns are the ones the gate holds)
+        self._ttft_tail: deque[bool] = deque(maxlen=128)
+        self._tail_n = 0
+        self._wf_turns = RecentWindow(256)  # turns per finished workflow
+        #: per workflow: the hash blocks of its last finished turn's prompt, and tokens each
+        self._blocks: dict[str, tuple[tuple[int, ...], float]] = {}
+        #: per engine: (paused tokens, paused sessions) -> KV paused sessions share, in tokens
+        self._shared: dict[str, tuple[int, int, float, dict[int, int]]] = {}
 
     # ------------------------------------------------------------ the bound
     def hold_bound_s(self, now: float) -> float:
@@ -102,8 +124,26 @@ class AutoRelease(CvarRelease):
         if math.isinf(turn):
             return self.boot_hold_s
         if math.isinf(flow):
-            return max(turn, self.boot_hold_s)
-        return max(self.hold_frac * flow, turn, self.boot_hold_s)
+            bound = max(turn, self.boot_hold_s)
+        else:
+            bound = max(self.hold_frac * flow, turn, self.boot_hold_s)
+        if self._tail_spent():  # holds already fill their share of the TTFT tail
+            bound = min(bound, self._ttft_cap)
+        return bound
+
+    def ttft_hold_cap_s(self) -> float:
+        """How long a hold may last before it puts the turn in the TTFT tail: the P95 time to
+        first token (ready -> first token) of recent turns released at once (``inf`` until 64
+        were seen)."""
+        return self._ttft_cap
+
+    def _tail_spent(self) -> bool:
+        """Recent first turns held past the cap are ``ttft_tail_share`` of all turns: with
+        ``n`` turns per workflow, a share ``ttft_tail_share`` x ``n`` of the first turns."""
+        tail = self._ttft_tail
+        if self.ttft_tail_share < 0 or len(tail) < 16 or len(self._wf_turns) < 5:
+            return False
+        return self._tail_n >= self.ttft_tail_share * self._wf_turns.mean * len(tail)
 
     def _push_expiry(self, now: float, seq: int, turn: TurnRecord, limit_s: float) -> None:
         # keyed by the ready time: the bound is evaluated when read (it moves with the workload)
@@ -117,6 +157,77 @@ class AutoRelease(CvarRelease):
         return max(0.0, now - expiry[0][0]) if expiry else 0.0
 
     # ------------------------------------------------------------ room
+    def _shared_on(self, e: EngineLoad) -> tuple[float, dict[int, int]]:
+        """KV tokens the sessions paused on ``e`` hold twice over in ``paused_context_tokens``
+        (prefix blocks named by the same ``block_hashes``, which a paged engine stores once),
+        and how many of them hold each hash block. Slot engines keep a copy per slot: 0."""
+        if not self.dedup_shared or e.kv_slots or not self._blocks:
+            return 0.0, {}
+        key = (e.paused_context_tokens, len(e.cached_sessions))
+        hit = self._shared.get(e.id)
+        if hit is not None and hit[:2] == key:
+            return hit[2], hit[3]
+        seen: dict[int, int] = {}
+        dup = 0.0
+        for wid in e.cached_sessions:
+            blocks = self._blocks.get(wid)
+            if blocks is None:
+                continue
+            hashes, per = blocks
+            n = 0
+            for h in hashes:
+                c = seen.get(h, 0)
+                if c:
+                    n += 1
+                seen[h] = c + 1
+            dup += n * per
+        self._shared[e.id] = (*key, dup, seen)
+        return dup, seen
+
+    def paused_kv(self, e: EngineLoad) -> float:
+        """The KV (tokens) the sessions paused on ``e`` occupy: their contexts, blocks they
+        share counted once."""
+        return e.paused_context_tokens - self._shared_on(e)[0]
+
+    def _need_on(self, turn: TurnRecord, e: EngineLoad, need: float) -> float:
+        """``need`` less the prompt's hash blocks already resident on ``e`` (paused sessions')."""
+        hashes = turn.turn.block_hashes
+        if not hashes or not self.dedup_shared or e.kv_slots:
+            return need
+        seen = self._shared_on(e)[1]
+        if not seen:
+            return need
+        hit = sum(1 for h in hashes if h in seen)
+        return need - hit * turn.prompt_tokens / len(hashes)
+
+    def _fits_gate(self, turn: TurnRecord, view: ClusterView) -> bool:
+        """Some engine's KV demand leaves room for ``turn``'s prompt (net of the hash blocks
+        it shares with the sessions paused there) within ``kv_fill`` x its capacity."""
+        if not self.kv_gate:
+            return True
+        for e in view.values():
+            if not e.healthy:
+                continue
+            if e.capacity_tokens <= 0:
+                return True  # unknown capacity: no gate
+            room = self.kv_fill * e.capacity_tokens - e.outstanding_tokens - self.paused_kv(e)
+            if self._need_on(turn, e, turn.prompt_tokens) <= room:
+                return True
+        return False
+
+    def kv_room(self, view: ClusterView) -> float:
+        if not self.kv_gate:
+            return float("inf")
+        room = float("-inf")
+        for e in view.values():
+            if not e.healthy:
+                continue
+            if e.capacity_tokens <= 0:
+                return float("inf")  # unknown capacity: no gate
+            room = max(room, self.kv_fill * e.capacity_tokens - e.outstanding_tokens
+                       - self.paused_kv(e))
+        return room
+
     def evict_cost_s(self, turn: TurnRecord, view: ClusterView) -> float:
         """What releasing ``turn`` now costs the sessions paused in tool calls, in seconds of
         re-prefill: over the engines that take work, have a free slot (or hold its session)
@@ -140,8 +251,12 @@ class AutoRelease(CvarRelease):
             free = e.capacity_tokens - e.outstanding_tokens  # what running work leaves
             if need > free:
                 continue  # it would queue here
-            others = e.paused_context_tokens - (wf.paused_tokens if own else 0)
-            evicted = need + others - free  # paused KV beyond what the engine holds
+            # paused KV beyond what the engine holds (shared blocks once; a new session's prompt
+            # net of the blocks it shares with the paused ones)
+            if own:
+                evicted = need + self.paused_kv(e) - wf.paused_tokens - free
+            else:
+                evicted = self._need_on(turn, e, need) + self.paused_kv(e) - free
             if evicted <= 0:
                 return 0.0
             best = min(best, evicted * e.prefill_s_per_token)
@@ -154,7 +269,7 @@ class AutoRelease(CvarRelease):
     def _watch_overflow(self, view: ClusterView, now: float) -> None:
         for e in view.values():
             cap = e.capacity_tokens
-            if cap > 0 and e.outstanding_tokens + e.paused_context_tokens > cap:
+            if cap > 0 and e.outstanding_tokens + self.paused_kv(e) > cap:
                 self._overflow_at[e.id] = now
 
     def _count_miss(self, turn: TurnRecord) -> None:
@@ -212,7 +327,7 @@ class AutoRelease(CvarRelease):
             fits = (started or self.idle_with_free_slot(view, now)
                     or (self.evidence_gate
                         and now - self._evicted_at > self.hold_bound_s(now))
-                    or (turn.prompt_tokens <= self.kv_room(view) and self.has_room(turn, view)))
+                    or (self._fits_gate(turn, view) and self.has_room(turn, view)))
             if fits:
                 yield self._take(seq, turn, now)
             else:
@@ -220,6 +335,24 @@ class AutoRelease(CvarRelease):
         gate.extendleft(reversed(skipped))
 
     def on_finished(self, turn: TurnRecord, now: float) -> None:
+        hashes = turn.turn.block_hashes
+        if hashes and self.dedup_shared:  # (a turn without them keeps its session's last:
+            # the context grows by appending, the named prefix blocks stay in it)
+            self._blocks[turn.workflow.id] = (hashes, turn.prompt_tokens / len(hashes))
+        if turn.first_token_s >= 0 and turn.released_s >= 0 and self.ttft_tail_share >= 0:
+            held = turn.released_s - turn.ready_s
+            if held <= 0.0:
+                free = self._ttft_free
+                free.add(turn.first_token_s - turn.ready_s)
+                if len(free) >= 64 and len(free) % 16 == 0:
+                    self._ttft_cap = free.quantile(0.95)
+            if turn.index == 0:
+                tail = self._ttft_tail
+                if len(tail) == tail.maxlen and tail[0]:
+                    self._tail_n -= 1
+                over = held > self._ttft_cap
+                tail.append(over)
+                self._tail_n += over
         if turn.released_s >= 0:
             self._turn_s.add(now - turn.released_s)
             if len(self._turn_s) >= 5 and len(self._turn_s) % 4 == 0:
@@ -234,6 +367,8 @@ class AutoRelease(CvarRelease):
         return super()._take(seq, turn, now)
 
     def on_workflow_done(self, workflow: WorkflowRecord, now: float) -> None:
+        self._blocks.pop(workflow.id, None)
+        self._wf_turns.add(float(len(workflow.turns)))
         held = self._held_s.pop(workflow.id, 0.0) if self.net_flow else 0.0
         self._flow_p50.add(max(0.0, now - workflow.arrival_s - held))
         super().on_workflow_done(workflow, now)
