@@ -138,12 +138,14 @@ def test_ray_backend_gives_the_local_results(tiny_doc: dict) -> None:
 # policy DEFAULTS["release"]; S.default_policy_spec) is at most 3%
 # worse than eager in P95 and mean flow time and at most 10% worse in TTFT P95 in every
 # cell of the quick suite (NO_HARM in turnstile.bench.suite_report).
+# The one measured miss of issue 31's goal (docs/policies.md, simulated): syn-tools-heavy at
+# est x1.2, TTFT P95 0.89x eager (1.99 s -> 2.24 s; the KV gate holds first turns behind
+# sessions paused in minutes-long tools while no engine queues). It is held to that measured
+# level, not waived: a cell outside this list, or this cell worse than its floor, fails.
+KNOWN_MISSES = {("syn-tools-heavy", "ttft_p95"): 0.85}
+
+
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 31 goal not met by the default release policy auto in one quick cell "
-    "(docs/policies.md, simulated): P95 and mean within 3% everywhere, TTFT P95 within 10% "
-    "in all but syn-tools-heavy est x1.2 (0.89x: 1.99 s -> 2.24 s; the KV gate holds 35 of "
-    "120 first turns while no engine queues, behind sessions paused in minutes-long tools)"))
 def test_quick_suite_structure_and_the_default_policy_does_no_harm(tmp_path: Path) -> None:
     default = S.default_policy_spec()
     config = S.suite_config("quick", policies=[default])
@@ -156,8 +158,11 @@ def test_quick_suite_structure_and_the_default_policy_does_no_harm(tmp_path: Pat
     assert len(doc["cells"]) == len(families) * len(config.loads)
     assert {f["split"] for f in doc["families"]} == {"tune", "report"}
     nh = no_harm(doc["cells"], default)
-    assert nh["ok"], (f"default policy {default!r} harms cells (bounds {NO_HARM}): "
-                      f"{nh['misses']}")
+    unexplained = [
+        m for m in nh["misses"]
+        if any(r < KNOWN_MISSES.get((m["family"], k), 2.0) for k, r in m["ratios"].items())]
+    assert not unexplained, (f"default policy {default!r} harms cells (bounds {NO_HARM}, "
+                             f"known misses {KNOWN_MISSES}): {unexplained}")
 
 
 def test_bench_suite_cli_writes_the_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
