@@ -21,7 +21,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import ClassVar, Self
 
-__all__ = ["ServerProcess", "free_port"]
+__all__ = ["ServerProcess", "free_port", "stop_process"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -29,6 +29,17 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    """End ``proc`` where it still runs: SIGTERM, then SIGKILL after ``timeout_s``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 class ServerProcess:
@@ -91,13 +102,7 @@ class ServerProcess:
 
     def _end(self, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
         """End a running server: SIGTERM, then SIGKILL after ``timeout_s``."""
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, timeout_s)
 
     def _abort(self, proc: subprocess.Popen[bytes]) -> None:
         """End a server that failed to start (its log is kept for the error message)."""
