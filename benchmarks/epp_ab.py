@@ -59,8 +59,7 @@ from turnstile.calibrate.ab_real import (
 from turnstile.calibrate.fidelity import TraceScale
 from turnstile.engines.llama_server import LlamaServerProcess, free_port, require_llama_server
 from turnstile.engines.tiny_model import write_tiny_gguf
-from turnstile.epp.envoy import EnvoyProcess, envoy_config
-from turnstile.testing.epp import PickerProcess
+from turnstile.testing.epp import EnvoyFront, PickerProcess
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "agentcgroup_swerebench_claude_code"
@@ -79,17 +78,11 @@ class _EppPath:
         eps = [u.removeprefix("http://") for u in urls]
         self.picker = PickerProcess(eps, policy=policy_spec(policy),
                                     extra=["--config", str(cfg)])
-        try:
-            self.envoy = EnvoyProcess(envoy_config(listen_port=free_port(),
-                                                   picker_port=self.picker.grpc_port)).start()
-        except BaseException:
-            self.picker.stop()
-            raise
-        self.url = self.envoy.url
+        self._front = EnvoyFront(self.picker, self.picker.grpc_port)
+        self.url = self._front.url
 
     def stop(self) -> None:
-        self.envoy.stop()
-        self.picker.stop()
+        self._front.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

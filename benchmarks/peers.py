@@ -210,7 +210,7 @@ class EppFront:
 
     def __init__(self, policy: str, urls: list[str], toml: Path, work: Path) -> None:
         from turnstile.engines.llama_server import free_port
-        from turnstile.epp.envoy import EnvoyProcess, envoy_config
+        from turnstile.testing.epp import EnvoyFront
 
         grpc = free_port()
         eps = [u.removeprefix("http://") for u in urls]
@@ -225,17 +225,11 @@ class EppFront:
                 self._p.stop()
                 raise RuntimeError(f"epp did not start: {self._p.log.read_text()[-800:]}")
             time.sleep(0.2)
-        try:
-            self.envoy = EnvoyProcess(envoy_config(listen_port=free_port(),
-                                                   picker_port=grpc)).start()
-        except BaseException:
-            self._p.stop()
-            raise
-        self.url = self.envoy.url
+        self._front = EnvoyFront(self._p, grpc)
+        self.url = self._front.url
 
     def stop(self) -> None:
-        self.envoy.stop()
-        self._p.stop()
+        self._front.stop()
 
 
 # ------------------------------------------------------------------------------ run
