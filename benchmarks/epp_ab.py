@@ -51,17 +51,15 @@ from turnstile.calibrate.ab import (
 from turnstile.calibrate.ab_real import (
     AbRun,
     _fresh_gateway,
-    _replay,
     chars_per_token,
-    engine_counters,
     erase_slots,
     gateway_toml,
+    measure_cell,
 )
 from turnstile.calibrate.fidelity import TraceScale
 from turnstile.engines.llama_server import LlamaServerProcess, free_port, require_llama_server
 from turnstile.engines.tiny_model import write_tiny_gguf
-from turnstile.epp.envoy import EnvoyProcess, envoy_config
-from turnstile.testing.epp import PickerProcess
+from turnstile.testing.epp import EnvoyFront, PickerProcess
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "agentcgroup_swerebench_claude_code"
@@ -80,17 +78,11 @@ class _EppPath:
         eps = [u.removeprefix("http://") for u in urls]
         self.picker = PickerProcess(eps, policy=policy_spec(policy),
                                     extra=["--config", str(cfg)])
-        try:
-            self.envoy = EnvoyProcess(envoy_config(listen_port=free_port(),
-                                                   picker_port=self.picker.grpc_port)).start()
-        except BaseException:
-            self.picker.stop()
-            raise
-        self.url = self.envoy.url
+        self._front = EnvoyFront(self.picker, self.picker.grpc_port)
+        self.url = self._front.url
 
     def stop(self) -> None:
-        self.envoy.stop()
-        self.picker.stop()
+        self._front.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,25 +133,18 @@ def main(argv: list[str] | None = None) -> int:
             wfs = cell_workload(sessions, args.rate, seed)
             k = g % len(arms)
             for path, pol in arms[k:] + arms[:k]:  # the order rotates per seed
-                before = engine_counters(urls)
-                load_before = os.getloadavg()[0]
-                gw: Any = (_fresh_gateway(pol, urls, engines, run, tmp) if path == "serve"
-                           else _EppPath(pol, urls, engines, run, tmp))
-                try:
-                    t_cell = time.time()
-                    real = _replay(gw.url, wfs, run, f"{path}:{pol}", seed,
-                                   tmp / "cells" / f"{path}-{pol}-{seed}", chars)
-                    wall = time.time() - t_cell
-                finally:
-                    gw.stop()
-                after = engine_counters(urls)
-                processed = after["processed"] - before["processed"]
-                cached = after["cached"] - before["cached"]
-                row = cell_row(real["metrics"])
-                row["prefix_hit_rate"] = cached / max(processed + cached, 1.0)
+                def start(path: str = path, pol: str = pol) -> Any:
+                    return (_fresh_gateway(pol, urls, engines, run, tmp) if path == "serve"
+                            else _EppPath(pol, urls, engines, run, tmp))
+
+                m = measure_cell(start, urls, wfs, run, f"{path}:{pol}", seed,
+                                 tmp / "cells" / f"{path}-{pol}-{seed}", chars)
+                wall = m.wall_s
+                row = cell_row(m.real["metrics"])
+                row["prefix_hit_rate"] = m.hit_rate
                 cell = {"path": path, "policy": pol, "seed": seed, "real": row,
-                        "errors": real["replay"].get("errors"), "wall_s": round(wall, 2),
-                        "loadavg": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+                        "errors": m.real["replay"].get("errors"), "wall_s": round(wall, 2),
+                        "loadavg": m.loadavg}
                 cells.append(cell)
                 console.print(f"{path:5} {pol:6} seed {seed}: P95 flow "
                               f"{row['flow_p95_s']:.2f} s, P50 {row['flow_p50_s']:.2f} s, "

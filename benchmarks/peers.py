@@ -174,13 +174,9 @@ class _Proc:
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from turnstile.engines.process import stop_process
+
+        stop_process(self.proc, 10)
         self._log.close()
 
 
@@ -214,7 +210,7 @@ class EppFront:
 
     def __init__(self, policy: str, urls: list[str], toml: Path, work: Path) -> None:
         from turnstile.engines.llama_server import free_port
-        from turnstile.epp.envoy import EnvoyProcess, envoy_config
+        from turnstile.testing.epp import EnvoyFront
 
         grpc = free_port()
         eps = [u.removeprefix("http://") for u in urls]
@@ -229,17 +225,11 @@ class EppFront:
                 self._p.stop()
                 raise RuntimeError(f"epp did not start: {self._p.log.read_text()[-800:]}")
             time.sleep(0.2)
-        try:
-            self.envoy = EnvoyProcess(envoy_config(listen_port=free_port(),
-                                                   picker_port=grpc)).start()
-        except BaseException:
-            self._p.stop()
-            raise
-        self.url = self.envoy.url
+        self._front = EnvoyFront(self._p, grpc)
+        self.url = self._front.url
 
     def stop(self) -> None:
-        self.envoy.stop()
-        self._p.stop()
+        self._front.stop()
 
 
 # ------------------------------------------------------------------------------ run
@@ -284,11 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     from turnstile.calibrate.ab_real import (
         AbRun,
         _fresh_gateway,
-        _replay,
         chars_per_token,
-        engine_counters,
         erase_slots,
         gateway_toml,
+        measure_cell,
         turn_template_tokens,
     )
     from turnstile.engines.llama_server import LlamaServerProcess, require_llama_server
@@ -338,32 +327,23 @@ def main(argv: list[str] | None = None) -> int:
                 for rep in range(reps):
                     wfs = cell_workload(sessions, rate, args.seed + rep)
                     for system in system_order(systems, group):
-                        before = engine_counters(urls)
-                        load_before = os.getloadavg()[0]
-                        front: Any
-                        kind, _, pol = system.partition("-")
-                        if kind == "turnstile":
-                            front = _fresh_gateway(pol, urls, engines, run, tmp)
-                        elif kind == "epp":
+                        def start(system: str = system, group: int = group,
+                                  engines: Any = engines, run: Any = run) -> Any:
+                            kind, _, pol = system.partition("-")
+                            if kind == "turnstile":
+                                return _fresh_gateway(pol, urls, engines, run, tmp)
                             erase_slots(urls, engines.n_parallel)
-                            toml = tmp / f"epp-{group}.toml"
-                            toml.write_text(gateway_toml(policy_spec(pol), urls, engines,
-                                                         port=0, session_idle_s=0.8,
-                                                         params={}))
-                            front = EppFront(policy_spec(pol), urls, toml, tmp)
-                        else:
-                            erase_slots(urls, engines.n_parallel)
-                            front = RouterFront(kind, pol, urls, args.router_venv, tmp)
-                        try:
-                            t_cell = time.time()
-                            real = _replay(front.url, wfs, run, system, args.seed + rep,
-                                           tmp / "cells" / f"{fam}-{load}-{rep}-{system}", chars)
-                            wall = time.time() - t_cell
-                        finally:
-                            front.stop()
-                        after = engine_counters(urls)
-                        proc = after["processed"] - before["processed"]
-                        cached = after["cached"] - before["cached"]
+                            if kind == "epp":
+                                toml = tmp / f"epp-{group}.toml"
+                                toml.write_text(gateway_toml(policy_spec(pol), urls, engines,
+                                                             port=0, session_idle_s=0.8,
+                                                             params={}))
+                                return EppFront(policy_spec(pol), urls, toml, tmp)
+                            return RouterFront(kind, pol, urls, args.router_venv, tmp)
+
+                        c = measure_cell(start, urls, wfs, run, system, args.seed + rep,
+                                         tmp / "cells" / f"{fam}-{load}-{rep}-{system}", chars)
+                        real, wall, proc, cached = c.real, c.wall_s, c.processed, c.cached
                         m = real["metrics"]
                         cell = {
                             "family": fam, "load": load, "rate": rate, "rep": rep,
@@ -371,12 +351,12 @@ def main(argv: list[str] | None = None) -> int:
                             "flow_p50_s": (m.get("flow_time_s") or {}).get("p50"),
                             "flow_p95_s": (m.get("flow_time_s") or {}).get("p95"),
                             "ttft_p95_s": (m.get("ttft_s") or {}).get("p95"),
-                            "engine_hit_rate": cached / max(proc + cached, 1.0),
+                            "engine_hit_rate": c.hit_rate,
                             "engine_processed_tokens": proc, "engine_cached_tokens": cached,
                             "turns": m.get("turns"), "unfinished": m.get("workflows_unfinished"),
                             "errors": real["replay"].get("errors") or {},
                             "wall_s": round(wall, 2),
-                            "loadavg": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                            "loadavg": c.loadavg,
                         }
                         cells.append(cell)
                         print(json.dumps(cell), flush=True)

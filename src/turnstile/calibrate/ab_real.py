@@ -66,10 +66,12 @@ from turnstile.calibrate.ab_engines import (
 )
 from turnstile.calibrate.profile import profile_engine, write_profile
 from turnstile.engines.llama_server import free_port, pin_engines
+from turnstile.engines.process import stop_process
 from turnstile.sim.fitted_perf import FittedPerf
 from turnstile.workload.model import Workflow
 
-__all__ = ["AbRun", "best_of", "measure_serving", "run_ab", "serving_terms"]
+__all__ = ["AbRun", "Cell", "best_of", "measure_cell", "measure_serving", "run_ab",
+           "serving_terms"]
 
 
 
@@ -197,13 +199,7 @@ class _Gateway:
         raise RuntimeError(f"gateway did not answer /health within 60 s (log: {log})")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 10)
         self._log.close()
 
 
@@ -355,6 +351,41 @@ def _replay(gateway: str, workflows: list[Workflow], run: AbRun, label: str, see
     return {"metrics": res["metrics"], "replay": res.get("replay", {})}
 
 
+@dataclass
+class Cell:
+    """One cell's replay through a front (``real``: :func:`_replay`'s result) and the engines'
+    own token counters over it."""
+
+    real: dict[str, Any]
+    wall_s: float
+    processed: float
+    cached: float
+    loadavg: list[float]
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached / max(self.processed + self.cached, 1.0)
+
+
+def measure_cell(start: Callable[[], Any], urls: Sequence[str], workflows: list[Workflow],
+                 run: AbRun, label: str, seed: int, out: Path, chars: float) -> Cell:
+    """Start a front (``start()``: an object with ``url`` and ``stop()``), replay ``workflows``
+    through it, stop it; the engines' counters and the host's load are read before and after."""
+    before = engine_counters(urls, run.engine)
+    load_before = os.getloadavg()[0]
+    front = start()
+    try:
+        t_cell = time.time()
+        real = _replay(front.url, workflows, run, label, seed, out, chars)
+        wall = time.time() - t_cell
+    finally:
+        front.stop()
+    after = engine_counters(urls, run.engine)
+    return Cell(real, wall, after["processed"] - before["processed"],
+                after["cached"] - before["cached"],
+                [round(load_before, 2), round(os.getloadavg()[0], 2)])
+
+
 T = TypeVar("T")
 
 
@@ -458,27 +489,19 @@ def run_ab(
             wfs = cell_workload(sessions, rates[load], seed)
             pred = predict(wfs, run.cell_policies, eng, perf, run.session_idle_s, serving)
             for policy in run.cell_order(group):
-                load_before = os.getloadavg()[0]
-                before = engine_counters(urls, run.engine)
-                gw = _fresh_gateway(policy, urls, eng, run, tmp)
-                try:
-                    t_cell = time.time()
-                    real = _replay(gw.url, wfs, run, policy, seed,
-                                   tmp / "cells" / f"{policy}-{load:g}-{seed}", chars)
-                    wall = time.time() - t_cell
-                finally:
-                    gw.stop()
-                after = engine_counters(urls, run.engine)
-                processed = after["processed"] - before["processed"]
-                cached = after["cached"] - before["cached"]
+                def start(policy: str = policy) -> _Gateway:
+                    return _fresh_gateway(policy, urls, eng, run, tmp)
+
+                c = measure_cell(start, urls, wfs, run, policy, seed,
+                                 tmp / "cells" / f"{policy}-{load:g}-{seed}", chars)
                 cell = {
                     "policy": policy, "load": load, "rate": rates[load], "seed": seed,
-                    "real": cell_row(real["metrics"]), "pred": cell_row(pred[policy]),
-                    "engine_hit_rate": cached / max(processed + cached, 1.0),
-                    "engine_processed_tokens": processed,
-                    "errors": real["replay"].get("errors"),
-                    "wall_s": round(wall, 2),
-                    "loadavg": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                    "real": cell_row(c.real["metrics"]), "pred": cell_row(pred[policy]),
+                    "engine_hit_rate": c.hit_rate,
+                    "engine_processed_tokens": c.processed,
+                    "errors": c.real["replay"].get("errors"),
+                    "wall_s": round(c.wall_s, 2),
+                    "loadavg": c.loadavg,
                 }
                 # the prefix hit rate reported is the engines' own counter
                 cell["real"]["prefix_hit_rate"] = cell["engine_hit_rate"]

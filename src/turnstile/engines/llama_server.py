@@ -10,17 +10,12 @@ The binary comes from ``scripts/build_llama_server.sh`` (``make engine``), which
 from __future__ import annotations
 
 import os
-import shlex
-import socket
-import subprocess
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from types import TracebackType
+
+from turnstile.engines.process import ServerProcess, free_port
 
 __all__ = [
     "ENV_VAR",
@@ -152,14 +147,7 @@ def require_llama_server() -> Path:
     return path
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """An unused TCP port on ``host`` (free when asked; another process could take it after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-class LlamaServerProcess:
+class LlamaServerProcess(ServerProcess):
     """Context manager running ``llama-server`` on 127.0.0.1 until exit.
 
     Started as ``llama-server -m MODEL -a tiny --host 127.0.0.1 --port P -np N -c CTX -t T
@@ -168,8 +156,12 @@ class LlamaServerProcess:
     Process output goes to a log file (``log_path``); its tail is included in start-up errors.
     """
 
-    HOST = "127.0.0.1"
-    _PORT_ATTEMPTS = 3
+    _error = LlamaServerError
+    _name = "llama-server"
+    _log_prefix = "llama-server-"
+    _poll_s = 0.05
+    _stop_timeout_s = 10.0
+    _conflict_markers = ("address already in use", "couldn't bind", "failed to bind")
 
     def __init__(
         self,
@@ -186,32 +178,15 @@ class LlamaServerProcess:
         startup_timeout_s: float = 60.0,
         log_path: str | os.PathLike[str] | None = None,
     ) -> None:
+        super().__init__(port, alias=alias, startup_timeout_s=startup_timeout_s,
+                         log_path=log_path)
         self.model_path = Path(model_path)
-        self.requested_port = port
         self.n_parallel = n_parallel
         self.ctx = ctx
         self.threads = threads
         self.slot_save_dir = Path(slot_save_dir) if slot_save_dir is not None else None
         self.extra_args = tuple(extra_args)
         self.binary = Path(binary) if binary is not None else None
-        self.alias = alias
-        self.startup_timeout_s = startup_timeout_s
-        self._log_path = Path(log_path) if log_path is not None else None
-        self._owns_log = log_path is None
-        self.port: int | None = None
-        self.process: subprocess.Popen[bytes] | None = None
-
-    # -- public -------------------------------------------------------------------------------
-
-    @property
-    def base_url(self) -> str:
-        if self.port is None:
-            raise LlamaServerError("server not started")
-        return f"http://{self.HOST}:{self.port}"
-
-    @property
-    def log_path(self) -> Path | None:
-        return self._log_path
 
     def command(self, port: int) -> list[str]:
         binary = self.binary if self.binary is not None else require_llama_server()
@@ -232,45 +207,11 @@ class LlamaServerProcess:
         cmd += list(self.extra_args)
         return cmd
 
-    def start(self) -> LlamaServerProcess:
-        if self.process is not None:
-            raise LlamaServerError("server already started")
+    def _prepare(self) -> None:
         if not self.model_path.is_file():
             raise LlamaServerError(f"model file not found: {self.model_path}")
         if self.slot_save_dir is not None:
             self.slot_save_dir.mkdir(parents=True, exist_ok=True)
-        if self._log_path is None:
-            fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
-            os.close(fd)
-            self._log_path = Path(name)
-        attempts = 1 if self.requested_port is not None else self._PORT_ATTEMPTS
-        try:
-            for attempt in range(attempts):
-                port = self.requested_port if self.requested_port is not None else free_port()
-                try:
-                    self._launch(port)
-                    return self
-                except LlamaServerError:
-                    # An automatically chosen port may have been taken meanwhile: retry.
-                    if attempt + 1 == attempts or not self._port_conflict():
-                        raise
-        except BaseException:
-            self.stop()  # the error message already carries the log tail
-            raise
-        raise AssertionError("unreachable")
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        proc, self.process = self.process, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if self._owns_log and self._log_path is not None:
-            self._log_path.unlink(missing_ok=True)
-            self._log_path = None
 
     def pin(self, cpus: Sequence[int]) -> None:
         """Every thread of the running server onto ``cpus`` (Linux: ``/proc/PID/task``), as a
@@ -279,69 +220,3 @@ class LlamaServerProcess:
             raise LlamaServerError("server not started")
         for task in Path(f"/proc/{self.process.pid}/task").iterdir():
             os.sched_setaffinity(int(task.name), set(cpus))
-
-    def log_tail(self, max_lines: int = 40) -> str:
-        if self._log_path is None or not self._log_path.exists():
-            return ""
-        text = self._log_path.read_text(encoding="utf-8", errors="replace")
-        return "\n".join(text.splitlines()[-max_lines:])
-
-    def __enter__(self) -> LlamaServerProcess:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    # -- internals ----------------------------------------------------------------------------
-
-    def _launch(self, port: int) -> None:
-        assert self._log_path is not None
-        cmd = self.command(port)
-        with self._log_path.open("wb") as log:
-            proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
-            )
-        self.process = proc
-        self.port = port
-        try:
-            self._wait_healthy(proc, cmd)
-        except BaseException:
-            # Keep the log for the error message; only the process is cleaned up here.
-            self.process = None
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            raise
-
-    def _wait_healthy(self, proc: subprocess.Popen[bytes], cmd: Sequence[str]) -> None:
-        url = f"{self.base_url}/health"
-        deadline = time.monotonic() + self.startup_timeout_s
-        while True:
-            code = proc.poll()
-            if code is not None:
-                raise LlamaServerError(
-                    f"llama-server exited with code {code} during start-up\n"
-                    f"command: {shlex.join(cmd)}\n"
-                    f"--- log tail ---\n{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(url, timeout=2.0) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass  # not listening yet, or 503 while the model loads
-            if time.monotonic() > deadline:
-                raise LlamaServerError(
-                    f"llama-server not healthy after {self.startup_timeout_s:.0f} s at {url}\n"
-                    f"--- log tail ---\n{self.log_tail()}"
-                )
-            time.sleep(0.05)
-
-    def _port_conflict(self) -> bool:
-        tail = self.log_tail(80).lower()
-        return any(s in tail for s in ("address already in use", "couldn't bind", "failed to bind"))

@@ -27,13 +27,11 @@ import numpy as np
 from turnstile.engines.tiny_model import (
     CHATML_TEMPLATE,
     SPECIAL_TOKENS,
-    suppressed_ids,
+    output_weights,
     tiny_tokens,
 )
 
 __all__ = ["write_safetensors", "write_tiny_hf_model"]
-
-_SUPPRESS_WEIGHT = -1000.0
 
 
 def _bf16(a: np.ndarray) -> np.ndarray:
@@ -143,12 +141,8 @@ def write_tiny_hf_model(
             p + "mlp.down_proj.weight": down,
         }
     tensors["model.norm.weight"] = ones
-    head = mat(vocab, hidden, 2.0 / np.sqrt(hidden))
-    head[:, 0] = 0.0
-    for t in suppressed_ids(tokens, eos_bias=eos_bias, ascii_only=ascii_only):
-        head[t, :] = 0.0
-        head[t, 0] = _SUPPRESS_WEIGHT
-    tensors["lm_head.weight"] = head
+    tensors["lm_head.weight"] = output_weights(rng, tokens, hidden, eos_bias=eos_bias,
+                                               ascii_only=ascii_only)
     write_safetensors(out / "model.safetensors", tensors)
 
     bos, eos = tid["<|endoftext|>"], tid["<|im_end|>"]

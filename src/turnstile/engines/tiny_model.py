@@ -33,6 +33,7 @@ __all__ = [
     "CHATML_TEMPLATE",
     "SPECIAL_TOKENS",
     "bytes_to_unicode",
+    "output_weights",
     "suppressed_ids",
     "tiny_tokens",
     "tiny_vocab",
@@ -128,6 +129,20 @@ def suppressed_ids(tokens: Sequence[str], *, eos_bias: bool, ascii_only: bool) -
     return sorted(set(ids))
 
 
+def output_weights(rng: np.random.Generator, tokens: Sequence[str], hidden: int, *,
+                   eos_bias: bool, ascii_only: bool) -> np.ndarray:
+    """The output layer, ``(len(tokens), hidden)`` float32, drawn from ``rng``: random, nothing
+    on the constant dimension 0, and the :func:`suppressed_ids` rows made unreachable (a large
+    negative weight on dimension 0 alone)."""
+    head = rng.standard_normal((len(tokens), hidden), dtype=np.float32)
+    head *= np.float32(2.0 / np.sqrt(hidden))
+    head[:, 0] = 0.0
+    for tid in suppressed_ids(tokens, eos_bias=eos_bias, ascii_only=ascii_only):
+        head[tid, :] = 0.0
+        head[tid, 0] = _SUPPRESS_WEIGHT
+    return head
+
+
 def write_tiny_gguf(
     path: str | Path,
     *,
@@ -221,11 +236,7 @@ def write_tiny_gguf(
             writer.add_tensor(f"blk.{i}.{name}", data)
 
     writer.add_tensor("output_norm.weight", ones)
-    head = mat(vocab, hidden, 2.0 / np.sqrt(hidden))
-    head[:, 0] = 0.0
-    for tid in suppressed_ids(tokens, eos_bias=eos_bias, ascii_only=ascii_only):
-        head[tid, :] = 0.0
-        head[tid, 0] = _SUPPRESS_WEIGHT
+    head = output_weights(rng, tokens, hidden, eos_bias=eos_bias, ascii_only=ascii_only)
     writer.add_tensor("output.weight", head.astype(np.float16))
 
     writer.write_header_to_file()

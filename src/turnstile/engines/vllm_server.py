@@ -17,19 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shlex
 import signal
 import subprocess
-import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 
-from turnstile.engines.llama_server import free_port
+from turnstile.engines.process import ServerProcess
 
 __all__ = [
     "ENV_VAR",
@@ -92,7 +87,7 @@ def require_vllm_python() -> Path:
     return path
 
 
-class VllmServerProcess:
+class VllmServerProcess(ServerProcess):
     """Context manager running vLLM's OpenAI server on 127.0.0.1 until exit.
 
     Started as ``python -m vllm.entrypoints.openai.api_server --model DIR --served-model-name
@@ -108,8 +103,13 @@ class VllmServerProcess:
     check reads the scheduling policy there) and other development endpoints — loopback only.
     """
 
-    HOST = "127.0.0.1"
-    _PORT_ATTEMPTS = 3
+    _error = VllmServerError
+    _name = "vLLM"
+    _log_prefix = "vllm-server-"
+    _poll_s = 0.25
+    _stop_timeout_s = 20.0
+    _new_session = True
+    _conflict_markers = ("address already in use",)
 
     def __init__(
         self,
@@ -129,8 +129,9 @@ class VllmServerProcess:
         startup_timeout_s: float = 240.0,
         log_path: str | os.PathLike[str] | None = None,
     ) -> None:
+        super().__init__(port, alias=alias, startup_timeout_s=startup_timeout_s,
+                         log_path=log_path)
         self.model_dir = Path(model_dir)
-        self.requested_port = port
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.priority = priority
@@ -140,24 +141,6 @@ class VllmServerProcess:
         self.dev_mode = dev_mode
         self.extra_args = tuple(extra_args)
         self.python = Path(python) if python is not None else None
-        self.alias = alias
-        self.startup_timeout_s = startup_timeout_s
-        self._log_path = Path(log_path) if log_path is not None else None
-        self._owns_log = log_path is None
-        self.port: int | None = None
-        self.process: subprocess.Popen[bytes] | None = None
-
-    # -- public -------------------------------------------------------------------------------
-
-    @property
-    def base_url(self) -> str:
-        if self.port is None:
-            raise VllmServerError("server not started")
-        return f"http://{self.HOST}:{self.port}"
-
-    @property
-    def log_path(self) -> Path | None:
-        return self._log_path
 
     def command(self, port: int) -> list[str]:
         python = self.python if self.python is not None else require_vllm_python()
@@ -188,29 +171,9 @@ class VllmServerProcess:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         return env
 
-    def start(self) -> VllmServerProcess:
-        if self.process is not None:
-            raise VllmServerError("server already started")
+    def _prepare(self) -> None:
         if not (self.model_dir / "config.json").is_file():
             raise VllmServerError(f"no model (config.json) in {self.model_dir}")
-        if self._log_path is None:
-            fd, name = tempfile.mkstemp(prefix="vllm-server-", suffix=".log")
-            os.close(fd)
-            self._log_path = Path(name)
-        attempts = 1 if self.requested_port is not None else self._PORT_ATTEMPTS
-        try:
-            for attempt in range(attempts):
-                port = self.requested_port if self.requested_port is not None else free_port()
-                try:
-                    self._launch(port)
-                    return self
-                except VllmServerError:
-                    if attempt + 1 == attempts or not self._port_conflict():
-                        raise
-        except BaseException:
-            self.stop()
-            raise
-        raise AssertionError("unreachable")
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to the API server process only (what a crash or an operator does);
@@ -219,73 +182,11 @@ class VllmServerProcess:
             raise VllmServerError("server not started")
         self.process.send_signal(sig)
 
-    @property
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+    def _end(self, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+        _end_group(proc, timeout_s)
 
-    def stop(self, timeout_s: float = 20.0) -> None:
-        proc, self.process = self.process, None
-        if proc is not None:
-            _end_group(proc, timeout_s)
-        if self._owns_log and self._log_path is not None:
-            self._log_path.unlink(missing_ok=True)
-            self._log_path = None
-
-    def log_tail(self, max_lines: int = 40) -> str:
-        if self._log_path is None or not self._log_path.exists():
-            return ""
-        text = self._log_path.read_text(encoding="utf-8", errors="replace")
-        return "\n".join(text.splitlines()[-max_lines:])
-
-    def __enter__(self) -> VllmServerProcess:
-        return self.start()
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
-
-    # -- internals ----------------------------------------------------------------------------
-
-    def _launch(self, port: int) -> None:
-        assert self._log_path is not None
-        cmd = self.command(port)
-        with self._log_path.open("wb") as log:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, env=self.environment(),
-                                    start_new_session=True)
-        self.process = proc
-        self.port = port
-        try:
-            self._wait_healthy(proc, cmd)
-        except BaseException:
-            self.process = None
-            _end_group(proc, 5.0)
-            raise
-
-    def _wait_healthy(self, proc: subprocess.Popen[bytes], cmd: Sequence[str]) -> None:
-        url = f"{self.base_url}/health"
-        deadline = time.monotonic() + self.startup_timeout_s
-        while True:
-            code = proc.poll()
-            if code is not None:
-                raise VllmServerError(
-                    f"vLLM exited with code {code} during start-up\n"
-                    f"command: {shlex.join(cmd)}\n--- log tail ---\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(url, timeout=2.0) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass  # not listening yet
-            if time.monotonic() > deadline:
-                raise VllmServerError(
-                    f"vLLM not healthy after {self.startup_timeout_s:.0f} s at {url}\n"
-                    f"--- log tail ---\n{self.log_tail()}")
-            time.sleep(0.25)
-
-    def _port_conflict(self) -> bool:
-        tail = self.log_tail(80).lower()
-        return "address already in use" in tail
+    def _abort(self, proc: subprocess.Popen[bytes]) -> None:
+        _end_group(proc, 5.0)
 
 
 def start_all(servers: Sequence[VllmServerProcess]) -> list[VllmServerProcess]:

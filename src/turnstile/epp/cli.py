@@ -50,17 +50,13 @@ def epp(
     import asyncio
 
     from turnstile.epp.server import EppConfig, serve_forever
+    from turnstile.gateway.cli import set_given
     from turnstile.gateway.config import GatewayConfig, load_config
 
     try:
         gcfg = load_config(config) if config is not None else GatewayConfig()
-        if policy is not None:
-            gcfg.policy = policy
-        if max_held is not None:
-            gcfg.max_held = max_held
-        if record is not None:
-            gcfg.record = str(record)
-        gcfg.log_level = log_level
+        set_given(gcfg, policy=policy, max_held=max_held,
+                  record=None if record is None else str(record), log_level=log_level)
         cfg = EppConfig(gateway=gcfg, host=host, grpc_port=grpc_port,
                         metrics_port=None if metrics_port < 0 else metrics_port,
                         endpoints=list(endpoint or []),

@@ -28,6 +28,7 @@ finishes the turn with no tokens, and a session opened by that request is closed
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
@@ -48,6 +49,8 @@ from turnstile.gateway.protocol import (
     GatewayError,
     Outcome,
     TurnRequest,
+    collect_delta,
+    collect_message,
     completion_tokens,
     has_token,
 )
@@ -163,7 +166,7 @@ class Exchange:
                 if p.state == TurnState.RUNNING:
                     picker.turn_first_token(p)
             if reply is not None:
-                _collect(choices, reply, p.reply_args if p.reply_args is not None else [])
+                collect_delta(choices, reply, p.reply_args if p.reply_args is not None else [])
         u = obj.get("usage")
         if isinstance(u, dict):
             self.usage = u
@@ -178,26 +181,8 @@ class Exchange:
         u = obj.get("usage")
         self.usage = u if isinstance(u, dict) else None
         if p.reply_text is not None and p.reply_args is not None:
-            try:
-                msg = obj["choices"][0].get("message") or {}
-                p.reply_text.append(msg.get("content") or "")
-                for c in msg.get("tool_calls") or ():
-                    p.reply_args.append(c["function"]["arguments"])
-            except (KeyError, IndexError, TypeError, AttributeError):
-                pass
-
-
-def _collect(choices: list[Any], reply: list[str], args: list[str]) -> None:
-    c = choices[0]
-    d = c.get("delta") if isinstance(c, dict) else None
-    if not isinstance(d, dict):
-        return
-    if isinstance(d.get("content"), str):
-        reply.append(d["content"])
-    for call in d.get("tool_calls") or ():
-        f = call.get("function") if isinstance(call, dict) else None
-        if isinstance(f, dict) and isinstance(f.get("arguments"), str):
-            args.append(f["arguments"])
+            with contextlib.suppress(KeyError, IndexError, TypeError, AttributeError):
+                collect_message(obj, p.reply_text, p.reply_args)
 
 
 class SubsetRouting:

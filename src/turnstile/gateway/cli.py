@@ -14,10 +14,17 @@ import typer
 if TYPE_CHECKING:
     from turnstile.gateway.config import GatewayConfig
 
-__all__ = ["main", "register"]
+__all__ = ["main", "register", "set_given"]
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def set_given(cfg: GatewayConfig, **values: object) -> None:
+    """Set each ``cfg`` field whose command-line value was given (is not ``None``)."""
+    for key, value in values.items():
+        if value is not None:
+            setattr(cfg, key, value)
 
 
 def _fail(message: str) -> typer.Exit:
@@ -158,33 +165,14 @@ def serve(
             raise ValueError(f"--config {e}") from None
         if engine:
             cfg.engines = [parse_engine_flag(e) for e in engine]
-        if policy is not None:
-            cfg.policy = policy
-        if host is not None:
-            cfg.host = host
-        if port is not None:
-            cfg.port = port
-        if max_held is not None:
-            cfg.max_held = max_held
-        if auth_token:
-            cfg.auth_token = auth_token
-        for key, value in (("max_inflight", max_inflight), ("auth_admin", auth_admin),
-                           ("max_body_bytes", max_body_bytes),
-                           ("max_header_bytes", max_header_bytes),
-                           ("ready_max_hold_s", ready_max_hold_s)):
-            if value is not None:
-                setattr(cfg, key, value)
+        set_given(cfg, policy=policy, host=host, port=port, max_held=max_held,
+                  auth_token=auth_token or None, max_inflight=max_inflight,
+                  auth_admin=auth_admin, max_body_bytes=max_body_bytes,
+                  max_header_bytes=max_header_bytes, ready_max_hold_s=ready_max_hold_s,
+                  db=None if db is None else str(db), state=state, replica_id=replica_id,
+                  record=None if record is None else str(record), log_level=log_level)
         if cfg.auth_admin and not cfg.auth_token:
             raise ValueError("--auth-admin needs --auth-token")
-        if db is not None:
-            cfg.db = str(db)
-        if state is not None:
-            cfg.state = state
-        if replica_id is not None:
-            cfg.replica_id = replica_id
-        if record is not None:
-            cfg.record = str(record)
-        cfg.log_level = log_level
         cfg.validate()
         _check_serve(cfg, log_level)
     except (ValueError, OSError) as e:

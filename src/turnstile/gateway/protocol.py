@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["CHAT_PATH", "COMPLETIONS_PATH", "JSON_CT", "SSE_HEADERS", "GatewayError", "Outcome",
-           "TurnRequest", "cached_outcome", "cached_tokens", "completion_tokens", "error_body",
-           "has_token",
+           "TurnRequest", "cached_outcome", "cached_tokens", "collect_delta", "collect_message",
+           "completion_tokens", "error_body", "has_token",
            "sse_from_response", "started"]
 
 CHAT_PATH = "/v1/chat/completions"
@@ -108,6 +108,30 @@ def has_token(choices: Any) -> bool:
                                     or d.get("reasoning_content")):
             return True
     return False
+
+
+def collect_delta(choices: list[Any], reply: list[str], args: list[str]) -> None:
+    """A streamed chunk's content (onto ``reply``) and tool-call argument fragments (onto
+    ``args``), from its first choice."""
+    c = choices[0]
+    d = c.get("delta") if isinstance(c, dict) else None
+    if not isinstance(d, dict):
+        return
+    if isinstance(d.get("content"), str):
+        reply.append(d["content"])
+    for call in d.get("tool_calls") or ():
+        f = call.get("function") if isinstance(call, dict) else None
+        if isinstance(f, dict) and isinstance(f.get("arguments"), str):
+            args.append(f["arguments"])
+
+
+def collect_message(obj: dict[str, Any], reply: list[str], args: list[str]) -> None:
+    """A whole (not streamed) reply's content (onto ``reply``) and tool-call arguments (onto
+    ``args``); a malformed body raises (KeyError, IndexError, TypeError, AttributeError)."""
+    msg = obj["choices"][0].get("message") or {}
+    reply.append(msg.get("content") or "")
+    for c in msg.get("tool_calls") or ():
+        args.append(c["function"]["arguments"])
 
 
 async def started(out: Outcome) -> Outcome:

@@ -33,6 +33,8 @@ from turnstile.gateway.metrics import GatewayMetrics
 from turnstile.gateway.protocol import (
     SSE_HEADERS,
     Outcome,
+    collect_delta,
+    collect_message,
     completion_tokens,
     error_body,
     has_token,
@@ -121,10 +123,7 @@ class Relay:
             obj = resp.json()
             usage = obj.get("usage")
             if p.reply_text is not None and p.reply_args is not None:
-                msg = obj["choices"][0].get("message") or {}
-                p.reply_text.append(msg.get("content") or "")
-                for c in msg.get("tool_calls") or ():
-                    p.reply_args.append(c["function"]["arguments"])
+                collect_message(obj, p.reply_text, p.reply_args)
         self.events.turn_finished(p, completion_tokens(usage), usage)
         return Outcome(resp.status, [(b"content-type", resp.content_type.encode()),
                                      *self.headers(p)], body=resp.body)
@@ -223,7 +222,7 @@ class Relay:
                                         got_token = True
                                         self.events.turn_first_token(p)
                                     if reply is not None:
-                                        _collect(choices, reply, args)
+                                        collect_delta(choices, reply, args)
                                 u = obj.get("usage")
                                 if isinstance(u, dict):
                                     usage = u
@@ -288,17 +287,3 @@ def _leading(adapter: EngineAdapter, events: list[bytes]) -> tuple[str | None, b
                                    for c in choices or ())
     # a finish with no token yet: the stream has begun (it may still carry the usage)
     return None, finished
-
-
-def _collect(choices: list[Any], reply: list[str], args: list[str]) -> None:
-    """A streamed chunk's content and tool-call argument fragments."""
-    c = choices[0]
-    d = c.get("delta") if isinstance(c, dict) else None
-    if not isinstance(d, dict):
-        return
-    if isinstance(d.get("content"), str):
-        reply.append(d["content"])
-    for call in d.get("tool_calls") or ():
-        f = call.get("function") if isinstance(call, dict) else None
-        if isinstance(f, dict) and isinstance(f.get("arguments"), str):
-            args.append(f["arguments"])

@@ -10,7 +10,7 @@ from typing import Any
 from turnstile.epp.server import EppConfig, EppServer
 from turnstile.gateway.config import GatewayConfig
 
-__all__ = ["PickerProcess", "PickerThread", "start_picker"]
+__all__ = ["EnvoyFront", "PickerProcess", "PickerThread", "start_picker"]
 
 
 class PickerThread:
@@ -152,3 +152,25 @@ class PickerProcess:
                 self.proc.wait()
         if os.path.exists(self.log):
             os.unlink(self.log)
+
+
+class EnvoyFront:
+    """Real Envoy, on a free port, in front of a picker already serving ext_proc on
+    ``grpc_port``; ``picker`` (anything with ``stop()``) is stopped where Envoy fails to start,
+    and by :meth:`stop`, after Envoy."""
+
+    def __init__(self, picker: Any, grpc_port: int) -> None:
+        from turnstile.epp.envoy import EnvoyProcess, envoy_config, free_port
+
+        self.picker = picker
+        try:
+            self.envoy = EnvoyProcess(envoy_config(listen_port=free_port(),
+                                                   picker_port=grpc_port)).start()
+        except BaseException:
+            picker.stop()
+            raise
+        self.url = self.envoy.url
+
+    def stop(self) -> None:
+        self.envoy.stop()
+        self.picker.stop()
