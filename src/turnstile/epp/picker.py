@@ -426,7 +426,7 @@ class Picker(Gateway):
         """The engine refused the session's first request: the session never existed."""
         s = p.session
         if s.turns == 0 and not s.waiters:
-            s.ephemeral = True  # closed as soon as the turn is over (no flow time recorded)
+            s.ephemeral = s.refused = True  # closed once the turn is over (no flow time kept)
 
     def session_served_on(self, p: PendingTurn, engine: str) -> None:
         s = p.session
