@@ -68,7 +68,7 @@ def _turn(url: str, name: str, streamed: bool, max_tokens: int, out: dict[str, O
     headers = {"x-session-id": name, "x-turnstile-engine": "victim"}
     o = Outcome(streamed)
     try:
-        with httpx.Client(timeout=60) as c:
+        with httpx.Client(timeout=150) as c:  # a whole long reply, on a busy host
             if streamed:
                 with c.stream("POST", url + "/v1/chat/completions", json=body,
                               headers=headers) as r:
@@ -131,7 +131,7 @@ def killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
         killed = time.monotonic()
         kill()
         for t in threads.values():
-            t.join(90)
+            t.join(180)
         assert not any(t.is_alive() for t in threads.values()), "a turn hung"
     finally:
         gw.stop()

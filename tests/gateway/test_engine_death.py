@@ -129,6 +129,22 @@ def test_engine_that_ends_a_stream_early_gives_an_error_event(
     assert "failed mid-stream" in r["last"] and "without [DONE]" in r["last"], r
 
 
+def test_engine_error_event_mid_stream_ends_with_the_gateways_error(
+        fake_engines: Callable[..., FakeServer], gateways: Callable[..., GatewayServer]) -> None:
+    """vLLM shutting down (SIGTERM) sends an error event of its own on a stream that had
+    tokens, then [DONE]: the client gets the gateway's error event as the stream's last (as
+    for a dropped connection), with the engine's reason, and the turn counts as failed."""
+    eng = fake_engines(fail="error_after:5")
+    gw = gateways([make_adapter(eng.url, "vllm", engine_id="a")], policy="eager")
+    out: dict[str, dict[str, Any]] = {}
+    _turn(gw.url, "s", stream=True, engine="a", max_tokens=20, out=out)
+    r = out["s"]
+    assert r["status"] == 200 and r["tokens"] == 5, r  # what came before the error
+    assert r["last"].startswith('data: {"error"') and "upstream_error" in r["last"], r
+    assert "failed mid-stream" in r["last"] and "EngineCore encountered" in r["last"], r
+    assert gw.gateway.metrics.turns_failed.labels("a", "mid_stream")._value.get() == 1
+
+
 @pytest.mark.parametrize("fail", ["abort", "abort_waiting"])
 def test_turns_vllm_aborted_are_rerouted(
         fail: str, fake_engines: Callable[..., FakeServer],

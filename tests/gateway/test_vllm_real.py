@@ -267,10 +267,16 @@ def test_config_check_finds_the_engines_features(vllm_engines: VllmEngines) -> N
 
 
 # ------------------------------------------------------------------ engine death (kills engines)
+#: long turns (the context is 2,048): on a loaded 2-core host 1,200-token turns have run to
+#: their end before the kill
+VLLM_DEATH_TOKENS = 1800
+
+
 def test_vllm_engine_sigterm_with_turns_in_flight(vllm_engines: VllmEngines) -> None:
     victim, other = vllm_engines.servers[1], vllm_engines.servers[0]
     timings = killed_with_turns_in_flight("vllm", victim.base_url, other.base_url,
-                                          lambda: victim.kill(signal.SIGTERM), max_tokens=1200)
+                                          lambda: victim.kill(signal.SIGTERM),
+                                          max_tokens=VLLM_DEATH_TOKENS)
     print(f"\nSIGTERM: {timings}")
 
 
@@ -296,5 +302,6 @@ def test_vllm_engine_sigkill_with_turns_in_flight(vllm_engines: VllmEngines) -> 
     other = vllm_engines.revive(1)  # restarted by the previous test (or the one before)
     victim = vllm_engines.servers[0]
     timings = killed_with_turns_in_flight("vllm", victim.base_url, other.base_url,
-                                          lambda: victim.kill(signal.SIGKILL), max_tokens=1200)
+                                          lambda: victim.kill(signal.SIGKILL),
+                                          max_tokens=VLLM_DEATH_TOKENS)
     print(f"\nSIGKILL: {timings}")

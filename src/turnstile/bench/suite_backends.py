@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import Any
 
-__all__ = ["LocalBackend", "RayBackend", "make_backend"]
+__all__ = ["LocalBackend", "RayBackend", "init_ray", "make_backend"]
 
 
 class LocalBackend:
@@ -37,6 +37,37 @@ class LocalBackend:
         self.pool.shutdown(cancel_futures=True)
 
 
+#: a local Ray start kept light: no dashboard, a small object store (the suite's tasks pass
+#: small dicts), and a few tries, since Ray waits a fixed 30 s for its raylet to register and a
+#: busy host (2 cores shared) can miss that ("The current node timed out during startup")
+LOCAL_RAY = {"include_dashboard": False, "log_to_driver": False,
+             "object_store_memory": 100 * 1024 * 1024}
+RAY_START_TRIES = 3
+
+
+def init_ray(address: str = "local", *, num_cpus: int | None = None,
+             tries: int = RAY_START_TRIES) -> None:
+    """``ray.init`` for the suite: ``local`` starts a light one-node Ray here (retried on a
+    start-up timeout), any other address joins that cluster."""
+    import ray
+
+    if address != "local":
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    kw: dict[str, Any] = dict(LOCAL_RAY)
+    if num_cpus is not None:
+        kw["num_cpus"] = num_cpus
+    for left in range(tries - 1, -1, -1):
+        try:
+            ray.init(**kw)
+            return
+        except Exception as e:  # Ray raises a bare Exception when its node is slow to start
+            if left == 0 or "timed out during startup" not in str(e):
+                raise
+            ray.shutdown()
+
+
 class RayBackend:
     def __init__(self, address: str) -> None:
         try:
@@ -45,11 +76,8 @@ class RayBackend:
             raise RuntimeError("--ray needs Ray: pip install 'turnstile[ray]'") from None
         self.ray = ray
         if not ray.is_initialized():
-            kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
-            if address != "local":
-                kw["address"] = address
             try:
-                ray.init(**kw)
+                init_ray(address)
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise RuntimeError(f"--ray {address}: could not reach a Ray cluster ({e}); "
                                    "start one with `ray start --head`, or use --ray local"

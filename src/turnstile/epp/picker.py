@@ -341,7 +341,7 @@ class Picker(Gateway):
             if eid is not None:
                 if eid in self.removed:
                     self.removed.discard(eid)
-                    self._apply(self.scheduler.engine_stats(now, eid, healthy=True))
+                    self.apply(self.scheduler.engine_stats(now, eid, healthy=True))
                     self.scheduler.view[eid].accepting = True
                 continue
             a = make_adapter(f"http://{ep}", kind, connect_timeout_s=self.config.connect_timeout_s,
@@ -363,7 +363,7 @@ class Picker(Gateway):
             self.driver._retainers.add(a.id)
         await a.start()
         (load,) = engine_loads([a], [])
-        self._apply(self.scheduler.add_engine(self.clock.now(), load))
+        self.apply(self.scheduler.add_engine(self.clock.now(), load))
         slots = getattr(a, "slots", None)
         if slots:
             set_kv_slots(self.scheduler.view[a.id], len(slots))
@@ -400,18 +400,18 @@ class Picker(Gateway):
         finally:
             self.routes.exchanges.pop(ex.request_id, None)
 
-    def _ready(self, p: PendingTurn, turn: Turn, ready_s: float | None = None) -> None:
+    def make_ready(self, p: PendingTurn, turn: Turn, ready_s: float | None = None) -> None:
         ex = self.routes.exchanges.get(p.request_id)
         if ex is not None and ex.subset is not None:
             self.allowed[p.session.id] = {e for ep, e in self.by_endpoint.items()
                                           if ep in ex.subset}
-        super()._ready(p, turn, ready_s)
+        super().make_ready(p, turn, ready_s)
 
     def refused(self, p: PendingTurn) -> None:
         """The engine refused the session's first request: the session never existed."""
         s = p.session
         if s.turns == 0 and not s.waiters:
-            s.ephemeral = True  # closed as soon as the turn is over (no flow time recorded)
+            s.ephemeral = s.refused = True  # closed once the turn is over (no flow time kept)
 
     def session_served_on(self, p: PendingTurn, engine: str) -> None:
         s = p.session

@@ -201,11 +201,12 @@ class Relay:
         try:
             while True:
                 out: list[bytes] = []
+                failure: UpstreamError | None = None
                 for ev in batch:
                     forward = True
-                    if adapter.aborted_event(ev):
-                        raise UpstreamError("the engine aborted the turn", engine_down=False,
-                                            streamed=True)
+                    failure = _mid_stream_failure(adapter, ev)
+                    if failure is not None:
+                        break  # what came before it still goes to the client
                     if ev.startswith(b"data: [DONE]"):
                         done = True
                     elif ev.startswith(b"data: {"):
@@ -234,6 +235,8 @@ class Relay:
                         out.append(ev)
                 if out:
                     yield out[0] if len(out) == 1 else b"".join(out)
+                if failure is not None:
+                    raise failure
                 try:
                     batch = await gen.__anext__()
                 except StopAsyncIteration:
@@ -254,6 +257,24 @@ class Relay:
             out_tokens = completion_tokens(usage)
             self.events.turn_finished(p, out_tokens if out_tokens is not None else chunks, usage,
                                  cancelled=not completed)
+
+
+def _mid_stream_failure(adapter: EngineAdapter, ev: bytes) -> UpstreamError | None:
+    """An event after the first token saying the turn failed at the engine: an abort, or the
+    engine's own error event (vLLM's "EngineCore encountered an issue" as it shuts down). The
+    gateway ends the stream with its own error event, as for a dropped connection, and books
+    the turn as failed, rather than passing the engine's error on and then its [DONE]."""
+    if adapter.aborted_event(ev):
+        return UpstreamError("the engine aborted the turn", engine_down=False, streamed=True)
+    if not ev.startswith(b'data: {"error"'):
+        return None
+    try:
+        err = json.loads(ev[6:])["error"]
+    except (ValueError, KeyError, TypeError):
+        err = None
+    msg = err.get("message") if isinstance(err, dict) else err
+    return UpstreamError(f"the engine reported an error: {msg}", engine_down=False,
+                         streamed=True)
 
 
 def _leading(adapter: EngineAdapter, events: list[bytes]) -> tuple[str | None, bool]:

@@ -9,9 +9,11 @@ response, ``"abort"``: a 200 that vLLM gives a running request it dropped —
 ``"abort_waiting"``: vLLM's stream for a request dropped before it ran — a role chunk, a usage
 chunk with 0 tokens and ``[DONE]``, no finish reason —
 ``"die_after:3"`` mid-stream, ``"end_after:3"``: the stream closed cleanly after 3
-events, without ``[DONE]``) or stall (``stall = True``: requests in flight stop
-making progress but keep their connections open, as a dying engine's may). With zero delays it
-is the zero-cost target of the overhead benchmark.
+events, without ``[DONE]``, ``"error_after:3"``: after 3 events vLLM's error event as its
+engine core dies — ``{"error": {..., "code": 500}}`` — then ``[DONE]``) or stall
+(``stall = True``: requests in flight stop making progress but keep their connections open,
+as a dying engine's may). With zero delays it is the zero-cost target of the overhead
+benchmark.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ from typing import Any
 from turnstile.gateway.embedded import ServerThread
 
 __all__ = ["FakeEngine", "FakeServer", "chat_body", "start_fake"]
+
+#: vLLM's error event on a stream whose engine core died (its text, as 0.32 sends it)
+_ENGINE_ERROR = (b'data: {"error": {"message": "EngineCore encountered an issue. See stack trace '
+                 b'(above) for the root cause.", "type": "InternalServerError", "param": null, '
+                 b'"code": 500}}\n\n')
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -189,6 +196,8 @@ class FakeEngine:
                     else -1
                 end_after = int(fail.split(":")[1]) if fail and fail.startswith("end_after:") \
                     else -1
+                error_after = int(fail.split(":")[1]) \
+                    if fail and fail.startswith("error_after:") else -1
                 await send({"type": "http.response.start", "status": 200, "headers": _SSE})
                 if self.ttft_s > 0:
                     await _sleep_or_disconnect(receive, self.ttft_s)
@@ -196,6 +205,11 @@ class FakeEngine:
                     if i == die_after:
                         raise RuntimeError("injected death mid-stream")
                     if i == end_after:
+                        break
+                    if i == error_after:
+                        for ev in (_ENGINE_ERROR, b"data: [DONE]\n\n"):
+                            await send({"type": "http.response.body", "body": ev,
+                                        "more_body": True})
                         break
                     if i and self.tpot_s > 0 and i < n:
                         await _sleep_or_disconnect(receive, self.tpot_s)
