@@ -215,19 +215,6 @@ class AutoRelease(CvarRelease):
                 return True
         return False
 
-    def kv_room(self, view: ClusterView) -> float:
-        if not self.kv_gate:
-            return float("inf")
-        room = float("-inf")
-        for e in view.values():
-            if not e.healthy:
-                continue
-            if e.capacity_tokens <= 0:
-                return float("inf")  # unknown capacity: no gate
-            room = max(room, self.kv_fill * e.capacity_tokens - e.outstanding_tokens
-                       - self.paused_kv(e))
-        return room
-
     def evict_cost_s(self, turn: TurnRecord, view: ClusterView) -> float:
         """What releasing ``turn`` now costs the sessions paused in tool calls, in seconds of
         re-prefill: over the engines that take work, have a free slot (or hold its session)

@@ -49,7 +49,13 @@ from typing import ClassVar
 import numpy as np
 
 from turnstile.core.interfaces import AdmissionPolicy
-from turnstile.core.state import ClusterView, TurnRecord, TurnState, WorkflowRecord
+from turnstile.core.state import (
+    ClusterView,
+    EngineLoad,
+    TurnRecord,
+    TurnState,
+    WorkflowRecord,
+)
 from turnstile.policies.base import RELEASE
 from turnstile.policies.estimators import QuantileTracker, RecentWindow
 
@@ -200,9 +206,13 @@ class CvarRelease:
                 continue
             if e.capacity_tokens <= 0:
                 return float("inf")  # unknown capacity: no gate
-            free = self.kv_fill * e.capacity_tokens - e.outstanding_tokens - e.paused_context_tokens
+            free = self.kv_fill * e.capacity_tokens - e.outstanding_tokens - self.paused_kv(e)
             room = max(room, free)
         return room
+
+    def paused_kv(self, e: EngineLoad) -> float:
+        """The KV (tokens) of the sessions paused in tool calls on ``e`` that the gate keeps."""
+        return e.paused_context_tokens
 
     def done_pause_s(self) -> float:
         """How long a session must have been paused to be taken as done: the ``done_pause_q``
