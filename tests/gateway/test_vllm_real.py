@@ -162,6 +162,9 @@ def test_routing_by_kv_residency_across_two_engines(vllm_engines: VllmEngines) -
             assert r["cached"] >= 384, rows
 
 
+# a timing race on a shared 2-core host (the high-priority turn must reach vLLM's queue while the
+# low ones still wait): each attempt asserts in full; a run fails after three misses
+@pytest.mark.flaky(reruns=2)
 def test_priority_lets_a_late_turn_overtake(vllm_engines: VllmEngines) -> None:
     """tiered-aging gives a short fresh turn a lower (earlier) priority than long turns queued
     before it; the adapter sends it as vLLM's ``priority`` and the engine (--max-num-seqs 4,
