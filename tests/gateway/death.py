@@ -146,7 +146,9 @@ def _killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
         deadline = time.monotonic() + 20
         while len(victim.calls) < len(TURNS):  # all forwarded (a busy host is slow at it)
             if time.monotonic() > deadline:
-                raise TurnsOverBeforeTheKill(f"not all turns forwarded in 20 s: {victim.calls}")
+                raise TurnsOverBeforeTheKill(
+                    f"not all turns forwarded to the victim in 20 s: victim {victim.calls}, "
+                    f"other {other.calls}, engines up {gw.gateway.engine_up}")
             time.sleep(0.01)
         time.sleep(0.3)  # the last two reach the engine's queue
         assert len(victim.calls) == len(TURNS) and not other.calls

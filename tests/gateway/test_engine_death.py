@@ -172,3 +172,32 @@ def test_turns_vllm_aborted_are_rerouted(
         return [q.body["messages"][0]["content"] for q in e.engine.requests if "messages" in q.body]
 
     assert turns(aborting) == ["s", "p"] and turns(healthy) == ["s", "p"]
+
+
+def test_busy_engine_whose_health_check_is_slow_stays_up_while_it_streams(
+        fake_engines: Callable[..., FakeServer], gateways: Callable[..., GatewayServer]) -> None:
+    """A starved front end answers /health late while the engine streams (vLLM on a loaded
+    host): the engine is alive and keeps its turns; once it stops sending, it is down."""
+    busy = fake_engines(tpot_s=0.02)
+    spare = fake_engines(tpot_s=0.001)
+    gw = gateways([make_adapter(busy.url, "llama.cpp", engine_id="a", control_timeout_s=0.3),
+                   make_adapter(spare.url, "llama.cpp", engine_id="b", control_timeout_s=0.3)],
+                  policy="eager+hinted")
+    out: dict[str, dict[str, Any]] = {}
+    streaming = threading.Event()
+    long_turn = threading.Thread(target=_turn, args=(gw.url, "s1"), kwargs={
+        "stream": True, "engine": "a", "max_tokens": 200, "out": out, "first_token": streaming})
+    long_turn.start()
+    assert streaming.wait(15)
+    busy.engine.health_delay_s = 1.0  # past the control timeout below
+    time.sleep(2.5)  # several unanswered health checks while s1 streams
+    assert gw.gateway.engine_up["a"] is True
+    _turn(gw.url, "p1", stream=False, engine="a", max_tokens=5, out=out)
+    assert out["p1"]["engine"] == "a"  # still routed to its hinted engine
+    long_turn.join(10)
+    assert out["s1"]["tokens"] == 200 and '"error"' not in out["s1"]["last"], out["s1"]
+    # nothing streams any more and /health stays unanswered: the engine goes down
+    deadline = time.monotonic() + 5
+    while gw.gateway.engine_up["a"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gw.gateway.engine_up["a"] is False

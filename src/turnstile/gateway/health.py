@@ -11,12 +11,19 @@ or not 200: a hung or broken server) — has every request in flight to it dropp
 service's retry loop, a streaming one ends with an error event. Without that, a process that
 stops serving but keeps its connections open (vLLM after SIGTERM, at times) holds its turns
 until the read timeout.
+
+A health check left unanswered while the engine kept sending reply bytes (a busy engine whose
+HTTP front end is starved of CPU: vLLM on a loaded host answered ``/health`` in over 2 s while it
+streamed) is not a failure: the engine is alive, and marking it down would send its sessions
+elsewhere and, three checks on, drop its turns. Envoy's outlier detection reads traffic the same
+way (passive health); a hung engine sends nothing and still fails its checks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,6 +42,8 @@ class EngineState:
     up: bool = True
     next_check_s: float = 0.0
     failures: int = 0
+    #: its last health check went unanswered while it streamed replies (alive, only busy)
+    busy: bool = False
     stats_counters: dict[str, float] = field(default_factory=dict)
 
 
@@ -95,7 +104,19 @@ class HealthMonitor:
             self.models = list(dict.fromkeys(m for ms in found for m in ms))
 
     async def _check(self, eid: str) -> None:
-        state = await self.adapters[eid].health_state()
+        adapter, st = self.adapters[eid], self.engines[eid]
+        asked = time.monotonic()
+        state = await adapter.health_state()
+        busy = state == "silent" and adapter.replied_since(
+            asked - self.config.health_interval_s)
+        if busy != st.busy:
+            st.busy = busy
+            if busy:
+                log.info("engine %s: health check unanswered, but it is streaming replies: "
+                         "busy, not down", eid)
+        if busy:
+            self.set_health(eid, True)
+            return
         # a server that still answers (503 while it drains) or is only slow may yet finish
         # its requests: they are dropped once it has failed three checks in a row
         persistent = self.engines[eid].failures >= 2

@@ -66,6 +66,8 @@ class FakeEngine:
     #: "abort_waiting", "die_after:N", "end_after:N"
     fail: str | None = None
     healthy: bool = True
+    #: ``/health`` answers after this long (a busy engine's starved HTTP front end)
+    health_delay_s: float = 0.0
     #: requests in flight make no progress while set (their connections stay open)
     stall: bool = False
     record: bool = True
@@ -93,6 +95,8 @@ class FakeEngine:
         if path in ("/v1/chat/completions", "/v1/completions"):
             await self._complete(scope, receive, send, path)
         elif path == "/health":
+            if self.health_delay_s:
+                await asyncio.sleep(self.health_delay_s)
             await _send(send, 200 if self.healthy else 503, _JSON,
                         b'{"status":"ok"}' if self.healthy else b'{"status":"loading"}')
         elif path == "/v1/models":

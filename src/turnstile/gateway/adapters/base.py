@@ -6,6 +6,7 @@ of adapter shares.
 from __future__ import annotations
 
 import json
+import time
 import logging
 import math
 from collections.abc import AsyncGenerator, Mapping
@@ -205,6 +206,9 @@ class EngineAdapter:
         self.config_notes: dict[str, str] = {}
         #: the longest context (prompt + output tokens) the engine accepts, where it says
         self.max_model_len: int | None = None
+        #: ``time.monotonic()`` when the engine last sent bytes of a reply (a busy engine whose
+        #: health endpoint is slow to answer is still alive: see :meth:`replied_since`)
+        self.last_reply_s = float("-inf")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.id} {self.base_url}>"
@@ -265,6 +269,7 @@ class EngineAdapter:
             data = await resp.read()
         except (BrokenResponse, EngineLost, TimeoutError, httpx.TransportError) as e:
             raise self._error(e) from e
+        self.last_reply_s = time.monotonic()
         if resp.status >= 300:
             raise UpstreamHTTPError(resp.status, data, resp.content_type)
         return UpstreamResponse(resp.status, data, resp.content_type)
@@ -297,6 +302,7 @@ class EngineAdapter:
             buf = bytearray()
             try:
                 async for chunk in chunks:
+                    self.last_reply_s = time.monotonic()
                     buf += chunk
                     events = split_sse(buf)
                     if events:
@@ -337,6 +343,10 @@ class EngineAdapter:
 
     async def _post_json(self, path: str, body: Any) -> httpx.Response:
         return await self.transport.post_json(path, body)
+
+    def replied_since(self, t: float) -> bool:
+        """Whether the engine sent reply bytes at or after ``time.monotonic()`` time ``t``."""
+        return self.last_reply_s >= t
 
     async def health(self) -> bool:
         return await self.health_state() == "up"
