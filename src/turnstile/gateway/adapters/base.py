@@ -6,9 +6,9 @@ of adapter shares.
 from __future__ import annotations
 
 import json
-import time
 import logging
 import math
+import time
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
