@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--sessions", type=int, default=12)
+    ap.add_argument("--workflows", "--sessions", dest="sessions", type=int, default=12,
+                    help="sessions replayed per load (as bench's --workflows)")
     ap.add_argument("--rates", default="0.1,0.3,1.0", help="sessions/s, comma-separated")
     ap.add_argument("--loads", default=None,
                     help="instead of --rates: fractions of the engines' capacity as the "

@@ -154,7 +154,8 @@ def test_replay_and_simulation_line_up(server: LlamaServerProcess, profile_path:
 def test_steadiness_times_the_same_fresh_prefill(server: LlamaServerProcess) -> None:
     check = measure_steadiness(server.base_url, "now", prompt_tokens=96, repeats=3, seed=123)
     assert check.label == "now" and check.prompt_tokens == 96 and len(check.times_s) == 3
-    # computed from scratch each time: a cached repeat would take a small fraction of the first
-    assert min(check.times_s) > 0.3 * max(check.times_s)
+    # computed from scratch each time: a cached repeat reprocesses one token of 96, ~1/50 of the
+    # time; a loaded host slows single prefills by up to ~3x (0.3 failed under load), hence 0.1
+    assert min(check.times_s) > 0.1 * max(check.times_s)
     quiet, line = steadiness_verdict([check], cv_max=1.0, drift_max=1.0)
     assert quiet and "96-token prefill, 3x per check" in line

@@ -63,7 +63,9 @@ def profile_cmd(
     ] = None,
     max_seqs: Annotated[
         int | None,
-        typer.Option(help="Concurrent sequences to sweep up to (llama.cpp: its slots)"),
+        typer.Option("--max-num-seqs", "--max-seqs",
+                     help="Concurrent sequences to sweep up to (vLLM's --max-num-seqs; "
+                          "llama.cpp: its slots)"),
     ] = None,
     max_context: Annotated[
         int | None, typer.Option(help="Longest prompt to measure (default: engine limit, ≤4096)")
@@ -169,7 +171,9 @@ def fidelity_cmd(
         "fidelity"
     ),
     subset: Annotated[str | None, typer.Option(help="agentcgroup subset")] = "glm47flash_local",
-    sessions: Annotated[int, typer.Option(min=1)] = 12,
+    sessions: Annotated[int, typer.Option("--workflows", "--sessions", min=1,
+                                          help="Sessions replayed per rate (as bench's "
+                                               "--workflows)")] = 12,
     rates: Annotated[
         str, typer.Option(help="Session arrival rates per second, comma-separated")
     ] = "0.2,0.5,1.0",
