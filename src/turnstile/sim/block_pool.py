@@ -14,7 +14,11 @@ How blocks are named (what makes two requests share KV):
   across sessions. Only hash blocks that lie wholly inside the prompt are used. Each is cached
   (refcounted) one hash block at a time.
 * Every later block (all of them without ``block_hashes``) is named by the session and its
-  position: a session's turn n+1 extends turn n's prompt and output, so its blocks match. The
+  position: a session's turn n+1 extends turn n's prompt and output, so its blocks match. Where
+  a turn's hash run stops at the block where an earlier turn of its session began its
+  session-named blocks, the turn names its blocks from there on by the session too (the
+  content the earlier turn stored; without it, every turn of a growing hashed session missed
+  the hash block its predecessor's prompt ended in, and the output after it). The
   session-named blocks of a session form one :class:`Seg` that caches, evicts (tail first, as paged
   engines free a request's blocks in reverse) and offloads as a range in O(1). The LRU therefore
   orders segments and hash blocks, not single blocks: a segment's tail is evicted first, and a whole
@@ -225,6 +229,11 @@ class BlockPool(RetentionTier):
                     elif rc == 0 and h in lru:
                         exp_take += 1
                     n_exp += 1
+                if n_exp < jmax and (req.session, n_exp * r) in self.segs:
+                    # the hash run stops where an earlier turn of this session stored its own
+                    # blocks under the session's name (its prompt ended there): they are the
+                    # same content, so this turn names its blocks from there on by the session
+                    m = n_exp * r
             if n_exp * r == m < maxk:
                 seg = self.segs.get((req.session, m))
                 if seg is not None and seg.c > m:
