@@ -173,6 +173,35 @@ def _trace(rel: str, subset: str | None = None, *, root: str = "traces",
     return build
 
 
+@lru_cache(maxsize=2)
+def _swe_pool(n: int, seed: int) -> tuple[tuple[Workflow, ...], str, int]:
+    import tempfile
+
+    from turnstile.bench.agent_logs import write_mini_swe_agent_logs
+
+    with tempfile.TemporaryDirectory(prefix="turnstile-swe-logs-") as d:
+        return _load.__wrapped__(str(write_mini_swe_agent_logs(Path(d), n, seed)), None)
+
+
+def _swe_logs(n: int, seed: int) -> tuple[list[Workflow], dict[str, Any]]:
+    """SWE-bench-like mini-swe-agent logs (:mod:`turnstile.bench.agent_logs`), written and
+    read back by the importer: a pool of 200 sessions, resampled."""
+    wfs, name, block = _swe_pool(200, 0)
+    rng = np.random.default_rng([seed, 13])
+    pick = rng.permutation(len(wfs))[:n] if n <= len(wfs) else \
+        rng.integers(0, len(wfs), size=n)
+    seen: dict[int, int] = {}
+    chosen = []
+    for i in pick.tolist():
+        r = seen.get(i, 0)
+        seen[i] = r + 1
+        w = wfs[i]
+        chosen.append(Workflow(w.id if r == 0 else f"{w.id}#{r}", 0.0, w.turns, w.tenant,
+                               w.meta))
+    return chosen, {"name": name, "path": "generated (bench.agent_logs, seed 0)",
+                    "hash_block_tokens": block, "pool": len(wfs), "resampled": n > len(wfs)}
+
+
 AC = "agentcgroup_swerebench_claude_code"
 
 FAMILIES: tuple[Family, ...] = (
@@ -195,6 +224,9 @@ FAMILIES: tuple[Family, ...] = (
     Family("litellm-log", "importer", "report", "LiteLLM request log grouped into sessions "
            "(test fixture, resampled)",
            _trace("tests/fixtures/traces/litellm_tiny.jsonl", root="repo")),
+    Family("swe-bench-logs", "importer", "report", "SWE-bench-like mini-swe-agent logs "
+           "(generated: ~40 calls, prompts growing 300–600 tokens a turn to ~14k median, 4 s "
+           "tools), read by the importer with content-hash blocks", _swe_logs, quick=True),
     # -- a generator nobody here wrote
     Family("aiperf-agentic-code", "generator", "report", "AIPerf 0.13.0 `synthesize agentic-code "
            "--num-sessions 60 --seed 42 --max-isl 120000` (the shipped file: ~62k-token "
