@@ -25,9 +25,11 @@ def epp(
     engine_kind: Annotated[str, typer.Option(help="llama.cpp, vllm, sglang or openai")]
     = "llama.cpp",
     config: Annotated[Path | None, typer.Option(help="Gateway TOML file for the scheduling "
-                                                "settings: its gateway and policy tables (its "
-                                                "engines are ignored: endpoints come from the "
-                                                "flags)")] = None,
+                                                "settings: its gateway and policy tables, and "
+                                                "for an endpoint one of its engines names, "
+                                                "that engine's kind and options (slots, "
+                                                "kv_tokens); the endpoints come from the "
+                                                "flags")] = None,
     policy: Annotated[str | None, typer.Option(help="Policy spec, e.g. cvar+kv-affinity+ttl")]
     = None,
     host: Annotated[str, typer.Option(help="Bind address")] = "127.0.0.1",
