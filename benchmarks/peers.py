@@ -50,6 +50,7 @@ SYSTEMS = ("sglang-cache_aware", "sglang-round_robin", "vllm-cache_aware",
 #: few hundred tokens)
 FAMILIES = {
     "agentcgroup-glm": ("agentcgroup-glm", 100.0),
+    "agentcgroup-haiku": ("agentcgroup-haiku", 100.0),
     "syn-agentcgroup-fit": ("syn-agentcgroup-fit", 32.0),
     "aiperf-agentic-code": ("aiperf-agentic-code", 300.0),
     "tracelab": ("tracelab", 32.0),
