@@ -6,8 +6,8 @@ and ``envoy.lb`` metadata on the request body, or on the headers in full-duplex 
 on every response event) but decides nothing: the difference between it and ``turnstile epp``
 behind the same Envoy is the picker's own Python work (identity, JSON, scheduler, the response
 bookkeeping); the difference between it and Envoy alone is what Envoy's ext_proc and Python gRPC
-cost per request. ``--server aio`` is ``grpc.aio`` (as ``turnstile epp``), ``--server sync``
-the thread-pool server.
+cost per request. ``--server aio`` is ``grpc.aio`` (as ``turnstile epp``), ``aio-uvloop`` the
+same on uvloop's event loop, ``--server sync`` the thread-pool server.
 
     python benchmarks/epp_null_picker.py --port 9002 --dest 127.0.0.1:8000 --server aio
 """
@@ -98,8 +98,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--dest", required=True)
-    ap.add_argument("--server", choices=("aio", "sync"), default="aio")
+    ap.add_argument("--server", choices=("aio", "aio-uvloop", "sync"), default="aio")
     args = ap.parse_args()
+    if args.server == "aio-uvloop":
+        import uvloop
+
+        uvloop.run(_serve_aio(args.port, args.dest))
+        return
     if args.server == "aio":
         asyncio.run(_serve_aio(args.port, args.dest))
         return

