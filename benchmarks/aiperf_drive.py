@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from turnstile.calibrate.ab import AbEngines, _no_think, policy_spec
-    from turnstile.calibrate.ab_real import erase_slots, gateway_toml
+    from turnstile.calibrate.ab_engines import reset_kv
+    from turnstile.calibrate.ab_real import gateway_toml
     from turnstile.calibrate.fidelity import TraceScale, scale_workflow
     from turnstile.engines.llama_server import LlamaServerProcess, free_port, require_llama_server
     from turnstile.engines.tiny_hf_model import write_tiny_hf_model
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in servers:
             s.start()
         urls = [s.base_url for s in servers]
-        erase_slots(urls, 4)
+        reset_kv("llamacpp", urls, 4)
         engines = AbEngines(count=2, n_parallel=4, ctx=8192)
         port = free_port()
         record = tmp / "recorded.jsonl"

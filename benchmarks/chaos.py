@@ -73,7 +73,7 @@ class Engine:
             return self
         code = ("import uvicorn; from turnstile.testing.fake_engine import FakeEngine; "
                 f"uvicorn.run(FakeEngine(ttft_s=0.02, tpot_s=0.01, record=False), "
-                f"host='127.0.0.1', port={self.port}, log_level='error')")
+                f"host='127.0.0.1', port={self.port}, log_level='error', loop='asyncio')")
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:

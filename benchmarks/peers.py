@@ -44,12 +44,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 #: every system the script knows; ``--systems`` picks among them
 SYSTEMS = ("sglang-cache_aware", "sglang-round_robin", "vllm-cache_aware",
-           "vllm-consistent_hash", "turnstile-eager", "turnstile-cvar", "epp-cvar")
+           "vllm-consistent_hash", "turnstile-eager", "turnstile-auto", "epp-auto")
 
 #: family -> (robustness-suite family name, token divisor that brings its first prompt to a
 #: few hundred tokens)
 FAMILIES = {
     "agentcgroup-glm": ("agentcgroup-glm", 100.0),
+    "agentcgroup-haiku": ("agentcgroup-haiku", 100.0),
     "syn-agentcgroup-fit": ("syn-agentcgroup-fit", 32.0),
     "aiperf-agentic-code": ("aiperf-agentic-code", 300.0),
     "tracelab": ("tracelab", 32.0),
@@ -271,11 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from turnstile.calibrate.ab import AbEngines, cell_workload, policy_spec, slot_kv_tokens
+    from turnstile.calibrate.ab_engines import reset_kv
     from turnstile.calibrate.ab_real import (
         AbRun,
         _fresh_gateway,
         chars_per_token,
-        erase_slots,
         gateway_toml,
         measure_cell,
         turn_template_tokens,
@@ -332,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                             kind, _, pol = system.partition("-")
                             if kind == "turnstile":
                                 return _fresh_gateway(pol, urls, engines, run, tmp)
-                            erase_slots(urls, engines.n_parallel)
+                            reset_kv("llamacpp", urls, engines.n_parallel)
                             if kind == "epp":
                                 toml = tmp / f"epp-{group}.toml"
                                 toml.write_text(gateway_toml(policy_spec(pol), urls, engines,

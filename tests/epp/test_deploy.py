@@ -48,8 +48,15 @@ def test_envoy_config_speaks_the_picker_protocol() -> None:
         cfg = yaml.safe_load((DEPLOY / name).read_text())
         ext = _ext_proc(cfg)
         mode = ext["processing_mode"]
-        # the picker decides on the buffered body and follows the streamed response
-        assert mode["request_body_mode"] == "BUFFERED"
+        # the picker decides on the whole body and follows the streamed response: fail-closed
+        # in full-duplex mode (headers and body in one round trip; the picker answers the
+        # headers once the body is in), fail-open buffered (Envoy 1.40 answers 500 in
+        # full-duplex mode when the picker is gone, failure_mode_allow or not)
+        if ext["failure_mode_allow"]:
+            assert mode["request_body_mode"] == "BUFFERED"
+        else:
+            assert mode["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+            assert mode["request_trailer_mode"] == "SEND"  # Envoy wants it in this mode
         assert mode["response_body_mode"] == "STREAMED"
         assert mode["request_header_mode"] == mode["response_header_mode"] == "SEND"
         # long enough for the picker to hold a turn (release control)

@@ -50,6 +50,13 @@ class Stream:
         self.out.put(msg)
         return next(self.answers)
 
+    def push(self, msg: Any) -> None:
+        """Send without waiting for an answer (full-duplex mode)."""
+        self.out.put(msg)
+
+    def read(self) -> Any:
+        return next(self.answers)
+
     def close(self) -> None:
         self.out.put(None)
         self.channel.close()
@@ -111,6 +118,59 @@ def test_destination_in_header_and_metadata_and_the_subset_hint(fakes: list[Fake
         picker = pk.picker
         assert not picker.engine_up[only]  # it was picked, another served: marked down
         assert picker.sessions["s1"].last_engine == _ep(fakes[0])
+    finally:
+        s.close()
+        pk.stop()
+
+
+def test_full_duplex_request_body_one_round_trip(fakes: list[FakeServer]) -> None:
+    """Envoy's FULL_DUPLEX_STREAMED request mode (``envoy_config``'s default): the headers and
+    the body's chunks come without waiting for answers; the picker answers the headers with the
+    destination once the whole body is in, then sends the (rewritten) body back as a streamed
+    chunk; a request with no body is answered on its headers."""
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+
+    duplex = pb.ProtocolConfiguration(
+        request_body_mode=processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED)
+    pk = start_picker([_ep(f) for f in fakes])
+    s = Stream(pk)
+    try:
+        s.push(pb.ProcessingRequest(request_headers=_headers(
+            _method="POST", _path="/v1/chat/completions", x_session_id="d1"),
+            protocol_config=duplex))
+        raw = json.dumps(chat_body()).encode()
+        s.push(pb.ProcessingRequest(request_body=pb.HttpBody(body=raw[:10])))
+        s.push(pb.ProcessingRequest(request_body=pb.HttpBody(body=raw[10:], end_of_stream=True)))
+        head = s.read()
+        assert head.WhichOneof("response") == "request_headers"
+        sets = {h.header.key: h.header.raw_value.decode()
+                for h in head.request_headers.response.header_mutation.set_headers}
+        dest = sets["x-gateway-destination-endpoint"]
+        assert dest in {_ep(f) for f in fakes}
+        assert head.dynamic_metadata.fields["envoy.lb"].struct_value.fields[
+            "x-gateway-destination-endpoint"].string_value == dest
+        body = s.read()
+        chunk = body.request_body.response.body_mutation.streamed_response
+        assert chunk.end_of_stream
+        sent = json.loads(chunk.body)  # the whole body, with the llama.cpp adapter's fields
+        assert sent["messages"] == chat_body()["messages"] and "id_slot" in sent
+        assert int(sets["content-length"]) == len(chunk.body)
+        a = s.send(pb.ProcessingRequest(response_headers=_headers(_status="200")))
+        assert a.WhichOneof("response") == "response_headers"
+        resp = {"choices": [{"message": {"content": "xx"}}],
+                "usage": {"prompt_tokens": 8, "completion_tokens": 2}}
+        s.send(pb.ProcessingRequest(response_body=pb.HttpBody(
+            body=json.dumps(resp).encode(), end_of_stream=True)))
+        assert pk.picker.sessions["d1"].last_engine == dest
+    finally:
+        s.close()
+    s = Stream(pk)
+    try:
+        a = s.send(pb.ProcessingRequest(request_headers=pb.HttpHeaders(
+            headers=_headers(_method="GET", _path="/v1/models").headers, end_of_stream=True),
+            protocol_config=duplex))
+        assert a.request_headers.response.header_mutation.set_headers[0].header.key == \
+            "x-gateway-destination-endpoint"
     finally:
         s.close()
         pk.stop()

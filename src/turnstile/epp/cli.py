@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -25,9 +26,11 @@ def epp(
     engine_kind: Annotated[str, typer.Option(help="llama.cpp, vllm, sglang or openai")]
     = "llama.cpp",
     config: Annotated[Path | None, typer.Option(help="Gateway TOML file for the scheduling "
-                                                "settings: its gateway and policy tables (its "
-                                                "engines are ignored: endpoints come from the "
-                                                "flags)")] = None,
+                                                "settings: its gateway and policy tables, and "
+                                                "for an endpoint one of its engines names, "
+                                                "that engine's kind and options (slots, "
+                                                "kv_tokens); the endpoints come from the "
+                                                "flags")] = None,
     policy: Annotated[str | None, typer.Option(help="Policy spec, e.g. cvar+kv-affinity+ttl")]
     = None,
     host: Annotated[str, typer.Option(help="Bind address")] = "127.0.0.1",
@@ -44,10 +47,11 @@ def epp(
     pool_name: Annotated[str, typer.Option(help="The InferencePool this picker serves")] = "",
     record: Annotated[Path | None, typer.Option(help="Append every finished session to this "
                                                 "workload .jsonl")] = None,
+    loop: Annotated[str, typer.Option(help="Event loop: auto (uvloop when installed), uvloop or "
+                                      "asyncio")] = "auto",
     log_level: Annotated[str, typer.Option()] = "warning",
 ) -> None:
     """Run the scheduler as an Envoy ext_proc endpoint picker (Gateway API Inference Extension)."""
-    import asyncio
 
     from turnstile.epp.server import EppConfig, serve_forever
     from turnstile.gateway.cli import set_given
@@ -65,6 +69,7 @@ def epp(
                         fallbacks=fallbacks, watch=watch)
         if watch not in ("inline", "observe"):
             raise ValueError(f"--watch {watch!r}: expected inline or observe")
+        run = _runner(loop)
         if not cfg.endpoints and not cfg.endpoints_file:
             raise ValueError("give --endpoint IP:PORT (repeat) or --endpoints-file")
         from turnstile.policies import PolicySet
@@ -75,7 +80,25 @@ def epp(
         raise typer.Exit(2) from None
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve_forever(cfg))
+        run(serve_forever(cfg))
+
+
+def _runner(loop: str) -> Callable[[Coroutine[Any, Any, None]], None]:
+    """``asyncio.run`` or ``uvloop.run``: uvloop's loop takes 0.2–0.3 ms off each request's
+    ext_proc stream in grpc.aio here (``benchmarks/epp_overhead.py``, null picker)."""
+    import asyncio
+
+    if loop not in ("auto", "uvloop", "asyncio"):
+        raise ValueError(f"--loop {loop!r}: expected auto, uvloop or asyncio")
+    if loop != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if loop == "uvloop":
+                raise ValueError("--loop uvloop: uvloop is not installed") from None
+        else:
+            return uvloop.run
+    return asyncio.run
 
 
 def register(app: typer.Typer) -> None:

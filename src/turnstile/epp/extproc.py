@@ -2,12 +2,15 @@
 ``docs/proposals/004-endpoint-picker-protocol``), served with ``grpc.aio``.
 
 One gRPC stream per HTTP request. Envoy's filter is configured (``deploy/envoy.yaml``,
-:mod:`.envoy`) to send request headers, the **buffered** request body, response headers and the
+:mod:`.envoy`) to send request headers, the whole request body (**full-duplex streamed** or
+**buffered**, as ``protocol_config`` in the first message says), response headers and the
 **streamed** response body:
 
-* request headers: answered at once (CONTINUE); the identity (session, tenant, parent, hints)
-  is read from them as ``serve`` reads it (:mod:`turnstile.gateway.identity`). A request with no
-  body (``GET /v1/models``) is routed to any ready endpoint right there;
+* request headers: the identity (session, tenant, parent, hints) is read from them as ``serve``
+  reads it (:mod:`turnstile.gateway.identity`). A request with no body (``GET /v1/models``) is
+  routed to any ready endpoint right there. Otherwise, buffered: answered at once (CONTINUE);
+  full-duplex: the answer waits for the body (Envoy sends it without waiting) and carries the
+  destination, and the body follows as one streamed chunk (one round trip, not two);
 * request body: the turn becomes READY in the scheduler. The answer waits until the release
   policy releases it — that wait *is* release control — then sets
   ``x-gateway-destination-endpoint: ip:port,fallback,…`` and the same value under the
@@ -31,6 +34,7 @@ from typing import Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
@@ -116,11 +120,14 @@ def immediate(status: int, message: str, type_: str, code: str | None = None,
 def routed(dest: str, *, body: bytes | None = None, phase: str = "request_body",
            extra: list[tuple[str, str]] = ()) -> pb.ProcessingResponse:
     """Continue to ``dest`` (``ip:port[,fallback…]``): the header and the envoy.lb metadata
-    (``extra``: more request headers to set)."""
+    (``extra``: more request headers to set). ``body``: the rewritten body — its length in the
+    headers, and the body itself in a ``request_body`` answer (in a ``request_headers`` answer,
+    full-duplex mode, the caller sends it as a streamed chunk)."""
     sets = [_header(DEST_HEADER, dest), *(_header(k, v) for k, v in extra)]
     common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=sets))
     if body is not None:
-        common.body_mutation.body = body
+        if phase == "request_body":
+            common.body_mutation.body = body
         common.header_mutation.set_headers.append(_header("content-length", str(len(body))))
     md = struct_pb2.Struct()
     md.get_or_create_struct(LB_NAMESPACE)[DEST_HEADER] = dest
@@ -131,6 +138,15 @@ def routed(dest: str, *, body: bytes | None = None, phase: str = "request_body",
                                  dynamic_metadata=md)
 
 
+def _streamed(chunk: bytes, end: bool) -> pb.ProcessingResponse:
+    """A request body chunk passed on in ``FULL_DUPLEX_STREAMED`` mode (there Envoy forwards
+    only what the picker sends back)."""
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
+        body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+            body=chunk, end_of_stream=end)))))
+
+
+_FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 _CONTINUE_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
 _CONTINUE_RESP_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
 _CONTINUE_RESP_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
@@ -157,6 +173,11 @@ class ExtProc(pb_grpc.ExternalProcessorServicer):
         subset: set[str] | None = None
         scheduled = False
         complete = False
+        #: Envoy's request body mode is FULL_DUPLEX_STREAMED: the body comes without waiting for
+        #: the headers' answer, which then waits for the whole body (one round trip, not two)
+        duplex = False
+        answered = False
+        chunks: list[bytes] = []
         try:
             async for req in request_iterator:
                 kind = req.WhichOneof("request")
@@ -175,12 +196,29 @@ class ExtProc(pb_grpc.ExternalProcessorServicer):
                         return
                     subset = _subset(req, headers)
                     scheduled = is_scheduled(method, path)
+                    duplex = req.protocol_config.request_body_mode == _FULL_DUPLEX
                     if not scheduled or req.request_headers.end_of_stream:
                         yield self._unscheduled(subset, "request_headers")
-                        scheduled = False
+                        scheduled, answered = False, True
                     else:
                         ident = request_identity(headers)
-                        yield _CONTINUE_HEADERS
+                        if not duplex:
+                            yield _CONTINUE_HEADERS
+                elif kind == "request_body" and duplex:
+                    b = req.request_body
+                    if answered:  # not scheduled, or already routed: pass the body on
+                        yield _streamed(b.body, b.end_of_stream)
+                        continue
+                    chunks.append(b.body)
+                    if not b.end_of_stream:
+                        continue
+                    ex, answers = await self._route_duplex(ident, path, b"".join(chunks),
+                                                           subset, req)
+                    chunks, answered = [], True
+                    for a in answers:
+                        yield a
+                    if ex is None:
+                        return
                 elif kind == "request_body":
                     if not scheduled or ex is not None:
                         yield _CONTINUE_BODY
@@ -189,8 +227,8 @@ class ExtProc(pb_grpc.ExternalProcessorServicer):
                     if subset is None:  # the hint may come with the body's message
                         subset = _subset(req, [])
                     t0 = time.perf_counter()
-                    ex, answer = await self._route(ident, path.split("?", 1)[0],
-                                                   req.request_body.body, subset)
+                    ex, answer, _ = await self._route(ident, path.split("?", 1)[0],
+                                                      req.request_body.body, subset)
                     if self.metrics is not None:
                         self.metrics.decision(time.perf_counter() - t0, answer)
                     yield answer
@@ -215,6 +253,14 @@ class ExtProc(pb_grpc.ExternalProcessorServicer):
                     if complete:  # nothing more to decide: close the stream now
                         return
                 elif kind == "request_trailers":
+                    if duplex and not answered:  # the body ended with trailers
+                        ex, answers = await self._route_duplex(ident, path, b"".join(chunks),
+                                                               subset, req, end=False)
+                        chunks, answered = [], True
+                        for a in answers:
+                            yield a
+                        if ex is None:
+                            return
                     yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
                 elif kind == "response_trailers":
                     if ex is not None:
@@ -225,28 +271,50 @@ class ExtProc(pb_grpc.ExternalProcessorServicer):
             if ex is not None:
                 await self._close(ex, complete)
 
+    async def _route_duplex(self, ident: Identity | None, path: str, raw: bytes,
+                            subset: set[str] | None, req: pb.ProcessingRequest, *,
+                            end: bool = True
+                            ) -> tuple[Exchange | None, tuple[pb.ProcessingResponse, ...]]:
+        """:meth:`_route` for ``FULL_DUPLEX_STREAMED``: the headers' answer and the body."""
+        assert ident is not None
+        if subset is None:
+            subset = _subset(req, [])
+        t0 = time.perf_counter()
+        ex, answer, body = await self._route(ident, path.split("?", 1)[0], raw, subset,
+                                             phase="request_headers")
+        if self.metrics is not None:
+            self.metrics.decision(time.perf_counter() - t0, answer)
+        if ex is None:
+            return None, (answer,)
+        # the destination rides on the headers' answer (Envoy sent the body without waiting
+        # for it); the body follows as one streamed chunk
+        return ex, (answer, _streamed(raw if body is None else body, end))
+
     def _unscheduled(self, subset: set[str] | None, phase: str) -> pb.ProcessingResponse:
         dest = self.picker.any_endpoint(subset)
         if dest is None:
             return immediate(503, "no ready endpoint", "upstream_error", "no_endpoint")
         return routed(dest, phase=phase)
 
-    async def _route(self, ident: Identity, path: str, raw: bytes, subset: set[str] | None
-                     ) -> tuple[Exchange | None, pb.ProcessingResponse]:
-        """Schedule one request: wait for its release, answer with its destination."""
+    async def _route(self, ident: Identity, path: str, raw: bytes, subset: set[str] | None,
+                     phase: str = "request_body"
+                     ) -> tuple[Exchange | None, pb.ProcessingResponse, bytes | None]:
+        """Schedule one request: wait for its release, answer with its destination (in
+        ``phase``'s answer; the body the engine's adapter rewrote, if it did, is in it and
+        returned)."""
         try:
             body = json.loads(raw) if raw else None
         except (ValueError, UnicodeDecodeError) as e:
             return None, immediate(400, f"request body is not valid JSON: {e}",
-                                   "invalid_request_error", "invalid_json")
+                                   "invalid_request_error", "invalid_json"), None
         if not isinstance(body, dict):
             return None, immediate(400, "request body must be a JSON object",
-                                   "invalid_request_error", "invalid_json")
+                                   "invalid_request_error", "invalid_json"), None
         read_body(ident, body)
         try:
             ex = self.picker.submit(ident, path, body, subset)
         except GatewayError as e:
-            return None, _error(e)
+            return None, _error(e), None
         assert ex.task is not None
         try:
             await asyncio.wait([ex.route, ex.task], return_when=asyncio.FIRST_COMPLETED)
@@ -258,9 +326,9 @@ class ExtProc(pb_grpc.ExternalProcessorServicer):
             ex.route.cancel()
             exc = ex.task.exception()
             if isinstance(exc, GatewayError):
-                return None, _error(exc)
+                return None, _error(exc), None
             log.error("scheduling failed", exc_info=exc)
-            return None, immediate(500, f"picker error: {exc}", "server_error")
+            return None, immediate(500, f"picker error: {exc}", "server_error"), None
         r = ex.route.result()
         dest = ",".join([r.endpoint, *r.fallbacks])
         extra: list[tuple[str, str]] = []
@@ -272,7 +340,7 @@ class ExtProc(pb_grpc.ExternalProcessorServicer):
                      ("x-turnstile-session-id", p.session.id),
                      ("x-turnstile-engine", r.engine),
                      ("x-turnstile-hold-ms", f"{hold_ms:.3f}")]
-        return ex, routed(dest, body=r.body, extra=extra)
+        return ex, routed(dest, body=r.body, phase=phase, extra=extra), r.body
 
     async def _watch(self, request_id: str, requests: AsyncIterator[pb.ProcessingRequest]
                      ) -> None:

@@ -183,7 +183,9 @@ def serve(
     typer.echo(f"turnstile gateway on http://{cfg.host}:{cfg.port} policy={cfg.policy} "
                f"engines={', '.join(e.url for e in cfg.engines)}"
                + (f" state={cfg.state}" if cfg.state else ""), err=True)
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=log_level,
+    # loop="asyncio": the same loop whether or not uvloop (the epp extra) is installed, which
+    # uvicorn's "auto" would pick up (serve was measured on asyncio)
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=log_level, loop="asyncio",
                 access_log=False, lifespan="on", timeout_graceful_shutdown=5,
                 h11_max_incomplete_event_size=cfg.max_header_bytes)
 
