@@ -138,7 +138,12 @@ class KvAffinityRouting(StatelessRouting):
         last = turn.workflow.last_engine
         if last is not None and last in view and view[last] in engines and self.balanced(engines):
             return last
-        return min(engines, key=lambda e: e.outstanding_tokens / e.weight).id
+        # on slot-limited engines, a session goes only where a slot is free (or stays where
+        # its KV is): one sent to an engine whose slots all hold sessions evicts one of them,
+        # whose next turn misses and evicts another (measured on 4 engines of 4 slots at 2x
+        # saturation: 23% of turns moved, 62% of same-engine turns missed their whole context)
+        room = [e for e in engines if e.has_free_slot or e.id == last]
+        return min(room or engines, key=lambda e: e.outstanding_tokens / e.weight).id
 
 
 @ROUTING.register("composite")
