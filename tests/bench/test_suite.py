@@ -111,6 +111,18 @@ def test_no_harm_names_the_worst_cell_and_every_miss() -> None:
     assert no_harm(cells[:2], "x")["ok"]  # 0.98 ≥ 1/1.03 and 0.92 ≥ 1/1.10
 
 
+def test_gains_counts_only_contended_cells() -> None:
+    from turnstile.bench.suite_report import gains
+
+    def cell(load: str, queue: float, p95: float) -> dict:
+        return {"family": "f", "cluster": "c", "load": load, "eager_queue_share": queue,
+                "eager_recompute_share_est": 0.05,
+                "policies": {"x": {"ratio": {"p95": p95, "mean": 1.0, "ttft_p95": 1.0}}}}
+    g = gains([cell("a", 0.6, 2.5), cell("b", 0.45, 1.6), cell("c", 0.3, 9.0)], "x")
+    assert [r["load"] for r in g["cells"]] == ["a", "b"]  # 0.45 + 0.05 >= 50%; 35% is not
+    assert g["met"] == 1 and abs(g["geomean"] - (2.5 * 1.6) ** 0.5) < 1e-12
+
+
 def test_markdown_bolds_harm(tiny_doc: dict) -> None:
     doc = json.loads(json.dumps(tiny_doc))
     doc["cells"][0]["policies"]["cvar"]["ratio"]["p95"] = 0.5
