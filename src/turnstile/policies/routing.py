@@ -115,7 +115,9 @@ class KvAffinityRouting(StatelessRouting):
     Rule (SGLang model gateway, cache-aware policy): send a turn to ``workflow.last_engine``
     (where its KV may still be) when that engine is healthy and the cluster is balanced —
     ``max − min ≤ balance_abs_tokens`` or ``max ≤ balance_rel × min`` over the healthy engines'
-    outstanding_tokens / weight; otherwise, and for a workflow's first turn, least-loaded.
+    outstanding_tokens / weight; otherwise, and for a workflow's first turn, least-loaded —
+    among the engines with a free slot (:attr:`EngineLoad.has_free_slot`) and the session's own
+    engine, where any has one (on slot-limited engines; a paged engine always has one).
     """
 
     name: ClassVar[str] = "kv-affinity"
