@@ -111,6 +111,18 @@ def test_no_harm_names_the_worst_cell_and_every_miss() -> None:
     assert no_harm(cells[:2], "x")["ok"]  # 0.98 ≥ 1/1.03 and 0.92 ≥ 1/1.10
 
 
+def test_gains_counts_only_contended_cells() -> None:
+    from turnstile.bench.suite_report import gains
+
+    def cell(load: str, queue: float, p95: float) -> dict:
+        return {"family": "f", "cluster": "c", "load": load, "eager_queue_share": queue,
+                "eager_recompute_share_est": 0.05,
+                "policies": {"x": {"ratio": {"p95": p95, "mean": 1.0, "ttft_p95": 1.0}}}}
+    g = gains([cell("a", 0.6, 2.5), cell("b", 0.45, 1.6), cell("c", 0.3, 9.0)], "x")
+    assert [r["load"] for r in g["cells"]] == ["a", "b"]  # 0.45 + 0.05 >= 50%; 35% is not
+    assert g["met"] == 1 and abs(g["geomean"] - (2.5 * 1.6) ** 0.5) < 1e-12
+
+
 def test_markdown_bolds_harm(tiny_doc: dict) -> None:
     doc = json.loads(json.dumps(tiny_doc))
     doc["cells"][0]["policies"]["cvar"]["ratio"]["p95"] = 0.5
@@ -140,10 +152,11 @@ def test_ray_backend_gives_the_local_results(tiny_doc: dict) -> None:
 # worse than eager in P95 and mean flow time and at most 10% worse in TTFT P95 in every
 # cell of the quick suite (NO_HARM in turnstile.bench.suite_report).
 # The one measured miss of issue 31's goal (docs/policies.md, simulated): syn-tools-heavy at
-# est x1.2, TTFT P95 0.89x eager (1.99 s -> 2.24 s; the KV gate holds first turns behind
+# est x1.2, TTFT P95 0.886x eager (1.99 s -> 2.24 s; the KV gate holds first turns behind
 # sessions paused in minutes-long tools while no engine queues). It is held to that measured
-# level, not waived: a cell outside this list, or this cell worse than its floor, fails.
-KNOWN_MISSES = {("syn-tools-heavy", "ttft_p95"): 0.85}
+# level (the simulator is deterministic), not waived: a cell outside this list, or this cell
+# worse than its floor, fails.
+KNOWN_MISSES = {("syn-tools-heavy", "ttft_p95"): 0.88}
 
 
 @pytest.mark.slow
@@ -164,6 +177,11 @@ def test_quick_suite_structure_and_the_default_policy_does_no_harm(tmp_path: Pat
         if any(r < KNOWN_MISSES.get((m["family"], k), 2.0) for k, r in m["ratios"].items())]
     assert not unexplained, (f"default policy {default!r} harms cells (bounds {NO_HARM}, "
                              f"known misses {KNOWN_MISSES}): {unexplained}")
+    # and it gains where sessions contend for KV (measured 1.71x / 1.44x eager's P95 at
+    # est x1.2 / sat x2 on the AgentCgroup fit, eager's queue + recompute 31% / 34%)
+    for c in doc["cells"]:
+        if c["family"] == "syn-agentcgroup-fit" and c["load"] in ("est×1.2", "sat×2"):
+            assert c["policies"][default]["ratio"]["p95"] >= 1.3, c
 
 
 def test_bench_suite_cli_writes_the_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch

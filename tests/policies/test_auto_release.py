@@ -1,5 +1,6 @@
 """``auto`` (the default release policy): misses it adapts on, holds it makes, its bound."""
 
+
 from __future__ import annotations
 
 import math
@@ -104,7 +105,22 @@ def test_the_bound_follows_observed_turn_and_flow_times() -> None:
     assert rel.hold_bound_s(0.0) == 30.0  # 10 x the median turn time
     for _ in range(8):
         rel._flow_p50.add(100.0)
-    assert rel.hold_bound_s(0.0) == 400.0  # 4 x the median flow time
+    assert rel.hold_bound_s(0.0) == 800.0  # 8 x the median flow time
+
+
+def test_the_bound_counts_unfinished_workflows_at_their_age() -> None:
+    """Started, unfinished workflows are lower bounds of flow time: the median counts them
+    at their age net of holds (not only the short workflows that finished first)."""
+    rel = AutoRelease(censored_flow=True)
+    for _ in range(5):
+        rel._flow_p50.add(100.0)
+    for i in range(9):  # nine sessions started at t=0, one held 200 s so far
+        rel._since[f"w{i}"] = 0.0
+    rel._held_s["w0"] = 200.0
+    rel._turn_p50 = 3.0
+    assert rel.flow_p50_s(1_000.0) == 1_000.0  # 14 values: 5 x 100, 800, 8 x 1,000
+    assert rel.hold_bound_s(1_000.0) == 8_000.0
+    assert AutoRelease(censored_flow=False).flow_p50_s(1_000.0) == math.inf
 
 
 def test_paused_sessions_sharing_a_prefix_count_its_kv_once() -> None:

@@ -59,6 +59,29 @@ def test_kv_affinity_balanced_leaves_whenever_the_cluster_is_unbalanced():
     assert pol.route(sticky, view_of(0, 100_000), 0.0) == "e0"  # imbalanced: least-loaded
 
 
+def test_kv_affinity_on_slot_engines_moves_a_session_only_to_a_free_slot():
+    """Slot engines (2 slots each): e0 is busy (it queues requests), e1 idle but both its
+    slots hold paused sessions, e2 lightly loaded with a free slot. The session leaves e0 for
+    e2, never for e1 (it would evict a paused session); with no free slot anywhere it stays."""
+    pol = ROUTING.create("kv-affinity")
+    engines = [EngineLoad(f"e{i}", kv_slots=2) for i in range(3)]
+    charge(engines[0], 100_000)
+    report_stats(engines[0], queue_len=2)
+    pause_session(engines[1], "a", 30_000)
+    pause_session(engines[1], "b", 30_000)
+    charge(engines[2], 20_000)
+    view = ClusterView(engines)
+    turn = turn_of(last_engine="e0", context_tokens=50_000)
+    assert pol.route(turn, view, 0.0) == "e2"
+    assert pol.route(turn_of(), view, 0.0) == "e2"  # a first turn: least-loaded with a slot
+    pause_session(engines[2], "c", 30_000)  # e2: one turn running + one paused = 2 slots
+    assert pol.route(turn, view, 0.0) == "e0"  # no free slot elsewhere: it stays
+    paged = view_of(100_000, 0)  # paged engines always have a free slot: unchanged
+    report_stats(paged["e0"], queue_len=2)
+    pause_session(paged["e1"], "a", 30_000)
+    assert pol.route(turn_of(last_engine="e0"), paged, 0.0) == "e1"
+
+
 def test_kv_affinity_leaves_an_unhealthy_engine():
     pol = ROUTING.create("kv-affinity")
     view = view_of(0, 0, 5)

@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "CONTENTION_SHARE",
     "NO_HARM",
     "cells_from_runs",
+    "gains",
     "markdown_report",
     "no_harm",
     "plot_heatmap",
@@ -26,6 +28,9 @@ __all__ = [
 
 #: worst allowed policy / eager: P95 and mean flow time +3%, TTFT P95 +10%
 NO_HARM = {"p95": 1.03, "mean": 1.03, "ttft_p95": 1.10}
+#: a cell is *contended* where eager's queueing + recompute is at least this share of its flow
+#: time; the goal there is >= 2x eager's P95 (issue 31)
+CONTENTION_SHARE = 0.50
 _METRIC = {"p95": "flow_p95_s", "mean": "flow_mean_s", "ttft_p95": "ttft_p95_s"}
 
 
@@ -56,6 +61,8 @@ def cells_from_runs(runs: Sequence[Mapping[str, Any]], policies: Sequence[str]
         if eager is not None:
             cell["eager_queue_share"] = eager["queue_share"]
             cell["eager_recompute_share_est"] = eager["recompute_share_est"]
+            cell["contended"] = (eager["queue_share"] + eager["recompute_share_est"]
+                                 >= CONTENTION_SHARE)
         for pol in policies:
             r = per.get(pol)
             if r is None:
@@ -96,6 +103,23 @@ def no_harm(cells: Sequence[Mapping[str, Any]], policy: str,
             misses.append({"family": c["family"], "cluster": c["cluster"], "load": c["load"],
                            "ratios": bad})
     return {"policy": policy, "worst": worst, "misses": misses, "ok": not misses}
+
+
+def gains(cells: Sequence[Mapping[str, Any]], policy: str, target: float = 2.0
+          ) -> dict[str, Any]:
+    """``policy``'s P95 ratio in the contended cells (eager's queueing + recompute >=
+    :data:`CONTENTION_SHARE` of flow time): each cell's ratio, how many reach ``target``, and
+    their geometric mean."""
+    rows = []
+    for c in cells:
+        share = (c.get("eager_queue_share") or 0) + (c.get("eager_recompute_share_est") or 0)
+        r = c["policies"].get(policy, {}).get("ratio", {}).get("p95")
+        if share >= CONTENTION_SHARE and r:
+            rows.append({"family": c["family"], "cluster": c["cluster"], "load": c["load"],
+                         "share": share, "p95": r})
+    geo = math.exp(sum(math.log(x["p95"]) for x in rows) / len(rows)) if rows else None
+    return {"policy": policy, "cells": rows, "met": sum(x["p95"] >= target for x in rows),
+            "geomean": geo}
 
 
 def _fmt(r: float | None) -> str:
@@ -161,6 +185,19 @@ def markdown_report(doc: Mapping[str, Any]) -> str:
             cols = [f"{_fmt(w[k]['ratio'])} ({w[k]['cell']})" if k in w else "–"
                     for k in ("p95", "mean", "ttft_p95")]
             lines.append(f"| {p} | " + " | ".join(cols) + f" | {len(nh['misses'])} |")
+        lines += ["", f"### Gains where contention is ({split} half): P95 ratio in the cells "
+                  f"where eager's queueing + recompute >= {CONTENTION_SHARE:.0%} of flow", ""]
+        if not any(gains(cells, p)["cells"] for p in pols):
+            lines += ["No contended cell in this half.", ""]
+            continue
+        lines += ["| policy | cells >= 2x | geometric mean | worst |", "|---|---:|---:|---|"]
+        for p in pols:
+            g = gains(cells, p)
+            if not g["cells"]:
+                continue
+            w = min(g["cells"], key=lambda x: x["p95"])
+            lines.append(f"| {p} | {g['met']} of {len(g['cells'])} | {g['geomean']:.2f} | "
+                         f"{w['p95']:.2f} ({w['family']} · {w['cluster']} · {w['load']}) |")
         lines.append("")
     if doc.get("skipped"):
         lines += ["Skipped (input absent): " + ", ".join(

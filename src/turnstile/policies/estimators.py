@@ -113,6 +113,10 @@ class QuantileTracker:
         self._n = 0
         self.q = float("inf")  # no tail until enough samples arrived
 
+    def values(self) -> list[float]:
+        """The samples in the window."""
+        return self._window.values()
+
     def add(self, x: float) -> None:
         self._window.add(x)
         self._n += 1
