@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from turnstile.core.state import TurnRecord, WorkflowRecord
 from turnstile.policies import PolicySet
 from turnstile.policies.auto import AutoRelease
 from turnstile.sim.cluster import ClusterSim, EngineGroup
@@ -140,7 +141,8 @@ def test_paused_sessions_sharing_a_prefix_count_its_kv_once() -> None:
     held = {}
     for dedup in (True, False):
         pset = PolicySet.from_spec("auto")
-        rel = pset.release = AutoRelease(dedup_shared=dedup)
+        # the gate's KV accounting on its own (no eviction evidence needed)
+        rel = pset.release = AutoRelease(dedup_shared=dedup, evidence_gate=False)
         sim = ClusterSim(wfs, pset, [EngineGroup(kv_tokens=80_000)], hash_block_tokens=1_024)
         sim.run()
         first = {w.id: w for w in sim.finished}["s2"].turns[0]
@@ -168,3 +170,28 @@ def test_holds_past_the_ttft_tail_are_capped_once_their_share_is_spent() -> None
         rel._ttft_tail.append(True)
         rel._tail_n += 1
     assert rel._tail_spent() and rel.hold_bound_s(0.0) == 4.0  # 5/18 >= 25%: capped
+
+
+def test_the_gate_holds_only_while_evictions_cost_a_tenth_of_the_context() -> None:
+    """Evidence for the gate: over the last 64 counted turns (a turn on the engine its session
+    paused on, while that engine's KV demand overflowed), evictions cost more than 10% of the
+    context. A few whole-context misses among many hits are not evidence; sustained ones are."""
+    rel = AutoRelease()
+    assert rel.evidence_gate and rel.evict_share == 0.1
+    wf = WorkflowRecord("w", 0.0, "default", None)
+
+    def finish(k: int, cached: int) -> None:
+        prev = TurnRecord(wf, k - 1, Turn(1_000, 10, 0))
+        prev.engine, prev.finished_s = "e0", 10.0 * k - 5
+        turn = TurnRecord(wf, k, Turn(100, 10, 10_000))
+        turn.engine, turn.cached_tokens, turn.finished_s = "e0", cached, 10.0 * k
+        wf.turns[:] = [prev, turn] if k == 1 else [*wf.turns[:k - 1], prev, turn]
+        rel._count_miss(turn)
+
+    rel._overflow_at["e0"] = 1e9  # the engine overflowed during every pause
+    for k in range(1, 61):  # 1 whole-context miss in 20: 5% of the context
+        finish(k, 0 if k % 20 == 0 else 10_000)
+    assert rel._evicted_at == -math.inf
+    for k in range(61, 71):  # a run of misses: past 10% over the window
+        finish(k, 0)
+    assert rel._evicted_at > 0
