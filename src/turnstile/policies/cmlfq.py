@@ -92,6 +92,46 @@ def _agreeing_level(obs: RecentWindow, bounds: LevelBounds, gpus: tuple[int, ...
     return lm if lm == bounds.level(obs.p90, gpus) else None
 
 
+_STARTS = ("balanced", "least-open", "pool", "level0")
+
+
+def _start(start: str) -> str:
+    if start not in _STARTS:
+        raise ValueError(f"start must be one of {', '.join(_STARTS)}; got {start!r}")
+    return start
+
+
+def _kv_fits(e: EngineLoad, peak_tokens: float) -> bool:
+    """``e`` holds its open trajectories and one more at ``peak_tokens`` of KV each (engines of
+    unknown capacity always do)."""
+    return not e.capacity_tokens or (e.open_sessions + 1) * peak_tokens <= e.capacity_tokens
+
+
+def _pool_start(view: ClusterView, start: str, peak_tokens: float) -> EngineLoad:
+    """Where a trajectory nothing is known of starts.
+
+    ``balanced`` (the default): least-open's engine (fewest open trajectories: Libra's
+    control), among the engines whose KV holds one more trajectory at ``peak_tokens`` (the
+    workload's recent mean peak context, or this trajectory's prompt before any finished);
+    when none does, the one with the fewest open trajectories per KV token. Measured
+    (simulated): per-GPU balancing everywhere lost up to 10% to least-open on dapo-math, where
+    nothing is KV-bound and the batch's end is one long generation on whichever engine drew it;
+    per-engine balancing everywhere put 85 agent sessions on a TP2 engine that holds 23 (2.0x
+    slower on tool-heavy ``tp2x2,tp8x1``). ``least-open``: least-open's engine always;
+    ``pool``: the fewest open trajectories per GPU."""
+    engines = view.healthy()
+    if start == "pool":
+        return least_open(engines, weighted=True)
+    e = least_open(engines)
+    if start == "least-open" or _kv_fits(e, peak_tokens):
+        return e
+    room = [x for x in engines if _kv_fits(x, peak_tokens)]
+    if room:
+        return least_open(room)
+    return min(engines, key=lambda x: ((x.open_sessions + 1) / (x.capacity_tokens or 1),
+                                       x.outstanding_turns))
+
+
 def _within_share(dest: EngineLoad, levels: Levels) -> bool:
     """``dest`` has at most one open trajectory per GPU more than the pool's average: a
     bucket's lower per-token latency pays for a move only while it is not queued deeper than
@@ -133,9 +173,13 @@ class CmlfqRouting:
         history: int = 2000,
         cap: int | None = None,
         balance: bool = True,
+        start: str = "balanced",
     ) -> None:
         self.bounds = _bounds(bounds)
         self.balance = balance
+        self.start = _start(start)
+        #: peak contexts (KV tokens) of recently finished trajectories
+        self.peaks = RecentWindow(window)
         self.window, self.min_obs, self.max_depth = window, min_obs, max_depth
         self.rebuild_every = rebuild_every
         self.rebuild_every_done = rebuild_every_done
@@ -174,7 +218,15 @@ class CmlfqRouting:
         home = home_engine(turn, view)
         st = self._state.get(tr.id)
         if st is None:
-            st = self._state[tr.id] = [0, len(tr.codes)]  # every trajectory starts at level 0
+            st = self._state[tr.id] = [0, len(tr.codes)]
+            if self.start != "level0" and home is None:
+                # nothing is known of it yet: the pool's least-loaded engine (Libra starts
+                # every trajectory in the first bucket, which left the others idle: 0.91x
+                # least-open on dapo-math, where no tool ever returns to move it)
+                peak = max(float(tr.context_tokens), self.peaks.mean)
+                e = _pool_start(view, self.start, peak)
+                st[0] = levels.level_of[e.id]
+                return e.id
         elif home is not None:
             st[0] = levels.level_of[home.id]
         if len(tr.codes) > st[1]:  # a tool returned since the last decision: re-decide
@@ -204,6 +256,7 @@ class CmlfqRouting:
     def on_workflow_done(self, workflow: WorkflowRecord, now: float) -> None:
         tr = self._tracker.finish(workflow)
         self._state.pop(tr.id, None)
+        self.peaks.add(float(tr.context_tokens))
         self._recent.append(tr)
         self._done_since_build += 1
 
@@ -271,8 +324,11 @@ class AdaptiveCmlfqRouting:
         max_dst_pressure: float = 0.9,
         idle_load: float = 0.5,
         same_step: bool = False,
+        start: str = "balanced",
     ) -> None:
         self.bounds = _bounds(bounds)
+        self.start = _start(start)
+        self.peaks = RecentWindow(window)
         self.trees = TreeSet(window, max_depth, min_obs)
         self.min_obs = min_obs
         self.min_dwell_turns = min_dwell_turns
@@ -307,13 +363,14 @@ class AdaptiveCmlfqRouting:
             return total / n - a
         return float(max(a, 1))  # nothing known: as much again as so far
 
-    def _first_level(self, tr: Trajectory, levels: Levels) -> int:
+    def _first_level(self, tr: Trajectory, levels: Levels) -> int | None:
+        """The level its prompt's history names; None when nothing is known."""
         if not self.use_history:
-            return 0
+            return None
         obs = self.trees.prompt_root(tr.prompt_id)
         if obs is None or len(obs) < max(2, self.min_obs // 2):
-            return 0
-        return _agreeing_level(obs, self.bounds, levels.gpus) or 0
+            return None
+        return _agreeing_level(obs, self.bounds, levels.gpus)
 
     def _idle_below(self, levels: Levels) -> float:
         open_n = sum(e.open_sessions for es in levels for e in es)
@@ -395,8 +452,13 @@ class AdaptiveCmlfqRouting:
         here = home_engine(turn, view)
         memo = self._memo.get(tr.id)
         if memo is None:
-            memo = self._memo[tr.id] = _Memo(self._first_level(tr, levels))
-            e = least_open(levels.nearest(memo.level), weighted=True)
+            first = self._first_level(tr, levels)
+            if first is None and self.start != "level0":
+                peak = max(float(tr.context_tokens), self.peaks.mean)
+                e = _pool_start(view, self.start, peak)  # nothing known: least loaded
+            else:
+                e = least_open(levels.nearest(first or 0), weighted=True)
+            memo = self._memo[tr.id] = _Memo(levels.level_of[e.id])
             return self._place(tr, memo, e, levels)
         if here is not None:
             memo.set_level(levels.level_of[here.id])  # levels renumber when the pool changes
@@ -433,6 +495,7 @@ class AdaptiveCmlfqRouting:
             s = self._attained[memo.engine]
             s[0] -= memo.charged
             s[1] -= 1
+        self.peaks.add(float(tr.context_tokens))
         self._staged.add(tr.step, lambda: self._learn(tr))
 
     def _learn(self, tr: Trajectory) -> None:
