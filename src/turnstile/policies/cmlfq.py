@@ -174,9 +174,11 @@ class CmlfqRouting:
         cap: int | None = None,
         balance: bool = True,
         start: str = "balanced",
+        move_back: bool = False,
     ) -> None:
         self.bounds = _bounds(bounds)
         self.balance = balance
+        self.move_back = move_back
         self.start = _start(start)
         #: peak contexts (KV tokens) of recently finished trajectories
         self.peaks = RecentWindow(window)
@@ -234,7 +236,8 @@ class CmlfqRouting:
             obs = self.trees.lookup(tr.prompt_id, tr.codes)
             if obs is not None:
                 target = _agreeing_level(obs, self.bounds, levels.gpus)
-                if target is not None and target != st[0]:
+                if target is not None and (
+                        target > st[0] or (target < st[0] and self.move_back)):
                     st[0] = target
                     self.moves += 1
         level = min(st[0], len(levels) - 1)
