@@ -175,10 +175,13 @@ class CmlfqRouting:
         balance: bool = True,
         start: str = "balanced",
         move_back: bool = False,
+        relieve: bool = True,
     ) -> None:
         self.bounds = _bounds(bounds)
         self.balance = balance
         self.move_back = move_back
+        self.relieve = relieve
+        self.relieved = 0
         self.start = _start(start)
         #: peak contexts (KV tokens) of recently finished trajectories
         self.peaks = RecentWindow(window)
@@ -242,6 +245,15 @@ class CmlfqRouting:
                     self.moves += 1
         level = min(st[0], len(levels) - 1)
         if home is not None and levels.level_of[home.id] == level:
+            if self.relieve and home.kv_pressure > 1.0 and len(tr.codes) > 0:
+                # its engine's KV is over-committed (its sessions' contexts do not fit: they
+                # are evicted and re-prefilled, or preempted): take an engine with room
+                peak = max(float(tr.context_tokens), self.peaks.mean)
+                room = [e for e in view.healthy() if e is not home and _kv_fits(e, peak)
+                        and e.kv_pressure < 1.0]
+                if room:
+                    self.relieved += 1
+                    return least_open(room).id
             return home.id
         dest = least_open(levels.nearest(level), cap=self.cap)
         if self.balance and not _within_share(dest, levels):
@@ -264,7 +276,7 @@ class CmlfqRouting:
         self._done_since_build += 1
 
     def stats(self) -> dict[str, object]:
-        return {"moves": self.moves, "rebuilds": self.rebuilds,
+        return {"moves": self.moves, "relieved": self.relieved, "rebuilds": self.rebuilds,
                 "prompt_trees": len(self.trees.prompt_trees),
                 "global_tree_obs": len(self.trees.global_tree.root.obs)}
 
