@@ -83,13 +83,13 @@ def cells(workloads: list[str], gpus: list[int], seeds: list[int], steps: int,
 
 
 def router(spec: str) -> RoutingPolicy:
-    """``make_router``'s specs, plus ``name@key=value,...`` constructor arguments for ablations
-    (``cmlfq@start=level0``)."""
+    """``make_router``'s specs, plus ``name@key=value@key=value`` constructor arguments for
+    ablations (``cmlfq@start=level0@move_back=true``)."""
     name, _, args = spec.partition("@")
     if not args:
         return make_router(spec)
     kw: dict[str, Any] = {}
-    for part in args.split(","):
+    for part in args.split("@"):
         k, _, v = part.partition("=")
         try:
             kw[k] = json.loads(v)
@@ -163,6 +163,33 @@ def table(results: list[dict[str, Any]], routers: tuple[str, ...]) -> str:
     return "\n".join(lines)
 
 
+def kind(layout: str) -> str:
+    """``planner``, or the TPs of a mix (``tp1x12,tp4x1`` → ``tp1+tp4``)."""
+    if layout == "planner":
+        return "planner"
+    return "+".join(b.split("x")[0] for b in layout.split(","))
+
+
+def summary(results: list[dict[str, Any]], routers: tuple[str, ...]) -> str:
+    """One row per workload and layout kind (every GPU count and seed together): the geometric
+    mean of the makespan ratio, its minimum, and the P95-trajectory ratio's geometric mean."""
+    lines = ["| workload | layout | cells | " + " | ".join(
+        f"{r}: makespan× (min) · P95×" for r in routers) + " |",
+             "|---|---|---|" + "---|" * len(routers)]
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for res in results:
+        c = res["cell"]
+        groups.setdefault((c["workload"], kind(c["layout"])), []).append(res)
+    for (w, k), rs in groups.items():
+        cols = []
+        for r in routers:
+            mk = [x["routers"][r]["makespan_ratio"] for x in rs]
+            p95 = [x["routers"][r]["p95_ratio"] for x in rs]
+            cols.append(f"{_gmean(mk):.2f} ({min(mk):.2f}) · {_gmean(p95):.2f}")
+        lines.append(f"| {w} | {k} | {len(rs)} | " + " | ".join(cols) + " |")
+    return "\n".join(lines)
+
+
 def _gmean(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
@@ -195,21 +222,28 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {c.key}: worst makespan× {worst:.3f}", file=sys.stderr)
     print("Rollout sweep (simulated; ratio = least-open / router, >1 = router faster; "
           "geometric mean over seeds, min in brackets)\n")
-    print(table(results, routers))
+    full = table(results, routers)
+    short = summary(results, routers)
+    print(short)
     print()
+    tail = []
     for r in routers:
         worst = min(results, key=lambda x: x["routers"][r]["makespan_ratio"])
         c = worst["cell"]
         allr = [x["routers"][r]["makespan_ratio"] for x in results]
-        print(f"{r}: makespan× geomean {_gmean(allr):.3f}, min {min(allr):.3f} at "
-              f"{c['workload']} {c['gpus']} GPUs {c['layout']} seed {c['seed']}; "
-              f"cells < 0.99: {sum(x < 0.99 for x in allr)}/{len(allr)}")
+        tail.append(f"{r}: makespan× geomean {_gmean(allr):.3f}, min {min(allr):.3f} at "
+                    f"{c['workload']} {c['gpus']} GPUs {c['layout']} seed {c['seed']}; "
+                    f"cells < 0.99: {sum(x < 0.99 for x in allr)}/{len(allr)}")
+        print(tail[-1])
     print(f"\nwall {time.perf_counter() - t0:.0f} s")
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
         doc = {"kind": "rollout-sweep", "simulated": True, "base": BASE,
                "routers": list(routers), "cells": results}
         (a.out / "rollout_sweep.json").write_text(json.dumps(doc, indent=1) + "\n")
+        (a.out / "rollout_sweep.md").write_text(
+            "Rollout sweep (simulated; ratio = least-open / router)\n\n" + short + "\n\n"
+            + "\n".join(tail) + "\n\nPer cell (geometric mean over seeds):\n\n" + full + "\n")
     return 0
 
 

@@ -5,13 +5,17 @@ few large engines, lowest per-token latency). Remaining output tokens map to a l
 :class:`~turnstile.policies.estimators.LevelBounds` (learned: each level takes the share of the
 decode work its share of the GPUs can take).
 
-* ``cmlfq`` — as Libra does it (NetX-lab/Libra, read, not copied): every trajectory starts in
-  the shortest bucket; a move is decided only when a tool returns; the returns so far, as
+* ``cmlfq`` — Libra's C-MLFQ (NetX-lab/Libra, read, not copied), made never slower than
+  least-open: a trajectory nothing is known of starts where least-open would put it (unless
+  that engine's KV cannot hold it; Libra starts every trajectory in the shortest bucket:
+  ``start="level0"``); a move is decided only when a tool returns; the returns so far, as
   ``tool_type:size_class:status`` codes, walk a prefix tree (per prompt, and a global one) whose
   nodes hold the mean and p90 of the remaining output tokens of recent trajectories (window 200);
   the trajectory moves only when mean and p90 map to the same bucket; the trees are rebuilt every
   ``rebuild_every`` RL steps from the recent finished trajectories; least connections with a
-  per-instance cap inside a bucket (``cap``; off by default).
+  per-instance cap inside a bucket (``cap``; off by default). It moves only towards larger
+  engines (``move_back=True``: both ways, as Libra), and off an engine whose KV is
+  over-committed (``relieve``). ``cmlfq:libra`` in ``rollout sim`` is Libra's rules.
 * ``cmlfq-adaptive`` — turnstile's variant: also demotes by attained tokens, keeps a prompt's
   history for the first placement, holds a move for ``min_dwell_turns`` (no bouncing), moves only
   when the move pays for its re-prefill, moves over-committed or aged trajectories, and fills
@@ -31,8 +35,12 @@ from turnstile.policies.trajectory import (
     Levels,
     Trajectory,
     TrajectoryTracker,
+    check_start,
     home_engine,
+    kv_fits,
     least_open,
+    start_engine,
+    within_share,
 )
 
 __all__ = ["AdaptiveCmlfqRouting", "CmlfqRouting", "TreeSet"]
@@ -92,56 +100,6 @@ def _agreeing_level(obs: RecentWindow, bounds: LevelBounds, gpus: tuple[int, ...
     return lm if lm == bounds.level(obs.p90, gpus) else None
 
 
-_STARTS = ("balanced", "least-open", "pool", "level0")
-
-
-def _start(start: str) -> str:
-    if start not in _STARTS:
-        raise ValueError(f"start must be one of {', '.join(_STARTS)}; got {start!r}")
-    return start
-
-
-def _kv_fits(e: EngineLoad, peak_tokens: float) -> bool:
-    """``e`` holds its open trajectories and one more at ``peak_tokens`` of KV each (engines of
-    unknown capacity always do)."""
-    return not e.capacity_tokens or (e.open_sessions + 1) * peak_tokens <= e.capacity_tokens
-
-
-def _pool_start(view: ClusterView, start: str, peak_tokens: float) -> EngineLoad:
-    """Where a trajectory nothing is known of starts.
-
-    ``balanced`` (the default): least-open's engine (fewest open trajectories: Libra's
-    control), among the engines whose KV holds one more trajectory at ``peak_tokens`` (the
-    workload's recent mean peak context, or this trajectory's prompt before any finished);
-    when none does, the one with the fewest open trajectories per KV token. Measured
-    (simulated): per-GPU balancing everywhere lost up to 10% to least-open on dapo-math, where
-    nothing is KV-bound and the batch's end is one long generation on whichever engine drew it;
-    per-engine balancing everywhere put 85 agent sessions on a TP2 engine that holds 23 (2.0x
-    slower on tool-heavy ``tp2x2,tp8x1``). ``least-open``: least-open's engine always;
-    ``pool``: the fewest open trajectories per GPU."""
-    engines = view.healthy()
-    if start == "pool":
-        return least_open(engines, weighted=True)
-    e = least_open(engines)
-    if start == "least-open" or _kv_fits(e, peak_tokens):
-        return e
-    room = [x for x in engines if _kv_fits(x, peak_tokens)]
-    if room:
-        return least_open(room)
-    return min(engines, key=lambda x: ((x.open_sessions + 1) / (x.capacity_tokens or 1),
-                                       x.outstanding_turns))
-
-
-def _within_share(dest: EngineLoad, levels: Levels) -> bool:
-    """``dest`` has at most one open trajectory per GPU more than the pool's average: a
-    bucket's lower per-token latency pays for a move only while it is not queued deeper than
-    the rest of the pool."""
-    engines = [e for es in levels for e in es]
-    gpus = sum(e.tp for e in engines)
-    mean = sum(e.open_sessions for e in engines) / max(1, gpus)
-    return dest.open_sessions / dest.tp <= mean + 1.0
-
-
 @ROUTING.register("cmlfq")
 class CmlfqRouting:
     """Libra's C-MLFQ (see the module docstring).
@@ -156,7 +114,17 @@ class CmlfqRouting:
     a move into a bucket whose least-loaded engine holds more than one open trajectory per
     GPU above the pool's average is not made (the trajectory stays on the engine holding its
     KV, or takes the least-loaded engine per GPU) — Libra moves regardless, which piles long
-    trajectories onto a small bucket (``balance=False`` restores it).
+    trajectories onto a small bucket (``balance=False`` restores it); ``start``: where a
+    trajectory nothing is known of starts (``balanced``, ``least-open``, ``pool``, or Libra's
+    ``level0``: :func:`~turnstile.policies.trajectory.start_engine`); ``move_back``: a tree
+    prediction may also move a trajectory to a smaller-TP bucket (off: the move re-prefills
+    its context and makes nothing finish sooner; measured 0.96-0.98x least-open on search-r1
+    with least-open's starts);
+    ``relieve``: at a tool return, a trajectory whose engine's KV demand exceeds its capacity
+    takes least-open's engine among those with room (it never fires where nothing is KV-bound).
+
+    Everything relative is the workload's own: the KV room test uses the recent mean peak
+    context of finished trajectories (before any finished, the trajectory's prompt).
     """
 
     name: ClassVar[str] = "cmlfq"
@@ -182,7 +150,7 @@ class CmlfqRouting:
         self.move_back = move_back
         self.relieve = relieve
         self.relieved = 0
-        self.start = _start(start)
+        self.start = check_start(start)
         #: peak contexts (KV tokens) of recently finished trajectories
         self.peaks = RecentWindow(window)
         self.window, self.min_obs, self.max_depth = window, min_obs, max_depth
@@ -229,7 +197,7 @@ class CmlfqRouting:
                 # every trajectory in the first bucket, which left the others idle: 0.91x
                 # least-open on dapo-math, where no tool ever returns to move it)
                 peak = max(float(tr.context_tokens), self.peaks.mean)
-                e = _pool_start(view, self.start, peak)
+                e = start_engine(view, self.start, peak)
                 st[0] = levels.level_of[e.id]
                 return e.id
         elif home is not None:
@@ -249,14 +217,14 @@ class CmlfqRouting:
                 # its engine's KV is over-committed (its sessions' contexts do not fit: they
                 # are evicted and re-prefilled, or preempted): take an engine with room
                 peak = max(float(tr.context_tokens), self.peaks.mean)
-                room = [e for e in view.healthy() if e is not home and _kv_fits(e, peak)
+                room = [e for e in view.healthy() if e is not home and kv_fits(e, peak)
                         and e.kv_pressure < 1.0]
                 if room:
                     self.relieved += 1
                     return least_open(room).id
             return home.id
         dest = least_open(levels.nearest(level), cap=self.cap)
-        if self.balance and not _within_share(dest, levels):
+        if self.balance and not within_share(dest, levels):
             # the bucket is oversubscribed: placing the trajectory there would queue it behind
             # more open trajectories per GPU than the pool has on average (measured: with the
             # planner's TP1×10 + TP2×1 mix every long trajectory piled onto the one TP2 engine,
@@ -342,7 +310,7 @@ class AdaptiveCmlfqRouting:
         start: str = "balanced",
     ) -> None:
         self.bounds = _bounds(bounds)
-        self.start = _start(start)
+        self.start = check_start(start)
         self.peaks = RecentWindow(window)
         self.trees = TreeSet(window, max_depth, min_obs)
         self.min_obs = min_obs
@@ -470,7 +438,7 @@ class AdaptiveCmlfqRouting:
             first = self._first_level(tr, levels)
             if first is None and self.start != "level0":
                 peak = max(float(tr.context_tokens), self.peaks.mean)
-                e = _pool_start(view, self.start, peak)  # nothing known: least loaded
+                e = start_engine(view, self.start, peak)  # nothing known: least loaded
             else:
                 e = least_open(levels.nearest(first or 0), weighted=True)
             memo = self._memo[tr.id] = _Memo(levels.level_of[e.id])
