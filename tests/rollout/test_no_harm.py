@@ -79,3 +79,17 @@ def test_no_move_back_to_a_smaller_bucket_by_default() -> None:
         starts = [d.start(trajectory(f"t{i}", [50, 10], [("Bash", "ok")])) for i in range(3)]
         assert starts == ["a0", "a1", "b0"]
         assert d.step(trajectory("t2", [50, 10], [("Bash", "ok")])) == want
+
+
+def test_relieve_moves_a_trajectory_off_an_engine_whose_kv_is_over_committed() -> None:
+    """After its first turn the trajectory on a0 holds 2,100 tokens of context on an engine
+    with 1,000: at its tool return it takes an engine with room (b0), unless ``relieve`` is
+    off; a trajectory whose engine has room stays."""
+    for relieve, want in ((True, "b0"), (False, "a0")):
+        d = Driver(CmlfqRouting(relieve=relieve), _engines(1_000))
+        big = trajectory("big", [2_000, 10], [("Bash", "ok")])
+        small = trajectory("small", [50, 10], [("Bash", "ok")])
+        assert d.start(big) == "a0" and d.start(small) == "a1"
+        assert d.step(big) == want
+        assert d.step(small) == "a1"
+    assert d.routing.relieved == 0
