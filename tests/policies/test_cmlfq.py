@@ -26,6 +26,8 @@ def history(d: Driver, n: int, status: ToolStatus, remaining: int, *, step: int 
 
 
 def libra(**kw: object) -> CmlfqRouting:
+    """Libra's rules: every trajectory starts in the first bucket (``start="level0"``)."""
+    kw.setdefault("start", "level0")
     return CmlfqRouting(bounds=LevelBounds(bounds=(5000,)), min_obs=4, rebuild_every=1, **kw)
 
 
@@ -77,7 +79,8 @@ def test_no_move_when_mean_and_p90_disagree() -> None:
 
 
 def test_trees_are_rebuilt_every_few_steps() -> None:
-    d = Driver(CmlfqRouting(bounds=LevelBounds(bounds=(5000,)), min_obs=4, rebuild_every=2))
+    d = Driver(CmlfqRouting(bounds=LevelBounds(bounds=(5000,)), min_obs=4, rebuild_every=2,
+                            start="level0"))
     d.run(trajectory("t2", [50], [], step=2))  # step 2: a rebuild (from nothing)
     history(d, 8, "error", 20_000, step=2)
     t3 = trajectory("t3", [50, 100], [("Bash", "error")], step=3)

@@ -60,11 +60,12 @@ def test_live_batch_through_the_gateway_and_two_real_engines(
     tmp_path: Path, llama_server_binary: Path
 ) -> None:
     # small bounds so that C-MLFQ moves for real within a few short turns: the trees learn from
-    # step 0 and move step 1's trajectories after their tool returns. Libra's rule (no balance
-    # guard, which would spread 8 starts over both engines)
+    # step 0 and move step 1's trajectories after their tool returns. Libra's rules (starts in
+    # the first bucket, moves both ways, no balance guard: the default would spread 8 starts
+    # over both engines)
     cfg = LiveConfig(trajectories=8, max_turns=4, max_tokens=16, steps=3, seed=1,
                      routing_params={"bounds": [12.0], "min_obs": 2, "rebuild_every_done": 4,
-                                     "balance": False})
+                                     "balance": False, "start": "level0", "move_back": True})
     t0 = time.perf_counter()
     result = run_live(cfg)
     assert time.perf_counter() - t0 < 90

@@ -104,3 +104,23 @@ def test_adaptive_cmlfq_moves_long_trajectories_to_the_fast_bucket() -> None:
     last = {wf.id: wf.turns[-1].engine for wf in cluster.sim.finished}
     assert last["L0"] == last["L1"] == "e2"  # the TP4 engine
     assert router.moves >= 2
+
+
+@pytest.mark.parametrize("dt", [0.37, 5.1])
+def test_run_until_in_slices_with_a_stop_matches_one_run(dt: float) -> None:
+    """Stopping a run at t (with a stop condition that never holds) and going on records the
+    engines' planned leaps up to t: the batch ends as in one uninterrupted run. (A leap cut at
+    the last event before t ended before the clock moved on to t, and its step end was due in
+    the past: 'event scheduled in the past', in the elastic loop's run_until(train_end, stop).)"""
+    from turnstile.rollout.libra_workloads import make_workload
+
+    batch = make_workload("r2e-gym", n_prompts=4, group_size=4, seed=1).batch(0)
+    whole, _, _ = simulate_batch(batch, parse_mix("tp1x2,tp4x1"), "cmlfq")
+    cluster = RolloutCluster(parse_mix("tp1x2,tp4x1"), "cmlfq")
+    res = cluster.add_batch(batch, 0.0)
+    t = 0.0
+    while res.done < res.n and t < 10 * whole.makespan_s:
+        t += dt
+        cluster.run_until(t, stop=lambda: False)
+    assert res.done == res.n
+    assert res.makespan_s == pytest.approx(whole.makespan_s, rel=1e-9)

@@ -5,13 +5,17 @@ few large engines, lowest per-token latency). Remaining output tokens map to a l
 :class:`~turnstile.policies.estimators.LevelBounds` (learned: each level takes the share of the
 decode work its share of the GPUs can take).
 
-* ``cmlfq`` — as Libra does it (NetX-lab/Libra, read, not copied): every trajectory starts in
-  the shortest bucket; a move is decided only when a tool returns; the returns so far, as
+* ``cmlfq`` — Libra's C-MLFQ (NetX-lab/Libra, read, not copied), made never slower than
+  least-open: a trajectory nothing is known of starts where least-open would put it (unless
+  that engine's KV cannot hold it; Libra starts every trajectory in the shortest bucket:
+  ``start="level0"``); a move is decided only when a tool returns; the returns so far, as
   ``tool_type:size_class:status`` codes, walk a prefix tree (per prompt, and a global one) whose
   nodes hold the mean and p90 of the remaining output tokens of recent trajectories (window 200);
   the trajectory moves only when mean and p90 map to the same bucket; the trees are rebuilt every
   ``rebuild_every`` RL steps from the recent finished trajectories; least connections with a
-  per-instance cap inside a bucket (``cap``; off by default).
+  per-instance cap inside a bucket (``cap``; off by default). It moves only towards larger
+  engines (``move_back=True``: both ways, as Libra), and off an engine whose KV is
+  over-committed (``relieve``). ``cmlfq:libra`` in ``rollout sim`` is Libra's rules.
 * ``cmlfq-adaptive`` — turnstile's variant: also demotes by attained tokens, keeps a prompt's
   history for the first placement, holds a move for ``min_dwell_turns`` (no bouncing), moves only
   when the move pays for its re-prefill, moves over-committed or aged trajectories, and fills
@@ -31,8 +35,12 @@ from turnstile.policies.trajectory import (
     Levels,
     Trajectory,
     TrajectoryTracker,
+    check_start,
     home_engine,
+    kv_fits,
     least_open,
+    start_engine,
+    within_share,
 )
 
 __all__ = ["AdaptiveCmlfqRouting", "CmlfqRouting", "TreeSet"]
@@ -92,16 +100,6 @@ def _agreeing_level(obs: RecentWindow, bounds: LevelBounds, gpus: tuple[int, ...
     return lm if lm == bounds.level(obs.p90, gpus) else None
 
 
-def _within_share(dest: EngineLoad, levels: Levels) -> bool:
-    """``dest`` has at most one open trajectory per GPU more than the pool's average: a
-    bucket's lower per-token latency pays for a move only while it is not queued deeper than
-    the rest of the pool."""
-    engines = [e for es in levels for e in es]
-    gpus = sum(e.tp for e in engines)
-    mean = sum(e.open_sessions for e in engines) / max(1, gpus)
-    return dest.open_sessions / dest.tp <= mean + 1.0
-
-
 @ROUTING.register("cmlfq")
 class CmlfqRouting:
     """Libra's C-MLFQ (see the module docstring).
@@ -116,7 +114,17 @@ class CmlfqRouting:
     a move into a bucket whose least-loaded engine holds more than one open trajectory per
     GPU above the pool's average is not made (the trajectory stays on the engine holding its
     KV, or takes the least-loaded engine per GPU) — Libra moves regardless, which piles long
-    trajectories onto a small bucket (``balance=False`` restores it).
+    trajectories onto a small bucket (``balance=False`` restores it); ``start``: where a
+    trajectory nothing is known of starts (``balanced``, ``least-open``, ``pool``, or Libra's
+    ``level0``: :func:`~turnstile.policies.trajectory.start_engine`); ``move_back``: a tree
+    prediction may also move a trajectory to a smaller-TP bucket (off: the move re-prefills
+    its context and makes nothing finish sooner; measured 0.96-0.98x least-open on search-r1
+    with least-open's starts);
+    ``relieve``: at a tool return, a trajectory whose engine's KV demand exceeds its capacity
+    takes least-open's engine among those with room (it never fires where nothing is KV-bound).
+
+    Everything relative is the workload's own: the KV room test uses the recent mean peak
+    context of finished trajectories (before any finished, the trajectory's prompt).
     """
 
     name: ClassVar[str] = "cmlfq"
@@ -133,9 +141,18 @@ class CmlfqRouting:
         history: int = 2000,
         cap: int | None = None,
         balance: bool = True,
+        start: str = "balanced",
+        move_back: bool = False,
+        relieve: bool = True,
     ) -> None:
         self.bounds = _bounds(bounds)
         self.balance = balance
+        self.move_back = move_back
+        self.relieve = relieve
+        self.relieved = 0
+        self.start = check_start(start)
+        #: peak contexts (KV tokens) of recently finished trajectories
+        self.peaks = RecentWindow(window)
         self.window, self.min_obs, self.max_depth = window, min_obs, max_depth
         self.rebuild_every = rebuild_every
         self.rebuild_every_done = rebuild_every_done
@@ -174,7 +191,15 @@ class CmlfqRouting:
         home = home_engine(turn, view)
         st = self._state.get(tr.id)
         if st is None:
-            st = self._state[tr.id] = [0, len(tr.codes)]  # every trajectory starts at level 0
+            st = self._state[tr.id] = [0, len(tr.codes)]
+            if self.start != "level0" and home is None:
+                # nothing is known of it yet: the pool's least-loaded engine (Libra starts
+                # every trajectory in the first bucket, which left the others idle: 0.91x
+                # least-open on dapo-math, where no tool ever returns to move it)
+                peak = max(float(tr.context_tokens), self.peaks.mean)
+                e = start_engine(view, self.start, peak)
+                st[0] = levels.level_of[e.id]
+                return e.id
         elif home is not None:
             st[0] = levels.level_of[home.id]
         if len(tr.codes) > st[1]:  # a tool returned since the last decision: re-decide
@@ -182,14 +207,24 @@ class CmlfqRouting:
             obs = self.trees.lookup(tr.prompt_id, tr.codes)
             if obs is not None:
                 target = _agreeing_level(obs, self.bounds, levels.gpus)
-                if target is not None and target != st[0]:
+                if target is not None and (
+                        target > st[0] or (target < st[0] and self.move_back)):
                     st[0] = target
                     self.moves += 1
         level = min(st[0], len(levels) - 1)
         if home is not None and levels.level_of[home.id] == level:
+            if self.relieve and home.kv_pressure > 1.0 and len(tr.codes) > 0:
+                # its engine's KV is over-committed (its sessions' contexts do not fit: they
+                # are evicted and re-prefilled, or preempted): take an engine with room
+                peak = max(float(tr.context_tokens), self.peaks.mean)
+                room = [e for e in view.healthy() if e is not home and kv_fits(e, peak)
+                        and e.kv_pressure < 1.0]
+                if room:
+                    self.relieved += 1
+                    return least_open(room).id
             return home.id
         dest = least_open(levels.nearest(level), cap=self.cap)
-        if self.balance and not _within_share(dest, levels):
+        if self.balance and not within_share(dest, levels):
             # the bucket is oversubscribed: placing the trajectory there would queue it behind
             # more open trajectories per GPU than the pool has on average (measured: with the
             # planner's TP1×10 + TP2×1 mix every long trajectory piled onto the one TP2 engine,
@@ -204,11 +239,12 @@ class CmlfqRouting:
     def on_workflow_done(self, workflow: WorkflowRecord, now: float) -> None:
         tr = self._tracker.finish(workflow)
         self._state.pop(tr.id, None)
+        self.peaks.add(float(tr.context_tokens))
         self._recent.append(tr)
         self._done_since_build += 1
 
     def stats(self) -> dict[str, object]:
-        return {"moves": self.moves, "rebuilds": self.rebuilds,
+        return {"moves": self.moves, "relieved": self.relieved, "rebuilds": self.rebuilds,
                 "prompt_trees": len(self.trees.prompt_trees),
                 "global_tree_obs": len(self.trees.global_tree.root.obs)}
 
@@ -271,8 +307,11 @@ class AdaptiveCmlfqRouting:
         max_dst_pressure: float = 0.9,
         idle_load: float = 0.5,
         same_step: bool = False,
+        start: str = "balanced",
     ) -> None:
         self.bounds = _bounds(bounds)
+        self.start = check_start(start)
+        self.peaks = RecentWindow(window)
         self.trees = TreeSet(window, max_depth, min_obs)
         self.min_obs = min_obs
         self.min_dwell_turns = min_dwell_turns
@@ -307,13 +346,14 @@ class AdaptiveCmlfqRouting:
             return total / n - a
         return float(max(a, 1))  # nothing known: as much again as so far
 
-    def _first_level(self, tr: Trajectory, levels: Levels) -> int:
+    def _first_level(self, tr: Trajectory, levels: Levels) -> int | None:
+        """The level its prompt's history names; None when nothing is known."""
         if not self.use_history:
-            return 0
+            return None
         obs = self.trees.prompt_root(tr.prompt_id)
         if obs is None or len(obs) < max(2, self.min_obs // 2):
-            return 0
-        return _agreeing_level(obs, self.bounds, levels.gpus) or 0
+            return None
+        return _agreeing_level(obs, self.bounds, levels.gpus)
 
     def _idle_below(self, levels: Levels) -> float:
         open_n = sum(e.open_sessions for es in levels for e in es)
@@ -395,8 +435,13 @@ class AdaptiveCmlfqRouting:
         here = home_engine(turn, view)
         memo = self._memo.get(tr.id)
         if memo is None:
-            memo = self._memo[tr.id] = _Memo(self._first_level(tr, levels))
-            e = least_open(levels.nearest(memo.level), weighted=True)
+            first = self._first_level(tr, levels)
+            if first is None and self.start != "level0":
+                peak = max(float(tr.context_tokens), self.peaks.mean)
+                e = start_engine(view, self.start, peak)  # nothing known: least loaded
+            else:
+                e = least_open(levels.nearest(first or 0), weighted=True)
+            memo = self._memo[tr.id] = _Memo(levels.level_of[e.id])
             return self._place(tr, memo, e, levels)
         if here is not None:
             memo.set_level(levels.level_of[here.id])  # levels renumber when the pool changes
@@ -433,6 +478,7 @@ class AdaptiveCmlfqRouting:
             s = self._attained[memo.engine]
             s[0] -= memo.charged
             s[1] -= 1
+        self.peaks.add(float(tr.context_tokens))
         self._staged.add(tr.step, lambda: self._learn(tr))
 
     def _learn(self, tr: Trajectory) -> None:

@@ -29,7 +29,8 @@ MAX_GPUS = 1024
 _OPTIONS: dict[tuple[str, str], dict[str, object]] = {
     ("least-open", "nosticky"): {"sticky": False},
     ("least-open", "pergpu"): {"weighted": True},
-    ("cmlfq", "libra"): {"balance": False},  # Libra's rule: moves whatever the load
+    # Libra's rules: starts in the first bucket, moves both ways whatever the load
+    ("cmlfq", "libra"): {"balance": False, "start": "level0", "move_back": True},
     ("cmlfq-adaptive", "notree"): {"use_tree": False},
     ("cmlfq-adaptive", "nohistory"): {"use_history": False},
     ("cmlfq-adaptive", "nocost"): {"cost_aware": False},

@@ -183,16 +183,21 @@ class EventLoop:
         if self._due is not None:  # stopped before it: back into the heap for the next call
             q.push(self._due_t, STEP_END, self._due)
             self._due = None
+        # the clock moves on to t_s when nothing is due before it (and stop() did not hold)
+        end = t_s if t_s != math.inf and now < t_s and (stop is None or not stop()) else now
         if t_s != math.inf or stop is not None:
             # stopped early: the caller may read the engines, so planned leaps are recorded up
-            # to the clock (the engines continue exactly from there on the next call)
+            # to the clock (the engines continue exactly from there on the next call). Up to
+            # ``end``, not the last event: a leap cut at the last event would end before the
+            # clock moved on, its step end then due in the past (a rollout step's
+            # run_until(train_end, stop) raised "event scheduled in the past")
             for e in self._recs:
                 if e.model.lazy_out is not None:
-                    self._settle(e, now)
-        self.now = now
-        if t_s != math.inf and now < t_s and (stop is None or not stop()):
-            self.now = now = q.clock.t = t_s
-        return now
+                    self._settle(e, end)
+        if end != now:
+            q.clock.t = end
+        self.now = end
+        return end
 
     # ------------------------------------------------------------- event handlers
     def _on_step_end(self, now: float, payload: StepEnd) -> None:
