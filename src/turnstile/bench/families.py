@@ -141,6 +141,23 @@ def _load(path: str, subset: str | None) -> tuple[tuple[Workflow, ...], str, int
     return tuple(t.workflows), t.name, t.hash_block_tokens
 
 
+def _resample(pool: list[Workflow], n: int, seed: list[int]) -> list[Workflow]:
+    """``n`` sessions drawn from ``pool`` (a permutation; with replacement when ``n`` is
+    larger, repeats renamed ``id#k``), arrivals at 0."""
+    rng = np.random.default_rng(seed)
+    pick = rng.permutation(len(pool))[:n] if n <= len(pool) else \
+        rng.integers(0, len(pool), size=n)
+    chosen = []
+    seen: dict[int, int] = {}
+    for i in pick.tolist():
+        r = seen.get(i, 0)
+        seen[i] = r + 1
+        w = pool[i]
+        chosen.append(Workflow(w.id if r == 0 else f"{w.id}#{r}", 0.0, w.turns, w.tenant,
+                               w.meta))
+    return chosen
+
+
 def _trace(rel: str, subset: str | None = None, *, root: str = "traces",
            multi_turn_only: bool = False) -> Callable[[int, int], tuple[list[Workflow], dict]]:
     def build(n: int, seed: int) -> tuple[list[Workflow], dict[str, Any]]:
@@ -157,17 +174,7 @@ def _trace(rel: str, subset: str | None = None, *, root: str = "traces",
             raise FileNotFoundError(f"{path} not found")
         wfs, name, block = _load(str(path), subset)
         pool = [w for w in wfs if len(w.turns) > 1] if multi_turn_only else list(wfs)
-        rng = np.random.default_rng([seed, 11])
-        pick = rng.permutation(len(pool))[:n] if n <= len(pool) else \
-            rng.integers(0, len(pool), size=n)
-        chosen = []
-        seen: dict[int, int] = {}
-        for i in pick.tolist():
-            r = seen.get(i, 0)
-            seen[i] = r + 1
-            w = pool[i]
-            chosen.append(Workflow(w.id if r == 0 else f"{w.id}#{r}", 0.0, w.turns,
-                                   w.tenant, w.meta))
+        chosen = _resample(pool, n, [seed, 11])
         return chosen, {"name": name, "path": str(path), "hash_block_tokens": block,
                         "pool": len(pool), "resampled": n > len(pool)}
     return build
@@ -187,17 +194,7 @@ def _swe_logs(n: int, seed: int) -> tuple[list[Workflow], dict[str, Any]]:
     """SWE-bench-like mini-swe-agent logs (:mod:`turnstile.bench.agent_logs`), written and
     read back by the importer: a pool of 200 sessions, resampled."""
     wfs, name, block = _swe_pool(200, 0)
-    rng = np.random.default_rng([seed, 13])
-    pick = rng.permutation(len(wfs))[:n] if n <= len(wfs) else \
-        rng.integers(0, len(wfs), size=n)
-    seen: dict[int, int] = {}
-    chosen = []
-    for i in pick.tolist():
-        r = seen.get(i, 0)
-        seen[i] = r + 1
-        w = wfs[i]
-        chosen.append(Workflow(w.id if r == 0 else f"{w.id}#{r}", 0.0, w.turns, w.tenant,
-                               w.meta))
+    chosen = _resample(list(wfs), n, [seed, 13])
     return chosen, {"name": name, "path": "generated (bench.agent_logs, seed 0)",
                     "hash_block_tokens": block, "pool": len(wfs), "resampled": n > len(wfs)}
 
