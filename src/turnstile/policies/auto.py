@@ -23,11 +23,13 @@ hold limits (600 s; 3,600 s at the gate) were fixed numbers unrelated to the wor
    prompt: summing whole contexts held new sessions at 2% contention). **The gate holds only
    on evidence** (``evidence_gate``): within a hold bound of the last time evictions cost the
    sessions more than ``evict_share`` (10%) of their context over the last ``evict_window``
-   (64) counted turns (counted as in rule 3). Where nothing is evicted, nothing is protected:
-   a hold only moves first turns into the TTFT tail (measured before this rule, 2026-12-07:
-   TTFT P95 0.79–0.89x eager in 4 of 21 quick-suite cells at light load, with sessions' turns
-   staying where their KV is; with it, no quick-suite cell below 1.00x and the contended
-   cells' gains kept, simulated). 10%: the tune half's syn-tools-heavy keeps a 5% TTFT
+   (64) counted turns (counted as in rule 3) — or while every engine would queue the turn
+   anyway (it waits here instead of in an engine's queue, where a later new workflow that
+   fits may pass it). Where nothing is evicted and an engine would start the turn, nothing is
+   protected and no wait saved: a hold only moves first turns into the TTFT tail (measured
+   before this rule, 2026-12-07: TTFT P95 0.79–0.89x eager in 4 of 21 quick-suite cells at
+   light load, with sessions' turns staying where their KV is; with it, none of the 156 full
+   suite cells below 0.89x, simulated). 10%: the tune half's syn-tools-heavy keeps a 5% TTFT
    margin there, 5% left it at 0.93x; 15% gave away part of the AgentCgroup fit's gain.
 3. **The gate shrinks only on evictions.** cvar adapts ``kv_fill`` on every context token the
    prefix cache missed. Many misses are not evictions — a session moved to another engine, a
@@ -363,7 +365,8 @@ class AutoRelease(CvarRelease):
             started = turn.workflow.id in self._active  # a DAG's second root
             fits = (started or self.idle_with_free_slot(view, now)
                     or (self.evidence_gate
-                        and now - self._evicted_at > self.hold_bound_s(now))
+                        and now - self._evicted_at > self.hold_bound_s(now)
+                        and not math.isinf(self.evict_cost_s(turn, view)))
                     or (self._fits_gate(turn, view) and self.has_room(turn, view)))
             if fits:
                 yield self._take(seq, turn, now)
