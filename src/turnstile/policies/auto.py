@@ -14,7 +14,7 @@ hold limits (600 s; 3,600 s at the gate) were fixed numbers unrelated to the wor
 2. **New workflows pass the KV gate** (cvar's rule 5): admitted, oldest first, while some
    engine's KV demand — released work plus the contexts of the sessions paused in tool calls —
    leaves room for the prompt within ``kv_fill`` x its capacity, and, at full capacity, for the
-   prompt and expected output without evicting a paused session (:meth:`has_room`); or when an
+   prompt and expected output without evicting a paused session (:meth:`evict_cost_s` 0); or when an
    engine is idle with a free slot. The KV a hold protects is named: the paused sessions'
    contexts plus the headroom ``(1 - kv_fill)`` x capacity their growth needs. A later new
    workflow that fits may pass one that does not (no stall behind one large prompt).
@@ -292,10 +292,6 @@ class AutoRelease(CvarRelease):
             best = min(best, evicted * e.prefill_s_per_token)
         return best
 
-    def has_room(self, turn: TurnRecord, view: ClusterView) -> bool:
-        """Some engine would start ``turn`` now without evicting a paused session."""
-        return self.evict_cost_s(turn, view) == 0.0
-
     def _watch_overflow(self, view: ClusterView, now: float) -> None:
         for e in view.values():
             cap = e.capacity_tokens
@@ -363,11 +359,12 @@ class AutoRelease(CvarRelease):
             if not self._valid(seq, turn):
                 continue
             started = turn.workflow.id in self._active  # a DAG's second root
-            fits = (started or self.idle_with_free_slot(view, now)
-                    or (self.evidence_gate
-                        and now - self._evicted_at > self.hold_bound_s(now)
-                        and not math.isinf(self.evict_cost_s(turn, view)))
-                    or (self._fits_gate(turn, view) and self.has_room(turn, view)))
+            fits = started or self.idle_with_free_slot(view, now)
+            if not fits:
+                cost = self.evict_cost_s(turn, view)  # 0: room; inf: every engine queues it
+                fits = ((self.evidence_gate and now - self._evicted_at > self.hold_bound_s(now)
+                         and not math.isinf(cost))
+                        or (cost == 0.0 and self._fits_gate(turn, view)))
             if fits:
                 yield self._take(seq, turn, now)
             else:
