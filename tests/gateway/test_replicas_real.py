@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -108,22 +109,26 @@ def test_replicas_agree_on_derived_sessions_and_their_engines(cluster: dict[str,
 
 
 # Seen once in a fresh-clone CI run on a loaded 2-core host (2026-12-07): a retried request
-# answered 409 "already in progress" by the replica it was retried on; not reproduced alone
-# (3 of 3 passed). Each attempt asserts the whole contract; the race is an open item.
+# answered 409. The cause: a non-streamed answer was marked done in Redis before it went out,
+# with no answer kept, so a turn finishing as its replica was killed left its retry a 409 on
+# every replica (fixed: the answer is kept first; tests/gateway/test_replica_retries.py). The
+# reruns stay for the engines' timing on a loaded host; each attempt has its own request ids
+# and replica names, so an attempt never sees an earlier one's turns in the shared Redis.
 @pytest.mark.flaky(reruns=2)
 def test_killed_replica_loses_no_turn_and_serves_none_twice(cluster: dict[str, Any]) -> None:
-    gws = _replicas(cluster, "kill", 3, "fcfs-workflow+least-loaded",
+    tag = uuid.uuid4().hex[:6]
+    gws = _replicas(cluster, f"kill{tag}", 3, "fcfs-workflow+least-loaded",
                     release={"max_inflight_per_engine": 1})
     try:
         n = 8
-        answers: dict[str, list[tuple[int, str]]] = {f"job-{i}": [] for i in range(n)}
+        answers: dict[str, list[tuple[int, str]]] = {f"job-{tag}-{i}": [] for i in range(n)}
         retried: list[str] = []
 
         def client(i: int) -> None:
-            rid = f"job-{i}"
+            rid = f"job-{tag}-{i}"
             body = {"model": "tiny", "max_tokens": 800,
                     "messages": [{"role": "user", "content": f"job {i}: " + "work " * 40}]}
-            headers = {"x-request-id": rid, "x-session-id": f"job-session-{i}"}
+            headers = {"x-request-id": rid, "x-session-id": f"job-session-{tag}-{i}"}
             try:
                 r = httpx.post(gws[0].url + "/v1/chat/completions", json=body,
                                headers=headers, timeout=60)
@@ -147,15 +152,16 @@ def test_killed_replica_loses_no_turn_and_serves_none_twice(cluster: dict[str, A
         assert len(retried) >= n - 4, (retried, answers)
         finished = sum(parse_prometheus(httpx.get(g.url + "/metrics", timeout=10).text)
                        .get("turnstile_gateway_turns_finished_total", 0.0) for g in gws[1:])
-        assert finished == len(retried), (finished, retried)
+        # (a turn that kill-0 finished in the instant it was killed is not run again: its
+        # retry gets the answer kill-0 kept, so up to its two running turns may be missing)
+        assert len(retried) - 2 <= finished <= len(retried), (finished, retried)
         # a second try of an answered request gets the kept result, not a second run
         again = httpx.post(gws[2].url + "/v1/chat/completions",
                            json={"model": "tiny", "max_tokens": 200,
                                  "messages": [{"role": "user", "content": "job 7"}]},
-                           headers={"x-request-id": "job-7"}, timeout=60)
-        assert again.status_code in (200, 409), (again.status_code, retried, answers)
-        if again.status_code == 200:
-            assert again.headers.get("x-turnstile-cached") == "1", (retried, answers)
+                           headers={"x-request-id": f"job-{tag}-7"}, timeout=60)
+        assert again.status_code == 200, (again.status_code, again.text, retried, answers)
+        assert again.headers.get("x-turnstile-cached") == "1", (retried, answers)
     finally:
         for g in gws:
             g.close()

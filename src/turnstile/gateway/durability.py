@@ -80,9 +80,19 @@ class Durability:
             self.forget(p)
 
     def forget(self, p: PendingTurn) -> None:
+        """``p`` is over: its row goes (a shared backend keeps an answered turn's a while,
+        marked done, against a retry; one with no answer goes at once: its retry is served)."""
         if p.persisted:
-            self.backend.drop_turn(p.request_id)
+            self.backend.drop_turn(p.request_id, p.answered)
             p.persisted = False
+
+    def answer(self, p: PendingTurn, status: int, body: bytes, now_s: float) -> None:
+        """``p``'s whole answer is about to go to its client: kept first, then the turn marked
+        done (in this order, in one batch), so a retry from a client that never got it — its
+        replica died as it went out — gets it from any replica."""
+        self.result(p, status, body, now_s)
+        p.answered = True
+        self.forget(p)
 
     def session(self, s: Session) -> None:
         self.backend.put_session(s.row())

@@ -22,6 +22,7 @@ from turnstile.gateway.protocol import (
     cached_outcome,
     started,
 )
+from turnstile.gateway.replicas import TakenOver
 from turnstile.gateway.sessions import PendingTurn, SessionTable
 from turnstile.gateway.store import HeldTurnRow, SessionRow
 from turnstile.workload.model import Turn
@@ -46,6 +47,8 @@ class RecoveryHost(Protocol):
     async def serve(self, p: PendingTurn) -> Outcome: ...
 
     async def run(self, p: PendingTurn) -> Outcome: ...
+
+    async def run_kept(self, p: PendingTurn) -> Outcome: ...
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]: ...
 
@@ -79,8 +82,13 @@ class Recovery:
                             h.ready_s)
         if session is not None and not s.in_scheduler:
             s.load(session)
-        if s.active is not None or h.request_id in host.by_request:
-            durable.backend.drop_turn(h.request_id)
+        mine = host.by_request.get(h.request_id)
+        if mine is not None:
+            # its client's retry is served here already: that turn is the claimed one now
+            mine.persisted = True
+            return
+        if s.active is not None:
+            durable.backend.drop_turn(h.request_id, answered=False)  # its retry is served
             return
         p = PendingTurn(h.request_id, s, h.path, h.body, h.stream)
         p.attached = False
@@ -128,14 +136,17 @@ class Recovery:
             return out
         host = self.host
         p = host.by_request.get(rid)
-        if p is not None:
-            if p.attached:
-                raise GatewayError(409, f"request {rid!r} is already in progress",
-                                   code="duplicate_request")
-            return await self._reattach(p, req)
-        if host.replicas is not None:
-            return await host.replicas.answered_elsewhere(rid, req)
-        return None
+        if p is None and host.replicas is not None:
+            try:
+                return await host.replicas.answered_elsewhere(rid, req)
+            except TakenOver:
+                p = host.by_request.get(rid)
+        if p is None:
+            return None
+        if p.attached:
+            raise GatewayError(409, f"request {rid!r} is already in progress",
+                               code="duplicate_request")
+        return await self._reattach(p, req)
 
     async def _reattach(self, p: PendingTurn, req: TurnRequest) -> Outcome:
         """A retried request id whose turn is held (restored after a restart, or its first
@@ -158,7 +169,7 @@ class Recovery:
                 p.body["stream"] = False
         if p.state == TurnState.READY and (p.waker is None or p.waker.done()):
             p.waker = asyncio.get_running_loop().create_future()
-        return await self.host.run(p)
+        return await self.host.run_kept(p)
 
     async def cached_outcome(self, rid: str, req: TurnRequest) -> Outcome | None:
         cached = self.results.get(rid)

@@ -30,12 +30,17 @@ from turnstile.gateway.sessions import Session
 from turnstile.gateway.shared import RedisState
 from turnstile.gateway.store import HeldTurnRow, SessionRow
 
-__all__ = ["ReplicaHost", "ReplicaSync"]
+__all__ = ["ReplicaHost", "ReplicaSync", "TakenOver"]
 
 log = logging.getLogger("turnstile.gateway")
 
 #: claim dead replicas' turns every this many load syncs
 _CLAIM_EVERY = 5
+
+
+class TakenOver(Exception):
+    """The request id's turn was just taken over by this replica (claimed from a dead one while
+    its retry was being looked up): the retry is attached to it here."""
 
 
 class ReplicaHost(Protocol):
@@ -58,6 +63,9 @@ class ReplicaSync:
         #: how long a retry waits for the replica serving its turn
         self.wait_s = wait_s
         self.claimed = 0
+        #: held from the claim in Redis until its turns are adopted here: a retry that sees
+        #: this replica own its turn meanwhile waits for it instead of serving it a second time
+        self._claiming = asyncio.Lock()
         #: load syncs done (each also reads the others' observations)
         self.learned = 0
 
@@ -86,13 +94,14 @@ class ReplicaSync:
         self.learned += 1
 
     async def claim(self) -> None:
-        rows = await self.state.claim_orphans()
-        if rows:
-            log.warning("replica %s took over %d turns of a dead replica", self.state.replica,
-                        len(rows))
-            self.claimed += len(rows)
-        for row in rows:
-            self.host.adopt(row, await self.state.lookup_session(row.session_id))
+        async with self._claiming:
+            rows = await self.state.claim_orphans()
+            if rows:
+                log.warning("replica %s took over %d turns of a dead replica",
+                            self.state.replica, len(rows))
+                self.claimed += len(rows)
+            for row in rows:
+                self.host.adopt(row, await self.state.lookup_session(row.session_id))
 
     async def refresh(self, s: Session) -> None:
         """Before a turn of a session named by its client: what another replica learned about
@@ -107,8 +116,14 @@ class ReplicaSync:
     async def answered_elsewhere(self, rid: str, req: TurnRequest) -> Outcome | None:
         """A request id this replica does not hold: if another replica accepted it (its client
         retried here), wait for that replica's answer instead of serving it twice; if it was
-        answered already, give the kept result or refuse. None: never seen, serve it."""
+        answered already, give the kept answer. None: serve it — never seen, over with no
+        answer, or answered in full with no answer kept (a stream: run again, see
+        docs/reliability.md). Raises :class:`TakenOver` when this replica has just claimed it."""
         owner, done = await self.state.turn_status(rid)
+        if owner == self.state.replica and not done and self._claiming.locked():
+            async with self._claiming:  # adopted here once the claim is through
+                pass
+            raise TakenOver(rid)
         if owner is None or (owner == self.state.replica and not done):
             return None
         deadline = self.now() + self.wait_s
@@ -120,7 +135,4 @@ class ReplicaSync:
             owner, done = await self.state.turn_status(rid)
             if owner is None:
                 return None  # expired meanwhile
-        out = await self.host.cached_outcome(rid, req)
-        if out is not None:
-            return out
-        raise GatewayError(409, f"request {rid!r} was already answered", code="duplicate_request")
+        return await self.host.cached_outcome(rid, req)

@@ -308,12 +308,7 @@ class Gateway:
             # another replica serves it if this one dies (written in the next batch, not
             # waited for: until then its client's retry is what serves it elsewhere)
             self.durable.accepted(p)
-            out = await self.run(p)
-            if out.events is None:
-                # marked answered before the answer goes out: a replica that dies now leaves
-                # nothing for another to run again
-                await self.durable.backend.flush()
-            return out
+            return await self.run_kept(p)
         except BaseException:
             if p.state == PENDING and p.rec is None:  # never became READY
                 if p.turn is None:
@@ -381,6 +376,32 @@ class Gateway:
         except asyncio.CancelledError:
             self._detach(p)
             raise
+
+    async def run_kept(self, p: PendingTurn) -> Outcome:
+        """:meth:`run` with a shared backend: a whole (non-streamed) answer is kept and the
+        turn marked done before the answer goes out, so a replica that dies as it goes out
+        leaves the answer, not a refusal, to the client's retry on another replica; a turn
+        over with no answer leaves no done mark (its retry is served)."""
+        durable = self.durable
+        if durable is None or not durable.backend.shared:
+            return await self.run(p)
+        p.keep_answer = not p.stream
+        try:
+            out = await self.run(p)
+        except BaseException:
+            if p.keep_answer:
+                p.keep_answer = False
+                if p.state == DONE:  # not when it goes on with no client (restored, claimed)
+                    durable.forget(p)
+            raise
+        if p.keep_answer:
+            p.keep_answer = False
+            if out.events is None and out.body is not None:
+                durable.answer(p, out.status, out.body, self.clock.now())
+            else:
+                durable.forget(p)
+            await durable.backend.flush()
+        return out
 
     def _detach(self, p: PendingTurn) -> None:
         """The client went away while the turn was held, released or being forwarded."""
@@ -451,6 +472,7 @@ class Gateway:
                  *, cancelled: bool = False) -> None:
         if p.state != RUNNING:  # a stream's clean-up after the turn was already finished
             return
+        p.answered = not cancelled
         rec = p.rec
         assert rec is not None
         now = self.clock.now()
@@ -506,8 +528,11 @@ class Gateway:
     def _forget(self, p: PendingTurn) -> None:
         if self.by_request.get(p.request_id) is p:
             del self.by_request[p.request_id]
-        if self.durable is not None and (p.detached_done is None or p.detached_done.is_set()):
-            self.durable.forget(p)  # a detached turn's row goes once its result is kept
+        # a detached turn's row goes once its result is kept; one whose answer is kept on its
+        # way out, once that is written (run_kept)
+        if (self.durable is not None and not p.keep_answer
+                and (p.detached_done is None or p.detached_done.is_set())):
+            self.durable.forget(p)
         s = p.session
         if s.active is p and p.rec is None:
             self.table.pass_on(s)

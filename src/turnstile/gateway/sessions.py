@@ -77,10 +77,10 @@ class Session:
 class PendingTurn:
     """One accepted request, across its attempts."""
 
-    __slots__ = ("attached", "body", "client_usage", "conversation", "detached_done", "engine",
-                 "engine_hint", "keep_result", "path", "persisted", "priority", "prompt_chars",
-                 "rec", "reply_args", "reply_text", "request_id", "session", "state", "stream",
-                 "turn", "waker")
+    __slots__ = ("answered", "attached", "body", "client_usage", "conversation", "detached_done",
+                 "engine", "engine_hint", "keep_answer", "keep_result", "path", "persisted",
+                 "priority", "prompt_chars", "rec", "reply_args", "reply_text", "request_id",
+                 "session", "state", "stream", "turn", "waker")
 
     def __init__(self, request_id: str, session: Session, path: str, body: dict[str, Any],
                  stream: bool) -> None:
@@ -99,6 +99,11 @@ class PendingTurn:
         self.attached = True  # a client is waiting for this turn
         self.keep_result = False  # serve and keep the result even with no client (restored)
         self.persisted = False
+        #: the engine answered it (a finished turn, not a cancelled, cut or failed one)
+        self.answered = False
+        #: a shared backend keeps its whole answer (non-streamed): its row is marked done
+        #: only once that is written (:meth:`Durability.answer`), not when the turn finishes
+        self.keep_answer = False
         self.prompt_chars = 0
         #: the assistant's reply, collected only when affinity keys are derived from it
         self.reply_text: list[str] | None = None

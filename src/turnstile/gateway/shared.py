@@ -71,7 +71,10 @@ return claimed
 """
 
 #: an accepted turn: its row (hash fields in ARGV[2..]) and its owner's set, in one command
+#: (a request id accepted again after its answer went unkept is a turn in flight again)
 _ACCEPT = """
+redis.call('HDEL', KEYS[1], 'done')
+redis.call('PERSIST', KEYS[1])
 redis.call('HSET', KEYS[1], unpack(ARGV, 2))
 redis.call('SADD', KEYS[2], ARGV[1])
 """
@@ -81,6 +84,13 @@ _DONE = """
 redis.call('HSET', KEYS[1], 'done', 1, 'body', '')
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 redis.call('SREM', KEYS[2], ARGV[2])
+"""
+
+#: a turn over with no answer (every attempt failed, its client went away): gone, so that the
+#: client's retry is served as a new request instead of being refused as answered
+_GONE = """
+redis.call('DEL', KEYS[1])
+redis.call('SREM', KEYS[2], ARGV[1])
 """
 
 _TURN_FIELDS = ("session_id", "path", "body", "stream", "ready_s", "input_tokens",
@@ -227,12 +237,15 @@ class RedisState:
                    "ready_s", repr(t.ready_s), "input_tokens", t.input_tokens,
                    "context_tokens", t.context_tokens, "output_tokens", t.output_tokens])
 
-    def drop_turn(self, request_id: str) -> None:
-        """The turn was answered: its row stays a while, marked done, so a retry of the same
-        request id on any replica is not served again."""
-        self._put("script", _DONE,
-                  [f"{self.ns}:turn:{request_id}", f"{self.ns}:owned:{self.replica}"],
-                  [int(self.result_ttl_s), request_id])
+    def drop_turn(self, request_id: str, answered: bool = True) -> None:
+        """The turn is over. Answered: its row stays a while, marked done, so a retry of the
+        same request id on any replica is not served again (it gets the kept answer, if one
+        was written before). Not answered: the row goes, and a retry is served anew."""
+        keys = [f"{self.ns}:turn:{request_id}", f"{self.ns}:owned:{self.replica}"]
+        if answered:
+            self._put("script", _DONE, keys, [int(self.result_ttl_s), request_id])
+        else:
+            self._put("script", _GONE, keys, [request_id])
 
     def held(self) -> list[HeldTurnRow]:
         rows, self._held = self._held, []
@@ -322,8 +335,11 @@ class RedisState:
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(key, doc, px=int(self.replica_ttl_s * 1000))
         pipe.set(f"{self.ns}:hb:{self.replica}", "1", px=int(self.replica_ttl_s * 1000))
+        # back in the set after a lapse (a stalled loop, a Redis restart): a replica another one
+        # dropped as dead would otherwise never have its later turns taken over
+        pipe.sadd(f"{self.ns}:replicas", self.replica)
         pipe.smembers(f"{self.ns}:replicas")
-        _, _, members = await pipe.execute()
+        _, _, _, members = await pipe.execute()
         others = [_s(m) for m in members if _s(m) != self.replica]
         total: dict[str, list[int]] = {}
         held_total = 0

@@ -110,7 +110,7 @@ class StateBackend(Protocol):
 
     def put_held(self, t: HeldTurnRow, now_s: float) -> None: ...
 
-    def drop_turn(self, request_id: str) -> None: ...
+    def drop_turn(self, request_id: str, answered: bool = True) -> None: ...
 
     def held(self) -> list[HeldTurnRow]: ...
 
@@ -195,7 +195,7 @@ class Store:
              t.input_tokens, t.context_tokens, t.output_tokens, now_s),
         )
 
-    def drop_turn(self, request_id: str) -> None:
+    def drop_turn(self, request_id: str, answered: bool = True) -> None:
         self.db.execute("DELETE FROM turns WHERE request_id=?", (request_id,))
 
     def held(self) -> list[HeldTurnRow]:

@@ -1,0 +1,176 @@
+"""A client's retry with the same ``x-request-id`` across Redis-backed replicas (two gateways in
+this process sharing a real redis-server, fake engines): it gets the answer or the turn is run
+for it, never a ``409`` that no later retry can clear (docs/reliability.md, the client's side of
+the contract), and a turn taken over from a dead replica is generated once.
+
+Each case failed before the fix it names:
+
+* an answered, non-streamed turn was marked done in Redis *before* its answer went out, with no
+  answer kept: a replica killed in that instant left every retry a ``409 "was already
+  answered"`` for ``result_ttl_s`` (the replica-kill test's rare 409);
+* a turn that ended without an answer (every attempt failed, or its client went away while it
+  was held) was marked done all the same: its retry got that 409 too;
+* a retry reaching the replica that had just claimed the dead replica's turn in Redis, before
+  it adopted the turn locally, was served as a new request while the adopted copy ran too;
+* a replica whose heartbeat lapsed once (a stalled event loop) was dropped from the replica set
+  for good, so the turns it accepted afterwards would never be taken over if it died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from turnstile.gateway.embedded import GatewayServer
+from turnstile.gateway.shared import RedisState
+from turnstile.gateway.store import HeldTurnRow
+from turnstile.testing.fake_engine import FakeServer, chat_body
+from turnstile.testing.redis_server import RedisServer, find_redis_server
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.skipif(find_redis_server() is None,
+                                 reason="redis-server not installed (make redis)")]
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    with RedisServer() as r:
+        yield r.url
+
+
+@pytest.fixture
+def pair(redis_url: str, fake_engines: Callable[..., FakeServer],
+         gateways: Callable[..., GatewayServer]
+         ) -> Callable[..., tuple[FakeServer, GatewayServer, GatewayServer]]:
+    def start(policy: str = "eager", **engine: Any
+              ) -> tuple[FakeServer, GatewayServer, GatewayServer]:
+        eng = fake_engines(**engine)
+        params = {"release": {"max_inflight_per_engine": 1}} if "fcfs" in policy else None
+        a, b = (gateways([eng.url], policy=policy, policy_params=params,
+                         backend=RedisState(redis_url, replica_id=name, replica_ttl_s=1.0))
+                for name in ("a", "b"))
+        return eng, a, b
+    return start
+
+
+def post(gw: GatewayServer, rid: str, body: dict[str, Any] | None = None,
+         timeout: float = 30.0) -> httpx.Response:
+    return httpx.post(gw.url + "/v1/chat/completions", json=body or chat_body(f"job {rid}"),
+                      headers={"x-request-id": rid, "x-session-id": f"s-{rid}"},
+                      timeout=timeout)
+
+
+def generations(eng: FakeServer, rid: str) -> int:
+    return sum(1 for r in eng.engine.requests if r.request_id == rid)
+
+
+def test_a_retry_of_an_answered_request_gets_the_kept_answer_on_any_replica(pair: Any) -> None:
+    eng, a, b = pair()
+    first = post(a, "x1")
+    assert first.status_code == 200
+    for gw in (b, a):  # the client lost the answer (its replica died as it went out): retry
+        again = post(gw, "x1")
+        assert again.status_code == 200, again.text
+        assert again.headers["x-turnstile-cached"] == "1"
+        assert again.json()["choices"] == first.json()["choices"]
+    assert generations(eng, "x1") == 1
+
+
+def test_a_retry_of_a_streamed_answer_is_answered_not_refused(pair: Any) -> None:
+    """A streamed answer is not kept (docs: the retry of a stream delivered in full runs the
+    turn again); the retry is answered all the same."""
+    _, a, b = pair()
+    body = chat_body("stream me", stream=True)
+    first = post(a, "x2", body)
+    assert first.status_code == 200 and first.text.rstrip().endswith("data: [DONE]")
+    again = post(b, "x2", body)
+    assert again.status_code == 200, again.text
+    assert again.text.rstrip().endswith("data: [DONE]")
+
+
+def test_a_retry_after_every_attempt_failed_is_served(pair: Any) -> None:
+    eng, a, b = pair()
+    eng.engine.fail = "status:500"
+    assert post(a, "x3").status_code >= 500  # every attempt failed
+    eng.engine.fail = None
+    time.sleep(1.5)  # the engine is seen up again
+    again = post(b, "x3")
+    assert again.status_code == 200, again.text
+    assert again.headers.get("x-turnstile-cached") is None
+
+
+def test_a_retry_after_the_client_gave_up_on_a_held_turn_is_served(pair: Any) -> None:
+    eng, a, b = pair("fcfs-workflow", ttft_s=1.0)
+    blocker = threading.Thread(target=post, args=(a, "busy"))
+    blocker.start()
+    time.sleep(0.2)  # "busy" runs; the next turn is held behind it
+    with pytest.raises(httpx.ReadTimeout):
+        post(a, "x4", timeout=0.3)
+    blocker.join()
+    again = post(b, "x4")
+    assert again.status_code == 200, again.text
+    assert generations(eng, "x4") == 1
+
+
+def test_a_retry_during_the_takeover_is_attached_not_run_twice(pair: Any,
+                                                               redis_url: str) -> None:
+    import redis
+
+    eng, a, b = pair(ttft_s=1.5)
+    b.stop()  # one live replica: it claims the dead replica's turn
+    state = a.gateway.replicas.state
+    claim = state.claim_orphans
+    claimed = threading.Event()
+
+    async def slow_claim() -> list[HeldTurnRow]:
+        rows = await claim()
+        if rows:
+            claimed.set()
+            await asyncio.sleep(1.0)  # claimed in Redis, not adopted here yet
+        return rows
+
+    state.claim_orphans = slow_claim
+
+    async def dead_replica_accepts() -> None:
+        dead = RedisState(redis_url, replica_id="dead", replica_ttl_s=1.0)
+        await dead.open()
+        now = time.time() - dead.clock_origin(0.0)
+        dead.put_held(HeldTurnRow("x5", "s-x5", "/v1/chat/completions",
+                                  chat_body("job x5"), False, now, 8, 8, 4), now)
+        await dead.flush()
+        await dead.redis.delete("ts:hb:dead")  # its heartbeat stops: it died
+        await dead.redis.aclose()
+
+    asyncio.run(dead_replica_accepts())
+    assert claimed.wait(10)
+    t0 = time.monotonic()
+    answers: list[httpx.Response] = []
+    retry = threading.Thread(target=lambda: answers.append(post(a, "x5")))
+    retry.start()  # the client's retry, inside the takeover
+    time.sleep(max(1.3 - (time.monotonic() - t0), 0.0))  # adopted; its turn still running
+    row = redis.Redis.from_url(redis_url).hgetall("ts:turn:x5")
+    assert row[b"owner"] == b"a" and b"done" not in row, row  # a retry elsewhere would wait
+    retry.join(30)
+    assert answers and answers[0].status_code == 200, answers
+    time.sleep(0.3)
+    assert generations(eng, "x5") == 1
+
+
+def test_a_replica_whose_heartbeat_lapsed_rejoins_the_replica_set(pair: Any,
+                                                                  redis_url: str) -> None:
+    import redis
+
+    pair()
+    r = redis.Redis.from_url(redis_url)
+    assert r.sismember("ts:replicas", "a")
+    r.srem("ts:replicas", "a")  # what another replica's claim does after a lapse
+    deadline = time.monotonic() + 5
+    while not r.sismember("ts:replicas", "a") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert r.sismember("ts:replicas", "a")
