@@ -57,3 +57,19 @@ def vllm_python() -> Path:
             pytest.fail(f"{message} (CI is set, so this is an error, not a skip)")
         pytest.skip(message)
     return python
+
+
+@pytest.fixture(scope="session")
+def redis_server_binary() -> str:
+    """Redis's ``redis-server`` (``make redis`` installs it). Tests that need it skip where it
+    is missing, except under CI, where a missing server is a failure (a replica test or the
+    chaos smoke's replica and Redis rows must not drop out of CI silently)."""
+    from turnstile.testing.redis_server import find_redis_server
+
+    binary = find_redis_server()
+    if binary is None:
+        message = "redis-server not found; run `make redis` or set TURNSTILE_REDIS_SERVER"
+        if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
+            pytest.fail(f"{message} (CI is set, so this is an error, not a skip)")
+        pytest.skip(message)
+    return binary

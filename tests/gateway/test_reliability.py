@@ -15,7 +15,6 @@ import pytest
 
 from turnstile.gateway.embedded import GatewayServer
 from turnstile.testing.fake_engine import FakeServer, chat_body
-from turnstile.testing.redis_server import find_redis_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -328,7 +327,7 @@ def test_a_hung_redis_costs_a_lookup_two_seconds_at_most() -> None:
         assert asyncio.run(lookup(f"redis://127.0.0.1:{silent.getsockname()[1]}/0")) < 3.0
 
 
-@pytest.mark.skipif(find_redis_server() is None, reason="redis-server not installed")
+@pytest.mark.usefixtures("redis_server_binary")
 def test_with_redis_away_requests_stay_quick_and_ready_says_why(fake_engines: Any,
                                                                  gateways: Any) -> None:
     """redis-py's default retries a call 10 times with backoff: every request's session lookup

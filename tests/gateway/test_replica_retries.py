@@ -31,11 +31,9 @@ from turnstile.gateway.embedded import GatewayServer
 from turnstile.gateway.shared import RedisState
 from turnstile.gateway.store import HeldTurnRow
 from turnstile.testing.fake_engine import FakeServer, chat_body
-from turnstile.testing.redis_server import RedisServer, find_redis_server
+from turnstile.testing.redis_server import RedisServer
 
-pytestmark = [pytest.mark.timeout(120),
-              pytest.mark.skipif(find_redis_server() is None,
-                                 reason="redis-server not installed (make redis)")]
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("redis_server_binary")]
 
 
 @pytest.fixture

@@ -16,11 +16,10 @@ import httpx
 import pytest
 
 from turnstile.testing.fake_engine import FakeServer, chat_body
-from turnstile.testing.redis_server import RedisServer, find_redis_server
+from turnstile.testing.redis_server import RedisServer
 from turnstile.testing.replicas import GatewayProcess, write_config
 
-pytestmark = pytest.mark.skipif(find_redis_server() is None,
-                                reason="redis-server not installed (make redis)")
+pytestmark = pytest.mark.usefixtures("redis_server_binary")
 
 
 @pytest.fixture

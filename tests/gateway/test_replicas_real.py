@@ -22,13 +22,13 @@ import pytest
 from turnstile.engines.llama_server import LlamaServerProcess
 from turnstile.engines.tiny_model import write_tiny_gguf
 from turnstile.gateway.adapters import parse_prometheus
-from turnstile.testing.redis_server import RedisServer, find_redis_server
+from turnstile.testing.redis_server import RedisServer
 from turnstile.testing.replicas import GatewayProcess, write_config
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(300),
-    pytest.mark.skipif(find_redis_server() is None, reason="redis-server not installed"),
+    pytest.mark.usefixtures("redis_server_binary"),
 ]
 
 
