@@ -162,6 +162,14 @@ def test_restart_serves_held_turns_once(engine: FakeServer, gateway_factory: Any
     # held turns ran exactly once across the crash; r0 was running, so its outcome was lost
     # and the retry ran it again
     assert sorted(ids) == ["r0", "r0", "r1", "r2", "r3"]
+    # the answer kept for r3 survives another crash (its row was deleted as the turn was
+    # forgotten, right after the answer was written into it: the retry ran r3 again)
+    gw.kill()
+    gw = gateway_factory()
+    again = httpx.post(gw.url + "/v1/chat/completions", json=chat_body(content="r3"),
+                       headers={"x-request-id": "r3", "x-session-id": "s-r3"}, timeout=30)
+    assert again.status_code == 200 and again.headers.get("x-turnstile-cached") == "1"
+    assert [r.request_id for r in engine.engine.requests].count("r3") == 1
 
 
 def test_store_round_trip(tmp_path: Path) -> None:
@@ -183,4 +191,9 @@ def test_store_round_trip(tmp_path: Path) -> None:
     st.drop_turn("r1")
     st.drop_session("a")
     assert st.held() == [] and st.sessions() == []
+    # a restored turn's result replaces its held row; forgetting the turn keeps the result
+    st.put_held(HeldTurnRow("r3", "a", "/v1/chat/completions", {}, False, 6.0, 1, 1, 1), 6.0)
+    st.put_result("r3", "a", "/v1/chat/completions", 200, b"{}", 7.0)
+    st.drop_turn("r3")
+    assert st.results() == {"r3": (200, b"{}", 7.0, "/v1/chat/completions")}
     st.close()

@@ -196,7 +196,8 @@ class Store:
         )
 
     def drop_turn(self, request_id: str, answered: bool = True) -> None:
-        self.db.execute("DELETE FROM turns WHERE request_id=?", (request_id,))
+        """The turn is over: its held row goes (a result kept for it stays, for a retry)."""
+        self.db.execute("DELETE FROM turns WHERE request_id=? AND state='held'", (request_id,))
 
     def held(self) -> list[HeldTurnRow]:
         rows = self.db.execute(
