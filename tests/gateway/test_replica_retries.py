@@ -172,3 +172,25 @@ def test_a_replica_whose_heartbeat_lapsed_rejoins_the_replica_set(pair: Any,
     while not r.sismember("ts:replicas", "a") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert r.sismember("ts:replicas", "a")
+
+
+def test_one_process_gateway_keeps_whole_answers_for_retries(
+        fake_engines: Callable[..., FakeServer], gateways: Callable[..., GatewayServer],
+        tmp_path: Any) -> None:
+    """With ``--db`` a whole answer is kept in SQLite before it goes out: a client that lost it
+    (its gateway crashed as it went out, or the connection broke) gets it on retry, from the
+    same process or after a restart, and the engine runs the turn once. Before, the retry ran
+    it again (the chaos table's duplicates at a gateway kill)."""
+    eng = fake_engines()
+    db = str(tmp_path / "gw.sqlite3")
+    gw = gateways([eng.url], db=db)
+    first = post(gw, "y1")
+    assert first.status_code == 200
+    again = post(gw, "y1")
+    assert again.status_code == 200 and again.headers["x-turnstile-cached"] == "1"
+    assert again.json()["choices"] == first.json()["choices"]
+    gw.stop()
+    gw = gateways([eng.url], db=db)  # a restart on the same file
+    again = post(gw, "y1")
+    assert again.status_code == 200 and again.headers["x-turnstile-cached"] == "1"
+    assert generations(eng, "y1") == 1

@@ -303,11 +303,10 @@ class Gateway:
                                                                  session.context_tokens)
             self.admitting -= 1
             self.make_ready(p, turn)
-            if self.durable is None or not self.durable.backend.shared:
-                return await self.run(p)
-            # another replica serves it if this one dies (written in the next batch, not
-            # waited for: until then its client's retry is what serves it elsewhere)
-            self.durable.accepted(p)
+            if self.durable is not None and self.durable.backend.shared:
+                # another replica serves it if this one dies (written in the next batch, not
+                # waited for: until then its client's retry is what serves it elsewhere)
+                self.durable.accepted(p)
             return await self.run_kept(p)
         except BaseException:
             if p.state == PENDING and p.rec is None:  # never became READY
@@ -378,12 +377,13 @@ class Gateway:
             raise
 
     async def run_kept(self, p: PendingTurn) -> Outcome:
-        """:meth:`run` with a shared backend: a whole (non-streamed) answer is kept and the
-        turn marked done before the answer goes out, so a replica that dies as it goes out
-        leaves the answer, not a refusal, to the client's retry on another replica; a turn
-        over with no answer leaves no done mark (its retry is served)."""
+        """:meth:`run` with a state backend: a whole (non-streamed) answer is kept (and, with
+        replicas, the turn marked done) before the answer goes out, so a gateway or replica
+        that dies as it goes out leaves the answer, not a second run or a refusal, to the
+        client's retry (on any replica, or after a restart); a turn over with no answer leaves
+        no done mark (its retry is served)."""
         durable = self.durable
-        if durable is None or not durable.backend.shared:
+        if durable is None:
             return await self.run(p)
         p.keep_answer = not p.stream
         try:

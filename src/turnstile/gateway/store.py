@@ -86,7 +86,7 @@ class StateBackend(Protocol):
 
     Writes are fire-and-forget from the event loop thread (a backend may batch them; ``flush``
     waits for them). Reads of the whole state happen at start-up; a shared backend answers the
-    per-request ``lookup_*`` instead (a local one returns None: everything was loaded)."""
+    per-request ``lookup_*`` instead (a local one: what it kept since start-up)."""
 
     #: several replicas share this state (every accepted turn is written, owners, load)
     shared: bool
@@ -155,12 +155,15 @@ class Store:
     async def ping(self) -> None:
         self.db.execute("SELECT 1").fetchone()
 
-    # one process: everything was loaded at start-up
+    # one process: everything was loaded at start-up, but answers kept since (whole answers
+    # kept on their way out) are read here
     async def lookup_session(self, session_id: str) -> SessionRow | None:
         return None
 
     async def lookup_result(self, request_id: str) -> tuple[int, bytes, float, str] | None:
-        return None
+        r = self.db.execute("SELECT status, result, updated_s, path FROM turns "
+                            "WHERE request_id=? AND state='done'", (request_id,)).fetchone()
+        return None if r is None else (int(r[0]), bytes(r[1]), float(r[2]), r[3])
 
     # ------------------------------------------------------------------ clock
     def clock_origin(self, now_unix: float) -> float:
