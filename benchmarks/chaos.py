@@ -346,7 +346,8 @@ class Suite:
                                                         for p in self.proxies],
                             self.args.policy, None, stats_interval_s=0.5,
                             max_held=self.args.max_held, recheck_interval_s=0.25,
-                            health_interval_s=0.5, **cfg)
+                            health_interval_s=0.5, stall_probe_s=self.args.stall_probe_s,
+                            **cfg)
         return GatewayProcess(path, replica_id=name, port=port).start(60)
 
     def note_memory(self) -> None:
@@ -533,6 +534,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--heal-s", type=float, default=2.0)
     ap.add_argument("--delay-s", type=float, default=0.2)
     ap.add_argument("--stall-s", type=float, default=3.0)
+    ap.add_argument("--stall-probe-s", type=float, default=1.0,
+                    help="the gateway's stall probe (0: off; see GatewayConfig.stall_probe_s)")
     ap.add_argument("--phase-s", type=float, default=90.0)
     ap.add_argument("--turn-deadline-s", type=float, default=60.0)
     ap.add_argument("--hostile", type=int, default=300)

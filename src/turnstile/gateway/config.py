@@ -99,6 +99,12 @@ class GatewayConfig:
     health_interval_s: float = 1.0
     #: a failed engine is re-checked this often
     recheck_interval_s: float = 0.5
+    #: stall probe (0: off): an engine with requests in flight that has sent no reply byte for
+    #: this long is health-checked at once, with half this as the timeout; unanswered (and
+    #: still no byte), it is hung: dead at once (its requests dropped: re-routed, or streams
+    #: ended with an error event) instead of after three failed health checks (several
+    #: seconds). Off by default: a CPU engine starved by a long prefill may miss the short check
+    stall_probe_s: float = 0.0
     #: scrape engines' /metrics for queue lengths this often (0: never)
     stats_interval_s: float = 2.0
     #: results of turns served after a restart (no client attached) are kept this long

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -122,6 +123,35 @@ class HealthMonitor:
         persistent = self.engines[eid].failures >= 2
         self.set_health(eid, state == "up",
                         dead=state == "gone" or (state != "up" and persistent))
+
+    async def stall_loop(self) -> None:
+        """The stall probe (``stall_probe_s``): an engine with requests in flight and no reply
+        byte for that long gets a short health check at once; a hung one (no answer, still no
+        byte) is dead now, so its streams end and its waiting turns move within about
+        1.5 x ``stall_probe_s`` instead of three failed checks."""
+        probe_s = self.config.stall_probe_s
+        last: dict[str, float] = {}
+        while True:
+            await asyncio.sleep(min(probe_s / 4, 0.25))
+            mono = time.monotonic()
+            due = [eid for eid, a in self.adapters.items()
+                   if self.engines[eid].up and a.in_flight() > 0
+                   and not a.replied_since(mono - probe_s)
+                   and mono - last.get(eid, -math.inf) >= probe_s]
+            for eid in due:
+                last[eid] = mono
+            await asyncio.gather(*(self._probe(eid, probe_s) for eid in due),
+                                 return_exceptions=True)
+
+    async def _probe(self, eid: str, probe_s: float) -> None:
+        adapter = self.adapters[eid]
+        asked = time.monotonic()
+        state = await adapter.health_state(timeout_s=probe_s / 2)
+        if (state in ("silent", "gone") and self.engines[eid].up
+                and not adapter.replied_since(asked)):
+            log.warning("engine %s sent nothing for %.1f s with requests in flight and did "
+                        "not answer a health check: hung", eid, probe_s)
+            self.set_health(eid, False, dead=True)
 
     async def health_loop(self, on_round: Callable[[], None]) -> None:
         """Re-check engines when due; ``on_round`` runs after each round (a safety-net tick)."""

@@ -210,6 +210,8 @@ class Gateway:
         self.started = True
         self.spawn(self.health.health_loop(self.driver.safety_tick))
         self.spawn(self.health.stats_loop())
+        if cfg.stall_probe_s > 0:
+            self.spawn(self.health.stall_loop())
         self.spawn(self._sweep_loop())
 
     async def stop(self) -> None:

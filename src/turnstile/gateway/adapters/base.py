@@ -344,6 +344,11 @@ class EngineAdapter:
     async def _post_json(self, path: str, body: Any) -> httpx.Response:
         return await self.transport.post_json(path, body)
 
+    def in_flight(self) -> int:
+        """Requests sent to the engine and not yet answered in full (0 when not tracked)."""
+        fast = self.transport.fast
+        return fast.in_flight if fast is not None else 0
+
     def replied_since(self, t: float) -> bool:
         """Whether the engine sent reply bytes at or after ``time.monotonic()`` time ``t``."""
         return self.last_reply_s >= t
@@ -351,15 +356,17 @@ class EngineAdapter:
     async def health(self) -> bool:
         return await self.health_state() == "up"
 
-    async def health_state(self) -> str:
+    async def health_state(self, timeout_s: float | None = None) -> str:
         """``"up"`` (the health endpoint answered 200); ``"gone"`` (connection refused or
         reset: no server there any more); ``"unhealthy"`` (it answered, not 200: loading,
-        draining or broken); ``"silent"`` (no answer within the control timeout: hung, or
-        only slow)."""
+        draining or broken); ``"silent"`` (no answer within the control timeout, or
+        ``timeout_s``: hung, or only slow)."""
+        timeout = (self.transport.control_timeout if timeout_s is None
+                   else httpx.Timeout(timeout_s))
         try:
             resp = await self._health_client.get(self.base_url + self.health_path,
                                                  headers=self.transport.headers,
-                                                 timeout=self.transport.control_timeout)
+                                                 timeout=timeout)
         except httpx.TimeoutException:
             return "silent"
         except httpx.HTTPError:
