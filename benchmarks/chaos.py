@@ -534,8 +534,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--heal-s", type=float, default=2.0)
     ap.add_argument("--delay-s", type=float, default=0.2)
     ap.add_argument("--stall-s", type=float, default=3.0)
-    ap.add_argument("--stall-probe-s", type=float, default=1.0,
-                    help="the gateway's stall probe (0: off; see GatewayConfig.stall_probe_s)")
+    ap.add_argument("--stall-probe-s", type=float, default=0.0,
+                    help="the gateway's stall probe (0: off, the default; see "
+                    "GatewayConfig.stall_probe_s and docs/reliability.md)")
     ap.add_argument("--phase-s", type=float, default=90.0)
     ap.add_argument("--turn-deadline-s", type=float, default=60.0)
     ap.add_argument("--hostile", type=int, default=300)

@@ -134,6 +134,8 @@ class GatewayConfig:
             raise ValueError(f"engine names must be unique, got {names}")
         if self.max_held < 1:
             raise ValueError("max_held must be >= 1")
+        if self.stall_probe_s < 0:
+            raise ValueError("stall_probe_s must be >= 0 (0: off)")
         if self.max_inflight < 0:
             raise ValueError("max_inflight must be >= 0 (0: no bound)")
         if self.max_body_bytes < 1 or self.max_header_bytes < 1:
