@@ -48,8 +48,6 @@ class RecoveryHost(Protocol):
 
     async def run(self, p: PendingTurn) -> Outcome: ...
 
-    async def run_kept(self, p: PendingTurn) -> Outcome: ...
-
     def spawn(self, coro: Any) -> asyncio.Task[Any]: ...
 
 
@@ -169,7 +167,35 @@ class Recovery:
                 p.body["stream"] = False
         if p.state == TurnState.READY and (p.waker is None or p.waker.done()):
             p.waker = asyncio.get_running_loop().create_future()
-        return await self.host.run_kept(p)
+        return await self.run_kept(p)
+
+    async def run_kept(self, p: PendingTurn) -> Outcome:
+        """``host.run(p)`` with a state backend: a whole (non-streamed) answer is kept (and,
+        with replicas, the turn marked done) before the answer goes out, so a gateway or
+        replica that dies as it goes out leaves the answer, not a second run or a refusal, to
+        the client's retry (on any replica, or after a restart); a turn over with no answer
+        leaves no done mark (its retry is served)."""
+        host = self.host
+        durable = host.durable
+        if durable is None:
+            return await host.run(p)
+        p.keep_answer = not p.stream
+        try:
+            out = await host.run(p)
+        except BaseException:
+            if p.keep_answer:
+                p.keep_answer = False
+                if p.state == TurnState.DONE:  # not when it goes on with no client (adopted)
+                    durable.forget(p)
+            raise
+        if p.keep_answer:
+            p.keep_answer = False
+            if out.events is None and out.body is not None:
+                durable.answer(p, out.status, out.body, host.clock.now())
+            else:
+                durable.forget(p)
+            await durable.backend.flush()
+        return out
 
     async def cached_outcome(self, rid: str, req: TurnRequest) -> Outcome | None:
         cached = self.results.get(rid)

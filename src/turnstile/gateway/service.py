@@ -309,7 +309,7 @@ class Gateway:
                 # another replica serves it if this one dies (written in the next batch, not
                 # waited for: until then its client's retry is what serves it elsewhere)
                 self.durable.accepted(p)
-            return await self.run_kept(p)
+            return await self.recovery.run_kept(p)
         except BaseException:
             if p.state == PENDING and p.rec is None:  # never became READY
                 if p.turn is None:
@@ -377,33 +377,6 @@ class Gateway:
         except asyncio.CancelledError:
             self._detach(p)
             raise
-
-    async def run_kept(self, p: PendingTurn) -> Outcome:
-        """:meth:`run` with a state backend: a whole (non-streamed) answer is kept (and, with
-        replicas, the turn marked done) before the answer goes out, so a gateway or replica
-        that dies as it goes out leaves the answer, not a second run or a refusal, to the
-        client's retry (on any replica, or after a restart); a turn over with no answer leaves
-        no done mark (its retry is served)."""
-        durable = self.durable
-        if durable is None:
-            return await self.run(p)
-        p.keep_answer = not p.stream
-        try:
-            out = await self.run(p)
-        except BaseException:
-            if p.keep_answer:
-                p.keep_answer = False
-                if p.state == DONE:  # not when it goes on with no client (restored, claimed)
-                    durable.forget(p)
-            raise
-        if p.keep_answer:
-            p.keep_answer = False
-            if out.events is None and out.body is not None:
-                durable.answer(p, out.status, out.body, self.clock.now())
-            else:
-                durable.forget(p)
-            await durable.backend.flush()
-        return out
 
     def _detach(self, p: PendingTurn) -> None:
         """The client went away while the turn was held, released or being forwarded."""
@@ -531,7 +504,7 @@ class Gateway:
         if self.by_request.get(p.request_id) is p:
             del self.by_request[p.request_id]
         # a detached turn's row goes once its result is kept; one whose answer is kept on its
-        # way out, once that is written (run_kept)
+        # way out, once that is written (Recovery.run_kept)
         if (self.durable is not None and not p.keep_answer
                 and (p.detached_done is None or p.detached_done.is_set())):
             self.durable.forget(p)
