@@ -169,17 +169,18 @@ class Recovery:
             p.waker = asyncio.get_running_loop().create_future()
         return await self.run_kept(p)
 
-    async def run_kept(self, p: PendingTurn) -> Outcome:
+    async def run_kept(self, p: PendingTurn, keep: bool = True) -> Outcome:
         """``host.run(p)`` with a state backend: a whole (non-streamed) answer is kept (and,
         with replicas, the turn marked done) before the answer goes out, so a gateway or
         replica that dies as it goes out leaves the answer, not a second run or a refusal, to
         the client's retry (on any replica, or after a restart); a turn over with no answer
-        leaves no done mark (its retry is served)."""
+        leaves no done mark (its retry is served). ``keep=False``: the client named no
+        request id (it cannot retry by one): no answer is kept."""
         host = self.host
         durable = host.durable
         if durable is None:
             return await host.run(p)
-        p.keep_answer = not p.stream
+        p.keep_answer = keep and not p.stream
         try:
             out = await host.run(p)
         except BaseException:
@@ -194,6 +195,9 @@ class Recovery:
                 durable.answer(p, out.status, out.body, host.clock.now())
             else:
                 durable.forget(p)
+        if out.events is None and durable.backend.shared:
+            # marked answered (and kept) before the answer goes out: a replica that dies now
+            # leaves nothing for another to run again
             await durable.backend.flush()
         return out
 

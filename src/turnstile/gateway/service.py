@@ -309,7 +309,7 @@ class Gateway:
                 # another replica serves it if this one dies (written in the next batch, not
                 # waited for: until then its client's retry is what serves it elsewhere)
                 self.durable.accepted(p)
-            return await self.recovery.run_kept(p)
+            return await self.recovery.run_kept(p, keep=req.request_id is not None)
         except BaseException:
             if p.state == PENDING and p.rec is None:  # never became READY
                 if p.turn is None:
