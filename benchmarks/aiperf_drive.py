@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     from turnstile.engines.tiny_model import write_tiny_gguf
     from turnstile.traces import load_trace
     from turnstile.traces.mooncake_sessions import mooncake_records, write_mooncake_sessions
+    from turnstile.transport.blocking import wait_ready
     from turnstile.workload import synth
 
     require_llama_server()
@@ -165,12 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                 cmd += ["--endpoint", u.removeprefix("http://")]
             gw = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
             metrics_url = f"http://127.0.0.1:{mport}"
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(metrics_url + "/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.2)
+        if wait_ready(metrics_url + "/health", timeout_s=60, process=gw, poll_s=0.2) != "ready":
+            raise SystemExit(f"the gateway did not start (log: {args.out / 'gateway.log'})")
         if args.via == "epp":
             envoy = EnvoyProcess(envoy_config(listen_port=free_port(), picker_port=grpc))
             envoy.start()

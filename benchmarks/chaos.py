@@ -51,6 +51,7 @@ from turnstile.engines.tiny_model import write_tiny_gguf
 from turnstile.testing.fault_proxy import Generation, ProxyProcess
 from turnstile.testing.redis_server import RedisServer, find_redis_server
 from turnstile.testing.replicas import GatewayProcess, write_config
+from turnstile.transport.blocking import wait_ready
 
 TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {"type": "object"}}}]
 
@@ -75,13 +76,9 @@ class Engine:
                 f"uvicorn.run(FakeEngine(ttft_s=0.02, tpot_s=0.01, record=False), "
                 f"host='127.0.0.1', port={self.port}, log_level='error', loop='asyncio')")
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                time.sleep(0.05)
+        if wait_ready(f"http://127.0.0.1:{self.port}/health", timeout_s=20,
+                      process=self.proc) == "ready":
+            return self
         raise TimeoutError("fake engine did not start")
 
     def signal(self, sig: int) -> None:

@@ -145,21 +145,13 @@ class Proc:
         return f"http://127.0.0.1:{self.port}"
 
     def _wait(self) -> None:
-        import urllib.request
+        from turnstile.transport.blocking import wait_ready
 
-        deadline = time.monotonic() + 30
-        while True:
-            if self.p.poll() is not None:
-                raise RuntimeError(Path(self.log).read_text()[-2000:])
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no server on {self.port}")
-            time.sleep(0.05)
+        got = wait_ready(self.url + "/health", timeout_s=30, process=self.p)
+        if got == "exited":
+            raise RuntimeError(Path(self.log).read_text()[-2000:])
+        if got == "timeout":
+            raise RuntimeError(f"no server on {self.port}")
 
     def cpu_s(self) -> float:
         fields = Path(f"/proc/{self.p.pid}/stat").read_text().rsplit(")", 1)[1].split()

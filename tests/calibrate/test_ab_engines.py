@@ -10,7 +10,7 @@ import pytest
 from turnstile.calibrate.ab import AbEngines
 from turnstile.calibrate.ab_engines import (
     counters_from_metrics,
-    engine_toml_lines,
+    engine_table,
     gateway_kind,
     start_servers,
     vllm_blocks,
@@ -49,8 +49,8 @@ def test_vllm_pool_holds_the_sessions_kv_and_one_whole_sequence() -> None:
 
 def test_vllm_engines_have_no_slots_in_the_gateway_config(tmp_path: Path) -> None:
     assert gateway_kind("vllm") == "vllm" and gateway_kind("llamacpp") == "llama.cpp"
-    assert "slots = 4" not in engine_toml_lines("vllm", 0, "http://x", slots=4, kv_tokens=9)
-    assert "slots = 4" in engine_toml_lines("llamacpp", 0, "http://x", slots=4, kv_tokens=9)
+    assert "slots" not in engine_table("vllm", 0, "http://x", slots=4, kv_tokens=9)
+    assert engine_table("llamacpp", 0, "http://x", slots=4, kv_tokens=9)["slots"] == 4
     engines = AbEngines(count=2, n_parallel=4, ctx=3184, kv_tokens=1400, kv_model="paged")
     toml = gateway_toml("cvar", ["http://127.0.0.1:9", "http://127.0.0.1:10"], engines,
                         port=8123, session_idle_s=0.8, params={}, engine="vllm")

@@ -324,6 +324,20 @@ def test_engine_errors_are_rerouted_to_a_healthy_engine(fake_engines: Any,
     wait_until(lambda: gw.gateway.scheduler.view.released_turns == 0)
 
 
+def test_a_turn_is_sent_max_attempts_times_under_the_one_retry_rule(fake_engines: Any,
+                                                                    gateways: Any) -> None:
+    """The re-route loop follows RetryRule: max_attempts sends in all, then the OpenAI-shaped
+    upstream error; the waits are the rule's backoff."""
+    bad = [fake_engines(fail="status:503") for _ in range(3)]
+    gw = gateways([b.url for b in bad], policy="eager+round-robin", max_attempts=2)
+    rule = gw.gateway.reroute_rule()
+    assert (rule.retries, rule.delay_s(1), rule.delay_s(20)) == (1, 0.05, 0.5)
+    r = httpx.post(gw.url + "/v1/chat/completions", json=chat_body(), timeout=10)
+    assert r.status_code >= 500 and r.json()["error"]["code"] == "engine_failed"
+    assert sum(len(b.engine.requests) for b in bad) == 2
+    assert metrics(gw)["turnstile_gateway_turns_rerouted_total"] == 1
+
+
 def test_dead_engine_marked_down_and_back_up(fake_engines: Any, gateways: Any) -> None:
     a = fake_engines()
     b = fake_engines()

@@ -6,10 +6,6 @@ killed with SIGKILL, like a crash; the engine is a fake one in this process.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,55 +16,11 @@ import httpx
 import pytest
 
 from turnstile.engines.llama_server import free_port
+from turnstile.gateway.process import GatewayProcess
 from turnstile.gateway.store import HeldTurnRow, SessionRow, Store
 from turnstile.testing.fake_engine import FakeServer, chat_body, start_fake
 
 pytestmark = pytest.mark.timeout(90)
-
-
-class GatewayProcess:
-    def __init__(self, config: Path, port: int, log: Path) -> None:
-        self.config = config
-        self.port = port
-        self.log = log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> GatewayProcess:
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "turnstile.gateway", "serve", "--config",
-                 str(self.config), "--port", str(self.port)],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            )
-        deadline = time.monotonic() + 30
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited: {self.log.read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"gateway did not start: {self.log.read_text()[-2000:]}")
-            time.sleep(0.05)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 @pytest.fixture
@@ -99,7 +51,7 @@ name = "fake"
     port = free_port()
 
     def start() -> GatewayProcess:
-        p = GatewayProcess(config, port, tmp_path / "gateway.log").start()
+        p = GatewayProcess(config, port=port, log=tmp_path / "gateway.log").start()
         procs.append(p)
         return p
 

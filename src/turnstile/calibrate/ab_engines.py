@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import math
 import os
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from turnstile.gateway.adapters import parse_prometheus
+from turnstile.transport.blocking import post_json
 
 __all__ = [
     "ENGINES",
     "VLLM_CPU_BLOCK",
     "counters_from_metrics",
-    "engine_toml_lines",
+    "engine_table",
     "gateway_kind",
     "start_servers",
     "vllm_blocks",
@@ -51,16 +51,15 @@ def gateway_kind(engine: str) -> str:
     return "llama.cpp" if engine == "llamacpp" else "vllm"
 
 
-def engine_toml_lines(engine: str, index: int, url: str, *, slots: int,
-                      kv_tokens: int) -> list[str]:
-    """One ``[[engines]]`` table of the gateway's TOML: a llama.cpp engine with its slots, a
+def engine_table(engine: str, index: int, url: str, *, slots: int,
+                 kv_tokens: int) -> dict[str, Any]:
+    """One ``[[engines]]`` table of the gateway's config: a llama.cpp engine with its slots, a
     vLLM engine with its session KV only (it has no slots)."""
-    kind = gateway_kind(engine)
-    lines = ["[[engines]]", f'url = "{url}"', f'kind = "{kind}"',
-             f'name = "{"llama" if engine == "llamacpp" else "vllm"}-{index}"']
+    table: dict[str, Any] = {"url": url, "kind": gateway_kind(engine),
+                             "name": f"{'llama' if engine == 'llamacpp' else 'vllm'}-{index}"}
     if engine == "llamacpp":
-        lines.append(f"slots = {slots}")
-    return [*lines, f"kv_tokens = {kv_tokens}", ""]
+        table["slots"] = slots
+    return {**table, "kv_tokens": kv_tokens}
 
 
 def counters_from_metrics(engine: str, text: str) -> dict[str, float]:
@@ -91,10 +90,7 @@ def reset_kv(engine: str, urls: Sequence[str], n_parallel: int, timeout: float =
              else ["/reset_prefix_cache"])
     for u in urls:
         for p in paths:
-            req = urllib.request.Request(u + p, data=b"{}", method="POST",
-                                         headers={"content-type": "application/json"})
-            with urllib.request.urlopen(req, timeout=timeout):
-                pass
+            post_json(u + p, timeout=timeout)
 
 
 def start_servers(engine: str, tmp: Path, *, count: int, hidden: int, layers: int,

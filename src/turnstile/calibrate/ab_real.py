@@ -26,11 +26,8 @@ import json
 import math
 import os
 import random
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -60,14 +57,15 @@ from turnstile.calibrate.ab import (
 )
 from turnstile.calibrate.ab_engines import (
     counters_from_metrics,
-    engine_toml_lines,
+    engine_table,
     reset_kv,
     start_servers,
 )
 from turnstile.calibrate.profile import profile_engine, write_profile
 from turnstile.engines.llama_server import free_port, pin_engines
-from turnstile.engines.process import stop_process
+from turnstile.gateway.process import GatewayProcess, config_toml
 from turnstile.sim.fitted_perf import FittedPerf
+from turnstile.transport.blocking import get as http_get
 from turnstile.workload.model import Workflow
 
 __all__ = ["AbRun", "Cell", "best_of", "measure_cell", "measure_serving", "run_ab",
@@ -137,74 +135,34 @@ class AbRun:
         return order + ([self.policies[0] + RERUN] if self.rerun_baseline else [])
 
 
-def _get(url: str, timeout: float = 5.0) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return bytes(r.read())
-
-
 def engine_counters(urls: Sequence[str], engine: str = "llamacpp") -> dict[str, float]:
     """The engines' prompt-token counters, summed (processed = computed, cached = reused)."""
     total = {"processed": 0.0, "cached": 0.0}
     for u in urls:
-        for k, v in counters_from_metrics(engine, _get(u + "/metrics").decode()).items():
+        text = http_get(u + "/metrics", timeout=5.0)
+        if text is None:
+            raise OSError(f"{u}/metrics did not answer")
+        for k, v in counters_from_metrics(engine, text.decode()).items():
             total[k] += v
     return total
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def gateway_toml(policy: str, urls: Sequence[str], engines: AbEngines, *, port: int,
                  session_idle_s: float, params: dict[str, dict[str, Any]],
                  engine: str = "llamacpp") -> str:
-    lines = ["[gateway]", 'host = "127.0.0.1"', f"port = {port}", f'policy = "{policy}"',
-             f"session_idle_s = {session_idle_s!r}", "stats_interval_s = 0.5",
-             # exact prompt tokens (the engine's /tokenize), as the simulator has them: the KV
-             # gate must not admit sessions on a characters-per-token guess
-             "tokenize = true", ""]
-    for kind, kw in params.items():
-        lines.append(f"[policy.{kind}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in kw.items()]
-        lines.append("")
-    for i, u in enumerate(urls):
-        lines += engine_toml_lines(engine, i, u, slots=engines.n_parallel,
-                                   kv_tokens=engines.session_kv_tokens)
-    return "\n".join(lines)
-
-
-class _Gateway:
-    """``turnstile serve`` as a subprocess, for one cell."""
-
-    def __init__(self, config: Path, port: int, log: Path) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        self._log = open(log, "ab")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "turnstile.gateway", "serve", "--config", str(config)],
-            stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.proc.returncode} (log: {log})")
-            try:
-                _get(self.url + "/health", timeout=1.0)
-                return
-            except OSError:
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"gateway did not answer /health within 60 s (log: {log})")
-
-    def stop(self) -> None:
-        stop_process(self.proc, 10)
-        self._log.close()
+    return config_toml(
+        {"host": "127.0.0.1", "port": port, "policy": policy, "session_idle_s": session_idle_s,
+         "stats_interval_s": 0.5,
+         # exact prompt tokens (the engine's /tokenize), as the simulator has them: the KV
+         # gate must not admit sessions on a characters-per-token guess
+         "tokenize": True},
+        [engine_table(engine, i, u, slots=engines.n_parallel,
+                      kv_tokens=engines.session_kv_tokens) for i, u in enumerate(urls)],
+        policy_params=params)
 
 
 def _fresh_gateway(policy: str, urls: Sequence[str], engines: AbEngines, run: AbRun,
-                   work: Path) -> _Gateway:
+                   work: Path) -> GatewayProcess:
     """Empty the engines' KV and start a gateway process running ``policy`` before them."""
     reset_kv(run.engine, urls, engines.n_parallel)
     port = free_port()
@@ -212,7 +170,7 @@ def _fresh_gateway(policy: str, urls: Sequence[str], engines: AbEngines, run: Ab
     cfg.write_text(gateway_toml(policy_spec(policy), urls, engines, port=port,
                                 session_idle_s=run.session_idle_s, params=run.policy_params,
                                 engine=run.engine))
-    return _Gateway(cfg, port, work / "gateway.log")
+    return GatewayProcess(cfg, port=port, log=work / "gateway.log").start(timeout_s=60)
 
 
 def chars_per_token(engine_url: str, model: str = "tiny") -> float:
@@ -489,7 +447,7 @@ def run_ab(
             wfs = cell_workload(sessions, rates[load], seed)
             pred = predict(wfs, run.cell_policies, eng, perf, run.session_idle_s, serving)
             for policy in run.cell_order(group):
-                def start(policy: str = policy) -> _Gateway:
+                def start(policy: str = policy) -> GatewayProcess:
                     return _fresh_gateway(policy, urls, eng, run, tmp)
 
                 c = measure_cell(start, urls, wfs, run, policy, seed,

@@ -13,13 +13,12 @@ import shlex
 import socket
 import subprocess
 import tempfile
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import ClassVar, Self
+
+from turnstile.transport.blocking import wait_ready
 
 __all__ = ["ServerProcess", "free_port", "stop_process"]
 
@@ -195,24 +194,16 @@ class ServerProcess:
 
     def _wait_healthy(self, proc: subprocess.Popen[bytes], cmd: Sequence[str]) -> None:
         url = f"{self.base_url}/health"
-        deadline = time.monotonic() + self.startup_timeout_s
-        while True:
-            code = proc.poll()
-            if code is not None:
-                raise self._error(
-                    f"{self._name} exited with code {code} during start-up\n"
-                    f"command: {shlex.join(cmd)}\n--- log tail ---\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(url, timeout=2.0) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass  # not listening yet, or 503 while the model loads
-            if time.monotonic() > deadline:
-                raise self._error(
-                    f"{self._name} not healthy after {self.startup_timeout_s:.0f} s at {url}\n"
-                    f"--- log tail ---\n{self.log_tail()}")
-            time.sleep(self._poll_s)
+        got = wait_ready(url, timeout_s=self.startup_timeout_s, process=proc,
+                         poll_s=self._poll_s, request_timeout_s=2.0)
+        if got == "exited":
+            raise self._error(
+                f"{self._name} exited with code {proc.returncode} during start-up\n"
+                f"command: {shlex.join(cmd)}\n--- log tail ---\n{self.log_tail()}")
+        if got == "timeout":
+            raise self._error(
+                f"{self._name} not healthy after {self.startup_timeout_s:.0f} s at {url}\n"
+                f"--- log tail ---\n{self.log_tail()}")
 
     def _port_conflict(self) -> bool:
         tail = self.log_tail(80).lower()

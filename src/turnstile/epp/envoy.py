@@ -34,11 +34,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from turnstile.transport.blocking import wait_ready
 
 __all__ = ["EnvoyProcess", "envoy_config", "find_envoy", "free_port"]
 
@@ -261,21 +262,14 @@ class EnvoyProcess:
                "--concurrency", str(self.concurrency), "-l", self.log_level,
                "--log-path", str(self.log_path)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"envoy exited with {self.proc.returncode}: "
-                                   f"{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/ready",
-                                            timeout=1) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"envoy did not become ready: {self.log_tail()}")
+        got = wait_ready(f"http://127.0.0.1:{self.admin_port}/ready", timeout_s=timeout_s,
+                         process=self.proc)
+        if got == "exited":
+            raise RuntimeError(f"envoy exited with {self.proc.returncode}: {self.log_tail()}")
+        if got == "timeout":
+            self.stop()
+            raise RuntimeError(f"envoy did not become ready: {self.log_tail()}")
+        return self
 
     def stats(self) -> dict[str, int]:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/stats", timeout=5) as r:

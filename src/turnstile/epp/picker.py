@@ -359,8 +359,7 @@ class Picker(Gateway):
         self.endpoint[a.id] = endpoint_of(a)
         self.by_endpoint[self.endpoint[a.id]] = a.id
         self.health.engines[a.id] = EngineState(up=False)
-        if type(a).retain is not EngineAdapter.retain:
-            self.driver._retainers.add(a.id)
+        self.driver.engine_added(a)
         await a.start()
         (load,) = engine_loads([a], [])
         self.apply(self.scheduler.add_engine(self.clock.now(), load))

@@ -48,11 +48,18 @@ class ReleaseDriver:
         self.host = host
         self.by_rec: dict[TurnRecord, PendingTurn] = {}
         #: engines whose adapter acts on retention decisions (others would only spawn no-ops)
-        self._retainers = {a.id for a in host.adapters.values()
-                           if type(a).retain is not EngineAdapter.retain}
+        self._retainers: set[str] = set()
+        for a in host.adapters.values():
+            self.engine_added(a)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.TimerHandle | None = None
         self._wakeup_at = math.inf
+
+    def engine_added(self, adapter: EngineAdapter) -> None:
+        """An engine joined (at start, or later: the endpoint picker's pool): its retention
+        decisions go to its adapter where the adapter acts on them."""
+        if type(adapter).retain is not EngineAdapter.retain:
+            self._retainers.add(adapter.id)
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop

@@ -72,9 +72,9 @@ from turnstile.workload.model import Turn
 __all__ = ["CHAT_PATH", "COMPLETIONS_PATH", "Gateway", "GatewayError", "Outcome", "TurnRequest"]
 
 log = logging.getLogger("turnstile.gateway")
-#: the wait before a failed turn is made READY again (the one retry rule's backoff; the
-#: number of attempts is the config's max_attempts)
-_REROUTE = RetryRule(backoff_s=0.05, max_backoff_s=0.5)
+#: the wait before a failed turn is made READY again (the one retry rule's backoff; its
+#: number of further attempts is the config's max_attempts - 1: :meth:`Gateway.reroute_rule`)
+_REROUTE_BACKOFF_S, _REROUTE_MAX_BACKOFF_S = 0.05, 0.5
 
 PENDING, READY, RELEASED, RUNNING, DONE = (TurnState.PENDING, TurnState.READY,
                                            TurnState.RELEASED, TurnState.RUNNING, TurnState.DONE)
@@ -347,26 +347,33 @@ class Gateway:
         if p.state == READY and self.durable is not None:
             self.durable.held(p, now)
 
+    def reroute_rule(self) -> RetryRule:
+        """The retry rule of :meth:`serve`: ``max_attempts`` sends in all, waiting
+        ``min(0.05 s × attempt, 0.5 s)`` before each re-route."""
+        return RetryRule(retries=self.config.max_attempts - 1, backoff_s=_REROUTE_BACKOFF_S,
+                         max_backoff_s=_REROUTE_MAX_BACKOFF_S)
+
     async def serve(self, p: PendingTurn) -> Outcome:
         """The one retry loop: wait for release, forward, and on a failure before anything
         reached the client re-ready the turn (the routing policy then sees the engine down),
         up to ``max_attempts``."""
+        rule = self.reroute_rule()
         attempt = 0
         while True:
             if p.state == READY:
                 assert p.waker is not None
                 await p.waker
-            attempt += 1
             try:
                 return await self.relay.forward(p)
             except RetryableFailure as r:
                 self.metrics.turns_failed.labels(p.engine, "upstream").inc()
-                if attempt >= self.config.max_attempts:
+                if not rule.again(attempt):
                     self.apply(self._turn_over(p))
                     raise GatewayError(r.status, f"engine failed: {r}",
                                        type_="upstream_error", code="engine_failed") from None
+                attempt += 1
                 self.metrics.turns_rerouted.inc()
-                await asyncio.sleep(_REROUTE.delay_s(attempt))
+                await asyncio.sleep(rule.delay_s(attempt))
                 assert p.turn is not None
                 self.make_ready(p, p.turn)
 

@@ -30,8 +30,6 @@ import json
 import math
 import operator
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -299,32 +297,19 @@ def _engine_name(i: int, b: LiveBucket) -> str:
     return f"e{i}-{b.name}"
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
 def gateway_toml(cfg: LiveConfig, engine_urls: Sequence[str], port: int) -> str:
     """The gateway's config: the policy ``eager+<routing>``, and every engine with its TP and
     bucket (what the bucket router groups by)."""
-    lines = ["[gateway]", 'host = "127.0.0.1"', f"port = {port}",
-             f"policy = {_toml_value('eager+' + cfg.policy)}",
-             f"read_timeout_s = {float(cfg.request_timeout_s)!r}", "stats_interval_s = 0.0",
-             f"session_idle_s = {float(cfg.session_idle_s)!r}", ""]
-    if cfg.routing_params:
-        lines.append("[policy.routing]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in cfg.routing_params.items()]
-        lines.append("")
-    for i, (b, url) in enumerate(zip(cfg.buckets, engine_urls, strict=True)):
-        lines += ["[[engines]]", f"url = {_toml_value(url)}", 'kind = "llama.cpp"',
-                  f"name = {_toml_value(_engine_name(i, b))}", f"tp = {b.tp}",
-                  f"bucket = {_toml_value(b.name)}", ""]
-    return "\n".join(lines)
+    from turnstile.gateway.process import config_toml
+
+    return config_toml(
+        {"host": "127.0.0.1", "port": port, "policy": "eager+" + cfg.policy,
+         "read_timeout_s": float(cfg.request_timeout_s), "stats_interval_s": 0.0,
+         "session_idle_s": float(cfg.session_idle_s)},
+        [{"url": url, "kind": "llama.cpp", "name": _engine_name(i, b), "tp": b.tp,
+          "bucket": b.name}
+         for i, (b, url) in enumerate(zip(cfg.buckets, engine_urls, strict=True))],
+        policy_params={"routing": cfg.routing_params} if cfg.routing_params else None)
 
 
 def _start_engines(cfg: LiveConfig, tmp: Path, log: Callable[[str], None]) -> list[Any]:
@@ -354,29 +339,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _start_gateway(config_path: Path, port: int, timeout_s: float = 20.0
-                   ) -> subprocess.Popen[bytes]:
-    """``turnstile serve --config`` in a subprocess; returns once ``/health`` answers."""
-    import httpx
-
-    proc = subprocess.Popen([sys.executable, "-m", "turnstile.gateway", "serve", "--config",
-                             str(config_path)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-            raise RuntimeError(f"the gateway exited ({proc.returncode}): {err[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"the gateway did not answer /health within {timeout_s} s")
-
-
 def _turns_per_engine(metrics_text: str) -> dict[str, int]:
     """The gateway's own tally: ``turnstile_gateway_turns_finished_total`` per engine."""
     out: dict[str, int] = {}
@@ -394,9 +356,9 @@ def run_live(cfg: LiveConfig, log: Callable[[str], None] = lambda m: None) -> di
     """Start the engines (two llama.cpp servers by default) and the gateway in front of them
     (policy ``eager+<cfg.policy>``, engine TP and bucket from ``cfg.buckets``); run
     ``cfg.steps`` batches through it; stop everything. Real engines: nothing is simulated."""
-    import httpx
-
+    from turnstile.gateway.process import GatewayProcess
     from turnstile.policies import ROUTING
+    from turnstile.transport.blocking import get as http_get
 
     if len(cfg.buckets) < 1:
         raise ValueError("need at least one engine")
@@ -408,14 +370,14 @@ def run_live(cfg: LiveConfig, log: Callable[[str], None] = lambda m: None) -> di
     with tempfile.TemporaryDirectory(prefix="turnstile-live-") as tmp_s:
         tmp = Path(tmp_s)
         procs = _start_engines(cfg, tmp, log)
-        gw: subprocess.Popen[bytes] | None = None
+        gw: GatewayProcess | None = None
         try:
             port = _free_port()
             conf = tmp / "gateway.toml"
             conf.write_text(gateway_toml(cfg, [p.base_url for p in procs], port),
                             encoding="utf-8")
-            gw = _start_gateway(conf, port)
-            url = f"http://127.0.0.1:{port}"
+            gw = GatewayProcess(conf, port=port, log=tmp / "gateway.log").start(timeout_s=20)
+            url = gw.url
             log(f"gateway {url} (eager+{cfg.policy})")
             driver = LiveDriver(url, tmp / "sandbox", cfg)
             steps = []
@@ -438,14 +400,10 @@ def run_live(cfg: LiveConfig, log: Callable[[str], None] = lambda m: None) -> di
                 log(f"step {k}: {len(trajs)} trajectories in {res['makespan_s']:.2f} s")
                 # let the gateway close the sessions (the router learns from finished ones)
                 time.sleep(cfg.session_idle_s + 0.6)
-            turns = _turns_per_engine(httpx.get(f"{url}/metrics", timeout=5.0).text)
+            turns = _turns_per_engine((http_get(f"{url}/metrics", timeout=5.0) or b"").decode())
         finally:
             if gw is not None:
-                gw.terminate()
-                try:
-                    gw.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    gw.kill()
+                gw.stop()
             for p in procs:
                 p.stop()
     served: dict[str, int] = {}

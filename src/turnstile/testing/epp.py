@@ -88,11 +88,10 @@ class PickerProcess:
         import subprocess
         import sys
         import tempfile
-        import time
-        import urllib.request
         from pathlib import Path
 
         from turnstile.epp.envoy import free_port
+        from turnstile.transport.blocking import wait_ready
 
         self.grpc_port = grpc_port or free_port()
         self.metrics_port = free_port()
@@ -107,21 +106,13 @@ class PickerProcess:
         with os.fdopen(fd, "wb") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=env)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(Path(self.log).read_text()[-2000:])
-            try:
-                with urllib.request.urlopen(
-                        f"http://127.0.0.1:{self.metrics_port}/health", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError("the picker did not become ready")
-            time.sleep(0.1)
+        got = wait_ready(f"http://127.0.0.1:{self.metrics_port}/health", timeout_s=timeout_s,
+                         process=self.proc, poll_s=0.1)
+        if got == "exited":
+            raise RuntimeError(Path(self.log).read_text()[-2000:])
+        if got == "timeout":
+            self.kill()
+            raise RuntimeError("the picker did not become ready")
 
     @property
     def metrics_url(self) -> str:

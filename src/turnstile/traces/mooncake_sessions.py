@@ -133,6 +133,8 @@ def mooncake_records(workflows: Iterable[Workflow]) -> list[dict[str, Any]]:
                 rec["input_length"] = t.prompt_tokens if first_of_thread else t.input_tokens
                 rec["output_length"] = t.output_tokens
                 before = [] if first_of_thread else chains[turns[pos - 1]]
+                full: list[Any]
+                new_ids: list[Any]
                 if t.block_hashes:
                     full = list(t.block_hashes)
                     m = 0
@@ -196,14 +198,15 @@ def load_mooncake_sessions(path: str | Path, block_size: int = BLOCK_SIZE) -> Lo
         sessions.setdefault(str(sid), []).append((lineno, d))
     parent_of: dict[str, str | None] = {}
     for sid, recs in sessions.items():
-        par = None
+        parent_sid = None
         for key in _PARENT_KEYS:
             if recs[0][1].get(key) is not None:
-                par = str(recs[0][1][key])
+                parent_sid = str(recs[0][1][key])
                 break
-        if par is not None and par not in sessions:
-            raise TraceFormatError(f"{p}:{recs[0][0]}", "", f"parent session {par!r} not found")
-        parent_of[sid] = par
+        if parent_sid is not None and parent_sid not in sessions:
+            raise TraceFormatError(f"{p}:{recs[0][0]}", "",
+                                   f"parent session {parent_sid!r} not found")
+        parent_of[sid] = parent_sid
 
     def root(sid: str) -> str:
         seen = set()
@@ -279,13 +282,13 @@ def load_mooncake_sessions(path: str | Path, block_size: int = BLOCK_SIZE) -> Lo
             if par:
                 tool_s[par[0]] = max(tool_s.get(par[0], 0.0), gaps[i])
         order = _topological(parents)
-        new = {old: k for k, old in enumerate(order)}
+        renumber = {old: k for k, old in enumerate(order)}
         chain = all(parents[old] == ((order[k - 1],) if k else ()) for k, old in enumerate(order))
         final = []
         for old in order:
             t = turns[old]
             tools = (ToolCall(DELAY_TOOL, tool_s[old], "unknown"),) if old in tool_s else ()
-            par = None if chain else tuple(sorted({new[q] for q in parents[old] or ()}))
+            par = None if chain else tuple(sorted({renumber[q] for q in parents[old] or ()}))
             final.append(Turn(t.input_tokens, t.output_tokens, t.context_tokens,
                               t.block_hashes, tools, par))
         meta = {"source": "mooncake-sessions", "file": p.name, "session_id": rid}

@@ -144,10 +144,10 @@ def build_workflow(
         think = 0.0
         ps = parents[i]
         if i > 0 and ps == [i - 1]:
-            p = items[i - 1][3]
-            if p.tools is not None:  # known tool time: the rest of the gap is think time
-                known = sum(t.duration_s for t in p.tools)
-                think = round(max(0.0, start - p.end_s - known), 6)
+            prev = items[i - 1][3]
+            if prev.tools is not None:  # known tool time: the rest of the gap is think time
+                known = sum(t.duration_s for t in prev.tools)
+                think = round(max(0.0, start - prev.end_s - known), 6)
         turns.append(Turn(
             input_tokens=prompt - context,
             output_tokens=max(1, c.output_tokens),

@@ -197,6 +197,7 @@ def _parse(path: Path, lineno: int, rec: Any, c: Counter[str]) -> _Req | None:
         c["skipped_failed"] += 1
         return None
     messages, tools = _messages(rec)
+    prefixes: tuple[bytes, ...]
     if messages is None:
         c["no_messages"] += 1
         prefixes, text = (), ""

@@ -204,7 +204,8 @@ class _Mini:
             if not isinstance(m, dict):
                 raise self.j.fail(where, "expected message objects")
             chars += _content_chars(m.get("content"))
-            extra = m.get("extra") if isinstance(m.get("extra"), dict) else {}
+            extra_v = m.get("extra")
+            extra: dict[str, Any] = extra_v if isinstance(extra_v, dict) else {}
             rc = extra.get("returncode")
             content = m.get("content")
             text = content if isinstance(content, str) else ""
@@ -348,7 +349,8 @@ def load_trajectories(path: str | Path, *, prefill_tok_s: float = PREFILL_TOK_S,
         else:
             raise TraceFormatError(f, "$", "neither 'messages' (mini-swe-agent) nor "
                                    "'trajectory' (SWE-agent): not an agent trajectory")
-        info = data.get("info") if isinstance(data.get("info"), dict) else {}
+        info_v = data.get("info")
+        info: dict[str, Any] = info_v if isinstance(info_v, dict) else {}
         if isinstance(info.get("exit_status"), str):
             meta["exit_status"] = info["exit_status"]
         per_file.append((f, name, calls, meta))

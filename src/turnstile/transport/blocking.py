@@ -1,19 +1,23 @@
 """The transport for blocking callers that time-stamp every streamed line themselves (the
 calibration client, one thread per simulated session): standard library only, the same retry
-rule as :mod:`.client`.
+rule as :mod:`.client`. Also the one "wait until a started server answers" loop
+(:func:`wait_ready`) for whatever starts an engine, a gateway, a picker or Envoy as a process.
 """
 
 from __future__ import annotations
 
 import http.client
+import subprocess
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping
+from typing import Any, Literal
 
 from turnstile.transport.retry import RetryRule, retry_sync
 
-__all__ = ["get", "nothing_received", "open_post"]
+__all__ = ["get", "nothing_received", "open_post", "post_json", "wait_ready"]
 
 
 def nothing_received(exc: BaseException) -> bool:
@@ -51,3 +55,35 @@ def get(url: str, *, timeout: float) -> bytes | None:
             return bytes(resp.read())
     except (urllib.error.URLError, OSError):
         return None
+
+
+def post_json(url: str, body: bytes = b"{}", *, timeout: float) -> int:
+    """POST a JSON ``body`` to ``url`` and read the reply; its status. An error status raises
+    ``urllib.error.HTTPError``, no answer ``OSError``."""
+    req = urllib.request.Request(url, data=body, method="POST",
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        resp.read()
+        return int(resp.status)
+
+
+def wait_ready(url: str, *, timeout_s: float, process: subprocess.Popen[Any] | None = None,
+               poll_s: float = 0.05, request_timeout_s: float = 1.0
+               ) -> Literal["ready", "exited", "timeout"]:
+    """Poll ``GET url`` until it answers 200 (``"ready"``), ``process`` (the server just
+    started) exits (``"exited"``), or ``timeout_s`` passes (``"timeout"``). No answer yet, or
+    another status (503 while a model loads), is polled again after ``poll_s``. The caller
+    words the error: it knows the process and its log."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process is not None and process.poll() is not None:
+            return "exited"
+        try:
+            with urllib.request.urlopen(url, timeout=request_timeout_s) as resp:
+                if resp.status == 200:
+                    return "ready"
+        except (OSError, http.client.HTTPException):
+            pass  # not listening yet, an error status, a connection cut
+        if time.monotonic() > deadline:
+            return "timeout"
+        time.sleep(poll_s)

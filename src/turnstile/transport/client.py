@@ -106,6 +106,11 @@ class HttpTransport:
             timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s, pool=read_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=max_keepalive),
         )
+        #: for :meth:`get` with ``fresh_connection``: a new connection each time (health
+        #: checks: a server that stopped listening, its kept-alive connections maybe silent, is
+        #: found at once)
+        self._fresh_client = client or httpx.AsyncClient(
+            timeout=self.control_timeout, limits=httpx.Limits(max_keepalive_connections=0))
         #: the measured fast path, unless an httpx client was given (tests pass one with a
         #: MockTransport) or the origin is https
         self.fast: FastHttpClient | None = None
@@ -118,6 +123,7 @@ class HttpTransport:
             await self.fast.aclose()
         if self._owns_client:
             await self.client.aclose()
+            await self._fresh_client.aclose()
 
     async def post(self, path: str, content: bytes,
                    headers: Mapping[str, str] | None = None) -> Response:
@@ -138,11 +144,13 @@ class HttpTransport:
                         r.headers, r.aiter_bytes(), r.aclose)
 
     # ------------------------------------------------------------------ control plane
-    async def get(self, path: str, *, timeout: httpx.Timeout | float | None = None
-                  ) -> httpx.Response:
-        return await self.client.get(self.base_url + path, headers=self.headers,
-                                     timeout=timeout if timeout is not None
-                                     else self.control_timeout)
+    async def get(self, path: str, *, timeout: httpx.Timeout | float | None = None,
+                  fresh_connection: bool = False) -> httpx.Response:
+        """``GET path`` (control timeout unless given); ``fresh_connection``: on a new
+        connection, not a kept-alive one (health checks)."""
+        client = self._fresh_client if fresh_connection else self.client
+        return await client.get(self.base_url + path, headers=self.headers,
+                                timeout=timeout if timeout is not None else self.control_timeout)
 
     async def post_json(self, path: str, body: Any, *,
                         timeout: httpx.Timeout | float | None = None) -> httpx.Response:

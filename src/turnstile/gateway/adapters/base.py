@@ -194,12 +194,6 @@ class EngineAdapter:
             read_timeout_s=read_timeout_s, control_timeout_s=control_timeout_s,
             retry=RetryRule(retries=retries, backoff_s=0.0),
         )
-        #: health checks open a new connection each time: a server that stopped listening
-        #: (shutting down, its kept-alive connections maybe silent) is found at once
-        self._owns_health = client is None
-        self._health_client = client or httpx.AsyncClient(
-            timeout=self.transport.control_timeout,
-            limits=httpx.Limits(max_keepalive_connections=0))
         #: what :meth:`check_config` found, per :data:`FEATURES` name: True (the engine does
         #: it), False (it ignores it), None (unknown); with :attr:`config_notes`, the evidence
         self.features: dict[str, bool | None] = dict.fromkeys(FEATURES)
@@ -228,8 +222,6 @@ class EngineAdapter:
 
     async def aclose(self) -> None:
         await self.transport.aclose()
-        if self._owns_health:
-            await self._health_client.aclose()
 
     # ------------------------------------------------------------------ forwarding
     def prepare(self, body: dict[str, Any], hints: ForwardHints) -> dict[str, Any]:
@@ -361,12 +353,12 @@ class EngineAdapter:
         reset: no server there any more); ``"unhealthy"`` (it answered, not 200: loading,
         draining or broken); ``"silent"`` (no answer within the control timeout, or
         ``timeout_s``: hung, or only slow)."""
-        timeout = (self.transport.control_timeout if timeout_s is None
-                   else httpx.Timeout(timeout_s))
+        timeout = None if timeout_s is None else httpx.Timeout(timeout_s)
         try:
-            resp = await self._health_client.get(self.base_url + self.health_path,
-                                                 headers=self.transport.headers,
-                                                 timeout=timeout)
+            # a new connection each time: a server that stopped listening (shutting down,
+            # its kept-alive connections maybe silent) is found at once
+            resp = await self.transport.get(self.health_path, fresh_connection=True,
+                                            timeout=timeout)
         except httpx.TimeoutException:
             return "silent"
         except httpx.HTTPError:
