@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _stream(url: str, out: dict[str, Any], started: threading.Event) -> None:
-    body = chat_body("s", max_tokens=400, stream=True)
+    body = chat_body("s", max_tokens=150, stream=True)
     with httpx.stream("POST", url + "/v1/chat/completions", json=body,
                       headers={"x-turnstile-engine": "a"}, timeout=30) as r:
         last = ""
@@ -64,8 +64,8 @@ def _run(fake_engines: Callable[..., FakeServer], gateways: Callable[..., Gatewa
     p.join(6)
     hung.engine.stall = False
     hung.engine.health_delay_s = 0.0
-    t.join(10)
-    p.join(10)
+    t.join(20)
+    p.join(20)
     return stream, whole, stalled, hung, ok
 
 
