@@ -41,7 +41,7 @@ def _project() -> dict:
 def test_every_runtime_dependency_is_imported() -> None:
     project = _project()
     declared = [_name(r) for r in project["dependencies"]]
-    for extra in ("gateway", "plots"):
+    for extra in ("gateway", "plots", "engine"):
         declared += [_name(r) for r in project["optional-dependencies"][extra]]
     imported = _imported_modules()
     unused = [d for d in declared if MODULE.get(d, d.replace("-", "_")) not in imported]
@@ -69,3 +69,18 @@ def test_without_matplotlib_bench_writes_the_html_report(tmp_path: Path) -> None
     assert (tmp_path / "results.json").is_file() and (tmp_path / "report.html").is_file()
     assert not (tmp_path / "flow_cdf.png").exists()
     assert "turnstile[plots]" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_tiny_model_without_gguf_is_one_line(tmp_path: Path) -> None:
+    """The README's Quickstart 2 writes the tiny model first: without the ``engine`` extra that is
+    one line naming the extra, exit code 2, not a traceback."""
+    code = ("import sys; sys.modules['gguf'] = None\n"
+            "from turnstile.engines.tiny_model import main\n"
+            f"raise SystemExit(main([{str(tmp_path / 'tiny.gguf')!r}]))\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip().splitlines() == [
+        "error: writing the tiny model needs the gguf package: pip install 'turnstile[engine]'"]
+    assert not (tmp_path / "tiny.gguf").exists()
