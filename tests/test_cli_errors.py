@@ -9,6 +9,8 @@ nothing on stdout: every check runs before any work is printed or started.
 from __future__ import annotations
 
 import json
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,8 +19,19 @@ from turnstile.cli import main
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def busy_port() -> Iterator[int]:
+    """A loopback port held open (listening) for the module: "port in use" rows."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory, busy_port: int) -> dict[str, str]:
     d = tmp_path_factory.mktemp("cli-errors")
+    profile = d / "profile.json"
+    profile.write_text(json.dumps({"format": "turnstile-profile", "version": 1}) + "\n")
     existing = d / "existing.txt"
     existing.write_text("hello\n")
     bad_json = d / "bad.json"
@@ -43,7 +56,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             "not_profile": str(not_profile), "huge": str(huge), "mooncake": str(mooncake),
             "bad_record": str(bad_record),
             "bad_line_record": str(bad_line_record), "future_record": str(future_record),
-            "under_file": str(existing / "sub")}
+            "under_file": str(existing / "sub"), "profile": str(profile),
+            "busy": str(busy_port)}
 
 
 ENGINE = "http://127.0.0.1:9"  # never contacted: every row fails before
@@ -120,6 +134,36 @@ CASES: list[tuple[str, list[str], str]] = [
     ("rollout-unknown-policy", [*R, "--policies", "banana"], "banana"),
     ("rollout-unknown-workload", [*R, "--workload", "banana"], "banana"),
     ("rollout-out-existing-file", [*R, "--out", "{existing}"], "--out"),
+    ("rollout-steps-huge", ["rollout", "sim", "--steps", "100000000"], "--steps"),
+    # rollout live: every flag checked before two llama.cpp engines start
+    ("live-unknown-policy", ["rollout", "live", "--policy", "banana"], "--policy banana"),
+    ("live-model-missing", ["rollout", "live", "--model", "/missing/m.gguf"], "--model"),
+    ("live-out-existing-file", ["rollout", "live", "--out", "{existing}"], "--out"),
+    ("bench-engines-huge", [*B, "--engines", "100000"], "--engines"),
+    ("bench-seed-negative", [*B, "--seed", "-1"], "--seed"),
+    ("synth-seed-negative", ["traces", "synth", "-o", "{dir}/x.jsonl", "--seed", "-1"],
+     "--seed"),
+    ("profile-target-not-a-url", ["profile", "--target", "banana", "-o", "{dir}/p.json"],
+     "--target banana"),
+    ("profile-target-unreachable", ["profile", "--target", "http://127.0.0.1:1", "-o",
+                                    "{dir}/p.json"], "--target http://127.0.0.1:1"),
+    ("fidelity-target-not-a-url", ["fidelity", "--target", "banana", "--profile",
+                                   "{profile}", "--trace", "{mooncake}", "-o", "{dir}/fid"],
+     "--target banana"),
+    # epp: the endpoint picker checks its endpoints and ports before it listens
+    ("epp-endpoint-not-ip-port", ["epp", "--endpoint", "banana"], "--endpoint banana"),
+    ("epp-endpoint-port-huge", ["epp", "--endpoint", "127.0.0.1:99999"], "--endpoint"),
+    ("epp-grpc-port-99999", ["epp", "--endpoint", "127.0.0.1:1", "--grpc-port", "99999"],
+     "--grpc-port"),
+    ("epp-grpc-port-in-use", ["epp", "--endpoint", "127.0.0.1:1", "--grpc-port", "{busy}"],
+     "--grpc-port"),
+    ("epp-metrics-port-in-use", ["epp", "--endpoint", "127.0.0.1:1", "--grpc-port", "0",
+                                 "--metrics-port", "{busy}"], "--metrics-port"),
+    ("epp-endpoints-file-missing", ["epp", "--endpoints-file", "/missing/eps.txt"],
+     "--endpoints-file"),
+    ("epp-endpoints-file-malformed", ["epp", "--endpoints-file", "{bad_json}"],
+     "--endpoints-file"),
+    ("serve-port-in-use", [*S[:3], "--port", "{busy}"], "--port"),
 ]
 
 

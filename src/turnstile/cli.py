@@ -190,7 +190,7 @@ def traces_synth(
     workflows: Annotated[int, typer.Option("-n", "--workflows", min=1, max=MAX_SYNTH_WORKFLOWS)]
     = 100,
     rate: Annotated[float, typer.Option(help="Poisson arrival rate, workflows/s")] = 0.5,
-    seed: Annotated[int, typer.Option()] = 0,
+    seed: Annotated[int, typer.Option(min=0)] = 0,
     fit: Annotated[
         Path | None, typer.Option(help="Fit the generator to this trace instead of the default")
     ] = None,
@@ -250,7 +250,7 @@ def bench(
         str, typer.Option(help="Comma-separated policy specs, e.g. eager,cvar+kv-affinity+ttl "
                           "(default: eager beside the default policy, auto)")
     ] = "eager,auto",
-    engines: Annotated[int, typer.Option(min=1, help="Number of simulated engines")] = 2,
+    engines: Annotated[int, typer.Option(min=1, max=4096, help="Number of simulated engines")] = 2,
     gpu: Annotated[str, typer.Option(help="GPU name (A100-80G, H100-SXM, H200, L40S)")] = "H100",
     model: Annotated[str, typer.Option(help="Model name, e.g. llama-3.1-8b")] = "llama-3.1-8b",
     tp: Annotated[int, typer.Option(min=1, help="Tensor parallelism per engine")] = 1,
@@ -274,7 +274,7 @@ def bench(
                                   "llama.cpp profile also simulates the engine's slots")
     ] = None,
     subset: Annotated[str | None, typer.Option(help="agentcgroup subset")] = None,
-    seed: Annotated[int, typer.Option()] = 0,
+    seed: Annotated[int, typer.Option(min=0)] = 0,
     out: Annotated[Path | None, typer.Option("-o", "--out",
                                              help="Write results.json and plots here")] = None,
     suite: Annotated[

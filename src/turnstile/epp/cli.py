@@ -72,6 +72,25 @@ def epp(
         run = _runner(loop)
         if not cfg.endpoints and not cfg.endpoints_file:
             raise ValueError("give --endpoint IP:PORT (repeat) or --endpoints-file")
+        for ep in cfg.endpoints:
+            _check_endpoint(ep)
+        if endpoints_file is not None:
+            from turnstile.epp.server import read_endpoints_file
+
+            if not endpoints_file.is_file():
+                raise ValueError(f"--endpoints-file {endpoints_file}: no such file")
+            try:
+                listed = read_endpoints_file(endpoints_file)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ValueError(f"--endpoints-file {endpoints_file}: not one IP:PORT a line "
+                                 f"nor a JSON list ({e})") from None
+            for ep in listed:
+                _check_endpoint(ep, f"--endpoints-file {endpoints_file}: endpoint")
+        from turnstile.gateway.cli import check_listen
+
+        check_listen(host, grpc_port, "--grpc-port")
+        if metrics_port >= 0:
+            check_listen(host, metrics_port, "--metrics-port")
         from turnstile.policies import PolicySet
 
         PolicySet.from_spec(gcfg.policy, gcfg.policy_params)
@@ -81,6 +100,13 @@ def epp(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     with contextlib.suppress(KeyboardInterrupt):
         run(serve_forever(cfg))
+
+
+def _check_endpoint(ep: str, flag: str = "--endpoint") -> None:
+    """``--endpoint``: HOST:PORT (an IPv6 address in brackets), the port 1 to 65535."""
+    host, sep, port = ep.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"{flag} {ep}: expected IP:PORT (a pod's address and port)")
 
 
 def _runner(loop: str) -> Callable[[Coroutine[Any, Any, None]], None]:

@@ -38,15 +38,11 @@ def _check_serve(cfg: GatewayConfig, log_level: str) -> None:
 
     Raises ``ValueError`` with one line naming the flag or file.
     """
-    import socket
-
     from turnstile.bench.usage import check_out_file
     from turnstile.gateway.adapters import ADAPTERS
 
     if log_level.lower() not in LOG_LEVELS:
         raise ValueError(f"--log-level {log_level!r}: use one of {', '.join(LOG_LEVELS)}")
-    if not 0 <= cfg.port <= 65535:
-        raise ValueError(f"--port {cfg.port}: a port is 0 to 65535")
     import httpx
 
     ids = [e.name or httpx.URL(e.url).netloc.decode() for e in cfg.engines]
@@ -76,14 +72,24 @@ def _check_serve(cfg: GatewayConfig, log_level: str) -> None:
         SessionRecorder(cfg.record).close()
     if cfg.state:
         _check_redis(cfg.state)
-    if cfg.port:  # a port in use fails here, not after "gateway on ..."
-        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
+    check_listen(cfg.host, cfg.port, "--port")
+
+
+def check_listen(host: str, port: int, flag: str) -> None:
+    """A port out of range or in use fails here, in one line naming ``flag``, not after the
+    server said it is up (port 0: any free port)."""
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{flag} {port}: a port is 0 to 65535")
+    if port:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                sock.bind((cfg.host, cfg.port))
+                sock.bind((host, port))
             except OSError as e:
-                raise ValueError(f"--port {cfg.port}: cannot listen on {cfg.host}:{cfg.port} "
+                raise ValueError(f"{flag} {port}: cannot listen on {host}:{port} "
                                  f"({e.strerror or e})") from None
 
 
@@ -217,7 +223,7 @@ def replay(
                                  envvar="TURNSTILE_AUTH_TOKEN")
     ] = None,
     subset: Annotated[str | None, typer.Option(help="agentcgroup subset")] = None,
-    seed: Annotated[int, typer.Option()] = 0,
+    seed: Annotated[int, typer.Option(min=0)] = 0,
     timeout_s: Annotated[float, typer.Option(help="Per-request timeout")] = 300.0,
     save_detailed: Annotated[
         bool, typer.Option("--save-detailed", help="Also write every workflow's and turn's "
