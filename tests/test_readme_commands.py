@@ -146,3 +146,11 @@ def test_quickstart_3_comment_is_what_its_command_prints(tmp_path: Path) -> None
     want = (f"# mean makespan (simulated): {names[0]} {means[names[0]]:,.0f} s, {names[1]} "
             f"{means[names[1]]:,.0f} s ({means[names[0]] / means[names[1]]:.2f}×)")
     assert comment.strip() == want
+
+
+def test_every_study_write_up_is_indexed() -> None:
+    """docs/results/README.md lists every dated write-up in docs/results/."""
+    folder = ROOT / "docs" / "results"
+    index = (folder / "README.md").read_text(encoding="utf-8")
+    missing = [p.name for p in sorted(folder.glob("20*.md")) if f"]({p.name})" not in index]
+    assert not missing, f"docs/results/README.md does not list {missing}"
