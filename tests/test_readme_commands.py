@@ -154,3 +154,26 @@ def test_every_study_write_up_is_indexed() -> None:
     index = (folder / "README.md").read_text(encoding="utf-8")
     missing = [p.name for p in sorted(folder.glob("20*.md")) if f"]({p.name})" not in index]
     assert not missing, f"docs/results/README.md does not list {missing}"
+
+
+def docs_commands() -> list[tuple[str, str]]:
+    """``turnstile ...`` lines in the code blocks of docs/ (where the README links)."""
+    found: list[tuple[str, str]] = []
+    for doc in sorted((ROOT / "docs").rglob("*.md")):
+        text = doc.read_text(encoding="utf-8")
+        for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", text, re.S):
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+                line = line.split(" #", 1)[0].strip().rstrip("&").strip()
+                m = re.match(r"(?:\S*/)?turnstile\s+(.*)", line)
+                if m and "|" not in line:
+                    found.append((str(doc.relative_to(ROOT)), m.group(1)))
+    return found
+
+
+@pytest.mark.parametrize(("doc", "args"), docs_commands())
+def test_docs_command_parses(doc: str, args: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [a for a in shlex.split(args) if a != "..."]
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--help"])
+    _, err = capsys.readouterr()
+    assert e.value.code == 0, f"{doc}: turnstile {args!r}: {err}"
