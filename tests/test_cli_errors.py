@@ -46,6 +46,8 @@ def files(tmp_path_factory: pytest.TempPathFactory, busy_port: int) -> dict[str,
     mooncake.write_text("".join(json.dumps({"timestamp": i, "input_length": 10 ** 11 if i == 3
                                             else 500, "output_length": 20, "hash_ids": [i]})
                                 + "\n" for i in range(8)))
+    empty_record = d / "empty_record.jsonl"
+    empty_record.write_text(json.dumps({"format": "turnstile-workload", "version": 1}) + "\n")
     bad_record = d / "bad_record.jsonl"
     bad_record.write_text('{"x": 1}\n')
     bad_line_record = d / "bad_line_record.jsonl"
@@ -57,7 +59,7 @@ def files(tmp_path_factory: pytest.TempPathFactory, busy_port: int) -> dict[str,
             "bad_record": str(bad_record),
             "bad_line_record": str(bad_line_record), "future_record": str(future_record),
             "under_file": str(existing / "sub"), "profile": str(profile),
-            "busy": str(busy_port)}
+            "busy": str(busy_port), "empty_record": str(empty_record)}
 
 
 ENGINE = "http://127.0.0.1:9"  # never contacted: every row fails before
@@ -164,6 +166,13 @@ CASES: list[tuple[str, list[str], str]] = [
     ("epp-endpoints-file-malformed", ["epp", "--endpoints-file", "{bad_json}"],
      "--endpoints-file"),
     ("serve-port-in-use", [*S[:3], "--port", "{busy}"], "--port"),
+    # a recording before any session finished: the header and no workflow
+    ("bench-trace-no-workflows", [*B, "--trace", "{empty_record}"], "empty_record.jsonl"),
+    ("fit-trace-no-workflows", ["traces", "fit", "{empty_record}", "-o", "{dir}/s.json"],
+     "empty_record.jsonl"),
+    ("bench-subset-not-agentcgroup", [*B, "--trace", "{mooncake}", "--subset", "haiku"],
+     "--subset"),
+    ("bench-subset-without-trace", [*B, "--subset", "haiku"], "--subset"),
 ]
 
 

@@ -232,7 +232,10 @@ def traces_fit(
     except ValueError as e:
         raise _fail(str(e)) from None
     loaded = _load(path, subset, progress=True)
-    spec = fit_spec(loaded.workflows, name=name or loaded.name)
+    try:
+        spec = fit_spec(loaded.workflows, name=name or loaded.name)
+    except ValueError as e:
+        raise _fail(f"{path}: {e}") from None
     spec.info["source"] = f"{loaded.name}: {loaded.counts.get('sessions', len(loaded))} sessions"
     cmd = f"turnstile traces fit {path}" + (f" --subset {subset}" if subset else "")
     cmd += (f" --name {name}" if name else "") + f" -o {out} (run from the repository root)"
@@ -320,6 +323,8 @@ def bench(
         runner.model_check(gpu, model, tp)
         if rate is not None and rate <= 0:
             raise ValueError("--rate must be > 0")
+        if subset and trace is None:
+            raise ValueError(f"--subset {subset} needs --trace (an AgentCgroup trace)")
     except (ValueError, KeyError) as e:
         raise _fail(str(e)) from None
     perf = None

@@ -97,7 +97,15 @@ def load_base_workflows(spec: WorkloadSpec) -> tuple[list[Workflow], dict[str, A
     kw: dict[str, Any] = {}
     if spec.subset:
         kw["subset"] = spec.subset
-    loaded = load_trace(path, **kw)
+    try:
+        loaded = load_trace(path, **kw)
+    except TypeError:  # the format's loader takes no subset
+        if not spec.subset:
+            raise
+        raise ValueError(f"--subset {spec.subset}: {path} is not an AgentCgroup trace (the "
+                         "only format with subsets)") from None
+    if not loaded.workflows:  # a recording gains a session only when that session finishes
+        raise ValueError(f"{path}: no workflows to simulate")
     digest = tree_sha256(path) if path.is_dir() else file_sha256(path)
     # hash ids name blocks of a trace-defined size (Mooncake: 512 tokens); the engine must
     # know the unit
