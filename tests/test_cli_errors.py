@@ -173,6 +173,13 @@ CASES: list[tuple[str, list[str], str]] = [
     ("bench-subset-not-agentcgroup", [*B, "--trace", "{mooncake}", "--subset", "haiku"],
      "--subset"),
     ("bench-subset-without-trace", [*B, "--subset", "haiku"], "--subset"),
+    # the robustness suite: minutes of work, so every flag is checked first
+    ("suite-out-existing-file", ["bench", "--suite", "quick", "--out", "{existing}"], "--out"),
+    ("suite-out-uncreatable", ["bench", "--suite", "quick", "--out", "{under_file}"], "--out"),
+    ("suite-unknown-policy", ["bench", "--suite", "quick", "--policies", "eager,banana"],
+     "banana"),
+    ("suite-ray-not-an-address", ["bench", "--suite", "quick", "--ray", "banana"], "--ray"),
+    ("suite-unknown", ["bench", "--suite", "banana"], "--suite"),
 ]
 
 

@@ -303,6 +303,18 @@ def bench(
         source = ctx.get_parameter_source("policies")
         given = getattr(source, "name", "DEFAULT") != "DEFAULT"
         names = [p for p in policies.split(",") if p.strip()] if given else None
+        try:  # every flag before the suite's minutes of work
+            from turnstile.bench.usage import check_out_dir
+            from turnstile.policies import parse_policy_list
+
+            if names is not None:
+                parse_policy_list(",".join(names))
+            if ray is not None and ray not in ("auto", "local") and ":" not in ray:
+                raise ValueError(f"--ray {ray}: expected auto, local or a Ray cluster's "
+                                 "ADDRESS (host:port)")
+            check_out_dir(out or Path(f"robustness-{suite}"))
+        except (ValueError, KeyError) as e:
+            raise _fail(str(e)) from None
         try:
             run_with_progress(suite, out or Path(f"robustness-{suite}"), policies=names,
                               seed=seed, ray=ray, console=console)
