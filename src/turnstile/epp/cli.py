@@ -37,7 +37,8 @@ def epp(
     grpc_port: Annotated[int, typer.Option(help="ext_proc + gRPC health port")] = 9002,
     metrics_port: Annotated[int, typer.Option(help="Prometheus /metrics and /health port "
                                               "(-1: none)")] = 9090,
-    max_held: Annotated[int | None, typer.Option(help="Held + queued turns before 429")] = None,
+    max_held: Annotated[int | None, typer.Option(min=1, help="Held + queued turns before 429")
+                        ] = None,
     fallbacks: Annotated[int, typer.Option(help="Fallback endpoints listed after the picked "
                                            "one (0 for an ORIGINAL_DST cluster)")] = 0,
     watch: Annotated[str, typer.Option(help="How responses reach the picker: inline (the "
@@ -54,11 +55,20 @@ def epp(
     """Run the scheduler as an Envoy ext_proc endpoint picker (Gateway API Inference Extension)."""
 
     from turnstile.epp.server import EppConfig, serve_forever
-    from turnstile.gateway.cli import set_given
+    from turnstile.gateway.cli import check_engine_kind, check_log_level, check_record, set_given
     from turnstile.gateway.config import GatewayConfig, load_config
 
     try:
-        gcfg = load_config(config) if config is not None else GatewayConfig()
+        check_log_level(log_level)
+        check_engine_kind(engine_kind, f"--engine-kind {engine_kind}")
+        if config is not None and not config.is_file():
+            raise ValueError(f"--config {config}: no such file")
+        if record is not None:
+            check_record(record)
+        try:
+            gcfg = load_config(config) if config is not None else GatewayConfig()
+        except ValueError as e:
+            raise ValueError(f"--config {e}") from None
         set_given(gcfg, policy=policy, max_held=max_held,
                   record=None if record is None else str(record), log_level=log_level)
         cfg = EppConfig(gateway=gcfg, host=host, grpc_port=grpc_port,
