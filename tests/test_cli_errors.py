@@ -85,6 +85,7 @@ CASES: list[tuple[str, list[str], str]] = [
     ("bench-load-negative", [*B, "--load", "-1"], "--load"),
     ("bench-unknown-policy", [*B, "--policies", "banana"], "banana"),
     ("bench-unknown-gpu", [*B, "--gpu", "banana"], "banana"),
+    ("bench-70b-on-one-gpu", [*B, "--model", "llama-3.1-70b", "--gpu", "A100-80G"], "--tp 1"),
     ("bench-unknown-option", [*B, "--banana"], "--banana"),
     ("synth-out-missing-dir", ["traces", "synth", "-o", "/missing/dir/x.jsonl"], "--out"),
     ("synth-n-huge", ["traces", "synth", "-o", "{dir}/x.jsonl", "-n", "100000000000"],

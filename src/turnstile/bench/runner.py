@@ -239,9 +239,16 @@ def check_tp(model: str, tp: int, flag: str = "--tp") -> None:
 
 def model_check(gpu: str, model: str, tp: int = 1) -> None:
     """Fail early with the valid names, and on a tensor parallelism the model cannot use."""
-    load_gpu(gpu)
-    load_model(model)
+    g, m = load_gpu(gpu), load_model(model)
     check_tp(model, tp)
+    from turnstile.sim.roofline_perf import kv_capacity_tokens
+
+    try:
+        kv_capacity_tokens(g, m, tp)
+    except ValueError:  # the weights do not fit: said with the flags that change it
+        raise ValueError(f"--model {model} ({m.weight_bytes / 1e9:.1f} GB of weights) does "
+                         f"not fit on --tp {tp} {g.name} GPU{'s' if tp > 1 else ''} per "
+                         "engine: raise --tp or pick a larger --gpu") from None
 
 
 def check_kv_fits(workflows: Sequence[Workflow], groups: Sequence[EngineGroup]) -> None:
