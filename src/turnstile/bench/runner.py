@@ -105,7 +105,9 @@ def load_base_workflows(spec: WorkloadSpec) -> tuple[list[Workflow], dict[str, A
         raise ValueError(f"--subset {spec.subset}: {path} is not an AgentCgroup trace (the "
                          "only format with subsets)") from None
     if not loaded.workflows:  # a recording gains a session only when that session finishes
-        raise ValueError(f"{path}: no workflows to simulate")
+        raise ValueError(f"{path}: no workflows to simulate (serve --record writes a session "
+                         "when it ends: idle for session_idle_s, 300 s by default, or when the "
+                         "gateway stops)")
     digest = tree_sha256(path) if path.is_dir() else file_sha256(path)
     # hash ids name blocks of a trace-defined size (Mooncake: 512 tokens); the engine must
     # know the unit
