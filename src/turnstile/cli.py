@@ -190,7 +190,7 @@ def traces_synth(
     workflows: Annotated[int, typer.Option("-n", "--workflows", min=1, max=MAX_SYNTH_WORKFLOWS)]
     = 100,
     rate: Annotated[float, typer.Option(help="Poisson arrival rate, workflows/s")] = 0.5,
-    seed: Annotated[int, typer.Option()] = 0,
+    seed: Annotated[int, typer.Option(min=0)] = 0,
     fit: Annotated[
         Path | None, typer.Option(help="Fit the generator to this trace instead of the default")
     ] = None,
@@ -232,7 +232,10 @@ def traces_fit(
     except ValueError as e:
         raise _fail(str(e)) from None
     loaded = _load(path, subset, progress=True)
-    spec = fit_spec(loaded.workflows, name=name or loaded.name)
+    try:
+        spec = fit_spec(loaded.workflows, name=name or loaded.name)
+    except ValueError as e:
+        raise _fail(f"{path}: {e}") from None
     spec.info["source"] = f"{loaded.name}: {loaded.counts.get('sessions', len(loaded))} sessions"
     cmd = f"turnstile traces fit {path}" + (f" --subset {subset}" if subset else "")
     cmd += (f" --name {name}" if name else "") + f" -o {out} (run from the repository root)"
@@ -250,7 +253,7 @@ def bench(
         str, typer.Option(help="Comma-separated policy specs, e.g. eager,cvar+kv-affinity+ttl "
                           "(default: eager beside the default policy, auto)")
     ] = "eager,auto",
-    engines: Annotated[int, typer.Option(min=1, help="Number of simulated engines")] = 2,
+    engines: Annotated[int, typer.Option(min=1, max=4096, help="Number of simulated engines")] = 2,
     gpu: Annotated[str, typer.Option(help="GPU name (A100-80G, H100-SXM, H200, L40S)")] = "H100",
     model: Annotated[str, typer.Option(help="Model name, e.g. llama-3.1-8b")] = "llama-3.1-8b",
     tp: Annotated[int, typer.Option(min=1, help="Tensor parallelism per engine")] = 1,
@@ -274,7 +277,7 @@ def bench(
                                   "llama.cpp profile also simulates the engine's slots")
     ] = None,
     subset: Annotated[str | None, typer.Option(help="agentcgroup subset")] = None,
-    seed: Annotated[int, typer.Option()] = 0,
+    seed: Annotated[int, typer.Option(min=0)] = 0,
     out: Annotated[Path | None, typer.Option("-o", "--out",
                                              help="Write results.json and plots here")] = None,
     suite: Annotated[
@@ -300,6 +303,18 @@ def bench(
         source = ctx.get_parameter_source("policies")
         given = getattr(source, "name", "DEFAULT") != "DEFAULT"
         names = [p for p in policies.split(",") if p.strip()] if given else None
+        try:  # every flag before the suite's minutes of work
+            from turnstile.bench.usage import check_out_dir
+            from turnstile.policies import parse_policy_list
+
+            if names is not None:
+                parse_policy_list(",".join(names))
+            if ray is not None and ray not in ("auto", "local") and ":" not in ray:
+                raise ValueError(f"--ray {ray}: expected auto, local or a Ray cluster's "
+                                 "ADDRESS (host:port)")
+            check_out_dir(out or Path(f"robustness-{suite}"))
+        except (ValueError, KeyError) as e:
+            raise _fail(str(e)) from None
         try:
             run_with_progress(suite, out or Path(f"robustness-{suite}"), policies=names,
                               seed=seed, ray=ray, console=console)
@@ -320,6 +335,8 @@ def bench(
         runner.model_check(gpu, model, tp)
         if rate is not None and rate <= 0:
             raise ValueError("--rate must be > 0")
+        if subset and trace is None:
+            raise ValueError(f"--subset {subset} needs --trace (an AgentCgroup trace)")
     except (ValueError, KeyError) as e:
         raise _fail(str(e)) from None
     perf = None

@@ -3,11 +3,7 @@ robustness suite, the heat map; it renders in headless Chromium."""
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import subprocess
-import warnings
 from pathlib import Path
 
 import pytest
@@ -16,6 +12,7 @@ from turnstile.bench.html_report import cdf_svg, heatmap_html, render_html, writ
 from turnstile.bench.report import load_results, write_results
 from turnstile.bench.runner import WorkloadSpec, build_workload, run_bench
 from turnstile.sim.cluster import EngineGroup
+from turnstile.testing.browser import browser_or_skip, dump_dom, screenshot
 
 
 @pytest.fixture(scope="module")
@@ -69,39 +66,15 @@ def test_heatmap_of_suite_cells() -> None:
     assert "Robustness" in render_html(doc) and heatmap_html({"policies": []}) == ""
 
 
-def _chromium() -> str | None:
-    env = os.environ.get("TURNSTILE_CHROMIUM")
-    if env and Path(env).is_file():
-        return env
-    for name in ("chromium", "chromium-browser", "google-chrome", "headless_shell"):
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
-
-
 @pytest.mark.timeout(180)
 def test_report_renders_in_headless_chromium(bench_out, tmp_path: Path) -> None:
-    browser = _chromium()
-    if browser is None:
-        message = ("headless Chromium not found: report.html was NOT rendered in a browser "
-                   "(bash scripts/install_chromium.sh, or set TURNSTILE_CHROMIUM)")
-        if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
-            pytest.fail(message + " (CI is set, so this is an error, not a skip)")
-        warnings.warn(message, stacklevel=1)
-        pytest.skip(message)
+    browser = browser_or_skip()
     out, results = bench_out
-    url = (out / "report.html").resolve().as_uri()
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-             "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}"]
-    dom = subprocess.run([browser, *flags, "--dump-dom", url], capture_output=True, text=True,
-                         timeout=120, check=True).stdout
+    dom = dump_dom(browser, out / "report.html", tmp_path / "profile")
     # the browser parsed the page into the tables and the SVG figures
     assert "<table class=\"summary\">" in dom or "<table class=summary>" in dom
     for r in results:
         assert r["policy"] in dom
     assert dom.count("<svg") == 2 and "polyline" in dom
-    shot = tmp_path / "report.png"
-    subprocess.run([browser, *flags, "--window-size=1100,1400", f"--screenshot={shot}", url],
-                   capture_output=True, timeout=120, check=True)
+    shot = screenshot(browser, out / "report.html", tmp_path / "report.png", tmp_path / "profile")
     assert shot.is_file() and shot.stat().st_size > 20_000  # drawn, not a blank page

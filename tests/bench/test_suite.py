@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,29 @@ def test_suite_document_structure_and_ratios(tiny_doc: dict, tmp_path: Path) -> 
     md = paths["markdown"].read_text()
     assert "## report half" in md and "No harm (report half)" in md and "(simulated)" in md
     assert paths["heatmap"].stat().st_size > 5_000
+    assert back["kind"] == "robustness" and back["schema"] == "turnstile-robustness"
+    page = paths["report"].read_text(encoding="utf-8")
+    assert "Robustness" in page and "(simulated)" in page
+
+
+def test_suite_report_without_matplotlib(tiny_doc: dict, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gateway-only install (no plots extra) still gets the heat map, in report.html."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    paths = write_suite(tiny_doc, tmp_path)
+    assert "heatmap" not in paths and not (tmp_path / "heatmap.png").exists()
+    assert paths["results"].is_file() and paths["markdown"].is_file()
+    assert "Robustness" in paths["report"].read_text(encoding="utf-8")
+
+
+@pytest.mark.timeout(300)
+def test_suite_report_renders_in_headless_chromium(tiny_doc: dict, tmp_path: Path) -> None:
+    from turnstile.testing.browser import browser_or_skip, dump_dom
+
+    browser = browser_or_skip()
+    paths = write_suite(tiny_doc, tmp_path / "suite")
+    dom = dump_dom(browser, paths["report"], tmp_path / "profile")
+    assert "Robustness" in dom and "×" in dom and "<td style=" in dom
 
 
 def test_no_harm_names_the_worst_cell_and_every_miss() -> None:

@@ -158,7 +158,9 @@ def test_unknown_routes_are_404_and_wrong_methods_405(fake_engines: Any, gateway
                              ("DELETE", "/v1/files/x"), ("GET", "/nope")]:
             r = c.request(method, path, json={"model": "tiny", "input": "x"})
             assert r.status_code == 404 and is_openai_error(r), (method, path)
-            assert r.json()["error"]["code"] == "not_found"
+            err = r.json()["error"]
+            assert err["code"] == "not_found" and err["param"] is None
+            assert err["message"] == f"Invalid URL ({method} {path})"  # as OpenAI words it
         for method, path in [("POST", "/health"), ("GET", "/v1/chat/completions")]:
             r = c.request(method, path)
             assert r.status_code == 405 and is_openai_error(r)

@@ -3,6 +3,7 @@ turn's samples (a fake engine: only the files are checked here)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,3 +35,29 @@ def test_replay_writes_report_and_detailed_samples(fake_engines: Any, tmp_path: 
     page = (out / "report.html").read_text(encoding="utf-8")
     assert "real engines (not simulated)" in page and "<table class=summary>" in page
     assert page.count("<svg") == 2  # flow time and TTFT
+
+
+@pytest.mark.timeout(300)
+def test_replay_report_renders_in_headless_chromium(fake_engines: Any, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """``turnstile replay``'s report.html (real engines: a fake OpenAI engine here) is drawn by
+    a browser: the summary table and both CDFs."""
+    from turnstile.testing.browser import browser_or_skip, dump_dom, screenshot
+
+    browser = browser_or_skip()
+    eng = fake_engines(count_prompt=True, tpot_s=0.001)
+    out = tmp_path / "replay"
+    with pytest.raises(SystemExit) as e:
+        main(["replay", "--target", eng.url, "--workflows", "3", "--rate", "50",
+              "--time-scale", "0.001", "--max-turns", "2", "--max-context", "1024",
+              "--max-tokens", "8", "-o", str(out)])
+    printed = capsys.readouterr()
+    assert e.value.code == 0, printed
+    # the summary line is formatted (P95 as a duration, hit rate as a percentage)
+    assert re.search(r"turns done \(0 unfinished; errors: none\); flow P95 [\d.]+ m?s; "
+                     r"prefix hit rate (\d+\.\d%|–)", printed.out + printed.err), printed
+    dom = dump_dom(browser, out / "report.html", tmp_path / "profile")
+    assert "real engines (not simulated)" in dom and dom.count("<svg") == 2
+    assert '<table class="summary">' in dom and "polyline" in dom
+    shot = screenshot(browser, out / "report.html", tmp_path / "r.png", tmp_path / "profile")
+    assert shot.stat().st_size > 20_000  # drawn, not a blank page

@@ -419,20 +419,23 @@ async def run_replay(spec: ReplaySpec, workflows: list[Workflow], trace_info: di
         "replay": {k: v for k, v in asdict(spec).items() if k != "api_key"},
         "target_health": health,
     }
-    if spec.save_detailed:
-        from turnstile.bench.detailed import DETAILED_KEY, detailed_samples
+    from turnstile.bench.detailed import DETAILED_KEY, detailed_samples
 
-        result[DETAILED_KEY] = detailed_samples(rep.records)
+    samples = detailed_samples(rep.records)  # the report's CDFs; results.json only if asked
+    if spec.save_detailed:
+        result[DETAILED_KEY] = samples
     path = write_results(out_dir, [result], config, trace_info, simulated=False, kind="replay")
     from turnstile.bench.html_report import write_html_report
     from turnstile.bench.report import load_results
 
-    write_html_report(out_dir, load_results(path), policies=[result],
+    write_html_report(out_dir, load_results(path), policies=[{**result, DETAILED_KEY: samples}],
                       title=f"turnstile replay against {spec.target}")
-    flow = metrics["flow_time_s"]
-    p95 = flow.get("p95")
+    from turnstile.bench.report import format_seconds
+
+    hit = metrics["prefix_hit_rate"]
+    errors = ", ".join(f"{k} ×{n}" for k, n in (rep.errors or {}).items()) or "none"
     summary = (f"{label}: {metrics['workflows']} workflows, {metrics['turns']} turns done "
-               f"({metrics['workflows_unfinished']} unfinished, errors {rep.errors or 0}); "
-               f"flow P95 {p95 if p95 is None else round(p95, 3)} s; "
-               f"prefix hit rate {metrics['prefix_hit_rate']}")
+               f"({metrics['workflows_unfinished']} unfinished; errors: {errors}); flow P95 "
+               f"{format_seconds(metrics['flow_time_s'].get('p95'))}; prefix hit rate "
+               f"{'–' if hit is None else f'{100 * hit:.1f}%'}")
     return path, summary

@@ -97,7 +97,17 @@ def load_base_workflows(spec: WorkloadSpec) -> tuple[list[Workflow], dict[str, A
     kw: dict[str, Any] = {}
     if spec.subset:
         kw["subset"] = spec.subset
-    loaded = load_trace(path, **kw)
+    try:
+        loaded = load_trace(path, **kw)
+    except TypeError:  # the format's loader takes no subset
+        if not spec.subset:
+            raise
+        raise ValueError(f"--subset {spec.subset}: {path} is not an AgentCgroup trace (the "
+                         "only format with subsets)") from None
+    if not loaded.workflows:  # a recording gains a session only when that session finishes
+        raise ValueError(f"{path}: no workflows to simulate (serve --record writes a session "
+                         "when it ends: idle for session_idle_s, 300 s by default, or when the "
+                         "gateway stops)")
     digest = tree_sha256(path) if path.is_dir() else file_sha256(path)
     # hash ids name blocks of a trace-defined size (Mooncake: 512 tokens); the engine must
     # know the unit
@@ -231,9 +241,16 @@ def check_tp(model: str, tp: int, flag: str = "--tp") -> None:
 
 def model_check(gpu: str, model: str, tp: int = 1) -> None:
     """Fail early with the valid names, and on a tensor parallelism the model cannot use."""
-    load_gpu(gpu)
-    load_model(model)
+    g, m = load_gpu(gpu), load_model(model)
     check_tp(model, tp)
+    from turnstile.sim.roofline_perf import kv_capacity_tokens
+
+    try:
+        kv_capacity_tokens(g, m, tp)
+    except ValueError:  # the weights do not fit: said with the flags that change it
+        raise ValueError(f"--model {model} ({m.weight_bytes / 1e9:.1f} GB of weights) does "
+                         f"not fit on --tp {tp} {g.name} GPU{'s' if tp > 1 else ''} per "
+                         "engine: raise --tp or pick a larger --gpu") from None
 
 
 def check_kv_fits(workflows: Sequence[Workflow], groups: Sequence[EngineGroup]) -> None:

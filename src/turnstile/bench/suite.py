@@ -354,6 +354,7 @@ def run_suite(config: SuiteConfig, *, ray: str | None = None, workers: int | Non
 
     return {
         "schema": "turnstile-robustness", "version": 1, "turnstile_version": __version__,
+        "kind": "robustness",
         "simulated": True, "suite": config.name,
         "config": {**asdict(config), "pairs": [list(p) for p in config.pairs],
                    "saturation_queue_share": SATURATION_QUEUE_SHARE,
@@ -434,7 +435,10 @@ def run_with_progress(name: str, out_dir: str | os.PathLike[str], *,
             table.add_row(pol, split, *cells, str(len(nh["misses"])))
     con.print(table)
     con.print(f"{len(doc['cells'])} cells in {doc['wall_s']:.0f} s on {doc['backend']}; "
-              f"wrote {paths['results']}, {paths['markdown']} and {paths['heatmap']}")
+              "wrote " + ", ".join(str(p) for p in paths.values()))
+    if "heatmap" not in paths:
+        con.print("[dim]heatmap.png needs matplotlib: pip install 'turnstile[plots]' "
+                  "(report.html has the heat map); skipped[/]")
     if doc["skipped"]:
         con.print("[dim]skipped: " + ", ".join(s["family"] for s in doc["skipped"]) + "[/]")
     return doc

@@ -9,6 +9,7 @@ are ≥ 1/1.03 and ≥ 1/1.10.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -280,7 +281,10 @@ def _finite(obj: Any) -> Any:
 
 
 def write_suite(doc: Mapping[str, Any], out_dir: str | Path) -> dict[str, Path]:
-    """``results.json``, ``robustness.md`` and ``heatmap.png`` in ``out_dir``."""
+    """``results.json``, ``robustness.md``, ``report.html`` (the heat map in one file, no
+    extra needed) and, with the ``plots`` extra, ``heatmap.png`` in ``out_dir``."""
+    from turnstile.bench.html_report import write_html_report
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     res = out / "results.json"
@@ -288,4 +292,9 @@ def write_suite(doc: Mapping[str, Any], out_dir: str | Path) -> dict[str, Path]:
                               default=str) + "\n", encoding="utf-8")
     md = out / "robustness.md"
     md.write_text(markdown_report(doc), encoding="utf-8")
-    return {"results": res, "markdown": md, "heatmap": plot_heatmap(doc, out / "heatmap.png")}
+    paths = {"results": res, "markdown": md,
+             "report": write_html_report(out, _finite(doc), title="turnstile robustness suite "
+                                         f"'{doc.get('suite', '')}'")}
+    with contextlib.suppress(ImportError):  # matplotlib is the plots extra; report.html has
+        paths["heatmap"] = plot_heatmap(doc, out / "heatmap.png")  # the heat map anyway
+    return paths

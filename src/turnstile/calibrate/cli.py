@@ -17,6 +17,19 @@ _err = Console(stderr=True, soft_wrap=True)
 _out = Console()
 
 
+def _check_targets(targets: list[str]) -> None:
+    """``--target``: each an http(s) URL that answers as an engine; one line naming the flag."""
+    from turnstile.calibrate.client import EngineRequestError, discover
+
+    for t in targets:
+        if not t.startswith(("http://", "https://")):
+            raise ValueError(f"--target {t}: expected an http(s) URL")
+        try:
+            discover(t)
+        except (EngineRequestError, OSError) as e:
+            raise ValueError(f"--target {t}: {e}") from None
+
+
 def _fail(message: str) -> typer.Exit:
     from turnstile.bench.usage import fail
 
@@ -80,7 +93,7 @@ def profile_cmd(
     absolute: Annotated[
         bool, typer.Option(help="Least squares on absolute (not relative) step-time errors")
     ] = False,
-    seed: Annotated[int, typer.Option()] = 0,
+    seed: Annotated[int, typer.Option(min=0)] = 0,
     ubatch: Annotated[
         int | None,
         typer.Option(help="Tokens per forward pass: llama.cpp -ub (default 512); 0: one pass "
@@ -106,6 +119,7 @@ def profile_cmd(
 
     try:
         check_out_file(out)
+        _check_targets(target)
     except ValueError as e:
         raise _fail(str(e)) from None
     with _progress() as bar:
@@ -210,7 +224,7 @@ def fidelity_cmd(
     noise_floor: Annotated[
         bool, typer.Option(help="Replay each rate twice and report real-vs-real error too")
     ] = False,
-    seed: Annotated[int, typer.Option()] = 0,
+    seed: Annotated[int, typer.Option(min=0)] = 0,
 ) -> None:
     """Replay a scaled AgentCgroup slice on real engines and in the simulator (same sessions,
     same arrivals, same engine per session) and report the simulator's relative error."""
@@ -236,6 +250,7 @@ def fidelity_cmd(
             raise ValueError(f"--profile {profile}: no such file")
         if not trace.exists():
             raise ValueError(f"--trace {trace}: no such file or folder")
+        _check_targets(target)
         perf = FittedPerf.from_profile(profile)
         info = discover(target[0])
         rate_list = [float(r) for r in rates.split(",") if r.strip()]

@@ -264,6 +264,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--allow-eos", action="store_true", help="do not suppress end-of-generation tokens"
     )
     args = parser.parse_args(argv)
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        print("error: writing the tiny model needs the gguf package: "
+              "pip install 'turnstile[engine]'", file=sys.stderr)
+        return 2
     start = time.perf_counter()
     path = write_tiny_gguf(
         args.out,

@@ -37,7 +37,8 @@ def epp(
     grpc_port: Annotated[int, typer.Option(help="ext_proc + gRPC health port")] = 9002,
     metrics_port: Annotated[int, typer.Option(help="Prometheus /metrics and /health port "
                                               "(-1: none)")] = 9090,
-    max_held: Annotated[int | None, typer.Option(help="Held + queued turns before 429")] = None,
+    max_held: Annotated[int | None, typer.Option(min=1, help="Held + queued turns before 429")
+                        ] = None,
     fallbacks: Annotated[int, typer.Option(help="Fallback endpoints listed after the picked "
                                            "one (0 for an ORIGINAL_DST cluster)")] = 0,
     watch: Annotated[str, typer.Option(help="How responses reach the picker: inline (the "
@@ -54,11 +55,20 @@ def epp(
     """Run the scheduler as an Envoy ext_proc endpoint picker (Gateway API Inference Extension)."""
 
     from turnstile.epp.server import EppConfig, serve_forever
-    from turnstile.gateway.cli import set_given
+    from turnstile.gateway.cli import check_engine_kind, check_log_level, check_record, set_given
     from turnstile.gateway.config import GatewayConfig, load_config
 
     try:
-        gcfg = load_config(config) if config is not None else GatewayConfig()
+        check_log_level(log_level)
+        check_engine_kind(engine_kind, f"--engine-kind {engine_kind}")
+        if config is not None and not config.is_file():
+            raise ValueError(f"--config {config}: no such file")
+        if record is not None:
+            check_record(record)
+        try:
+            gcfg = load_config(config) if config is not None else GatewayConfig()
+        except ValueError as e:
+            raise ValueError(f"--config {e}") from None
         set_given(gcfg, policy=policy, max_held=max_held,
                   record=None if record is None else str(record), log_level=log_level)
         cfg = EppConfig(gateway=gcfg, host=host, grpc_port=grpc_port,
@@ -72,6 +82,25 @@ def epp(
         run = _runner(loop)
         if not cfg.endpoints and not cfg.endpoints_file:
             raise ValueError("give --endpoint IP:PORT (repeat) or --endpoints-file")
+        for ep in cfg.endpoints:
+            _check_endpoint(ep)
+        if endpoints_file is not None:
+            from turnstile.epp.server import read_endpoints_file
+
+            if not endpoints_file.is_file():
+                raise ValueError(f"--endpoints-file {endpoints_file}: no such file")
+            try:
+                listed = read_endpoints_file(endpoints_file)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ValueError(f"--endpoints-file {endpoints_file}: not one IP:PORT a line "
+                                 f"nor a JSON list ({e})") from None
+            for ep in listed:
+                _check_endpoint(ep, f"--endpoints-file {endpoints_file}: endpoint")
+        from turnstile.gateway.cli import check_listen
+
+        check_listen(host, grpc_port, "--grpc-port")
+        if metrics_port >= 0:
+            check_listen(host, metrics_port, "--metrics-port")
         from turnstile.policies import PolicySet
 
         PolicySet.from_spec(gcfg.policy, gcfg.policy_params)
@@ -81,6 +110,13 @@ def epp(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     with contextlib.suppress(KeyboardInterrupt):
         run(serve_forever(cfg))
+
+
+def _check_endpoint(ep: str, flag: str = "--endpoint") -> None:
+    """``--endpoint``: HOST:PORT (an IPv6 address in brackets), the port 1 to 65535."""
+    host, sep, port = ep.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"{flag} {ep}: expected IP:PORT (a pod's address and port)")
 
 
 def _runner(loop: str) -> Callable[[Coroutine[Any, Any, None]], None]:

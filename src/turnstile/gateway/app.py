@@ -135,7 +135,8 @@ class GatewayApp:
             await self._completions(scope, receive, send, path)
             return
         if path not in _GET_ROUTES:
-            await _error(send, GatewayError(404, f"no route {method} {path}",
+            # OpenAI's own answer to a route it does not serve: 404 "Invalid URL (METHOD /path)"
+            await _error(send, GatewayError(404, f"Invalid URL ({method} {path})",
                                             code="not_found"), path)
             return
         if method not in ("GET", "HEAD"):

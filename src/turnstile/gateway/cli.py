@@ -38,15 +38,9 @@ def _check_serve(cfg: GatewayConfig, log_level: str) -> None:
 
     Raises ``ValueError`` with one line naming the flag or file.
     """
-    import socket
-
     from turnstile.bench.usage import check_out_file
-    from turnstile.gateway.adapters import ADAPTERS
 
-    if log_level.lower() not in LOG_LEVELS:
-        raise ValueError(f"--log-level {log_level!r}: use one of {', '.join(LOG_LEVELS)}")
-    if not 0 <= cfg.port <= 65535:
-        raise ValueError(f"--port {cfg.port}: a port is 0 to 65535")
+    check_log_level(log_level)
     import httpx
 
     ids = [e.name or httpx.URL(e.url).netloc.decode() for e in cfg.engines]
@@ -55,36 +49,65 @@ def _check_serve(cfg: GatewayConfig, log_level: str) -> None:
         raise ValueError(f"--engine: {', '.join(dup)} given twice; name each engine "
                          "(--engine URL,kind,NAME) to serve the same address twice")
     for e in cfg.engines:
-        if e.kind.lower() not in ADAPTERS:
-            valid = ", ".join(sorted({c.kind for c in ADAPTERS.values()}))
-            raise ValueError(f"--engine {e.url},{e.kind}: unknown engine kind {e.kind!r}; "
-                             f"use one of {valid}")
+        check_engine_kind(e.kind, f"--engine {e.url},{e.kind}")
     if cfg.db:
         check_out_file(Path(cfg.db), "--db")
     if cfg.record:
-        from turnstile.gateway.recorder import SessionRecorder
-        from turnstile.workload.jsonl import check_workload_file
-
-        record_path = Path(cfg.record)
-        check_out_file(record_path, "--record")
-        if record_path.exists() and record_path.stat().st_size:
-            try:  # read-only: a file that is not a whole workload is left as it is
-                check_workload_file(record_path, allow_torn_tail=True)
-            except ValueError as e:
-                raise ValueError(f"--record {e} (not a turnstile workload: record to a new "
-                                 "file)") from None
-        SessionRecorder(cfg.record).close()
+        check_record(Path(cfg.record))
     if cfg.state:
         _check_redis(cfg.state)
-    if cfg.port:  # a port in use fails here, not after "gateway on ..."
-        family = socket.AF_INET6 if ":" in cfg.host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((cfg.host, cfg.port))
-            except OSError as e:
-                raise ValueError(f"--port {cfg.port}: cannot listen on {cfg.host}:{cfg.port} "
-                                 f"({e.strerror or e})") from None
+    check_listen(cfg.host, cfg.port, "--port")
+
+
+def check_log_level(log_level: str) -> None:
+    if log_level.lower() not in LOG_LEVELS:
+        raise ValueError(f"--log-level {log_level!r}: use one of {', '.join(LOG_LEVELS)}")
+
+
+def check_engine_kind(kind: str, where: str) -> None:
+    from turnstile.gateway.adapters import ADAPTERS
+
+    if kind.lower() not in ADAPTERS:
+        valid = ", ".join(sorted({c.kind for c in ADAPTERS.values()}))
+        raise ValueError(f"{where}: unknown engine kind {kind!r}; use one of {valid}")
+
+
+def check_record(record_path: Path) -> None:
+    """``--record``: a writable file that is new, empty or a whole workload (left as it is
+    when it is not one)."""
+    from turnstile.bench.usage import check_out_file
+    from turnstile.gateway.recorder import SessionRecorder
+    from turnstile.workload.jsonl import check_workload_file
+
+    check_out_file(record_path, "--record")
+    if record_path.exists() and record_path.stat().st_size:
+        try:  # read-only: a file that is not a whole workload is left as it is
+            check_workload_file(record_path, allow_torn_tail=True)
+        except ValueError as e:
+            raise ValueError(f"--record {e} (not a turnstile workload: record to a new "
+                             "file)") from None
+    SessionRecorder(str(record_path)).close()
+
+
+def check_listen(host: str, port: int, flag: str) -> None:
+    """A port out of range or in use fails here, in one line naming ``flag``, not after the
+    server said it is up (port 0: any free port)."""
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{flag} {port}: a port is 0 to 65535")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            import errno
+
+            bad_host = isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL
+            what = f"--host {host}" if bad_host else f"{flag} {port}"
+            raise ValueError(f"{what}: cannot listen on {host}:{port} "
+                             f"({e.strerror or e})") from None
 
 
 def _check_redis(url: str) -> None:
@@ -120,13 +143,14 @@ def serve(
     max_held: Annotated[int | None, typer.Option(min=1,
         help="Accepted turns not yet released (held, queued, being admitted) before 429")] = None,
     max_inflight: Annotated[int | None, typer.Option(
-        help="Accepted, unanswered requests before 429 (0: no bound)")] = None,
+        min=0, help="Accepted, unanswered requests before 429 (0: no bound)")] = None,
     auth_admin: Annotated[bool | None, typer.Option(
         "--auth-admin/--no-auth-admin",
         help="/metrics (and /health, /ready details) require the bearer token too")] = None,
-    max_body_bytes: Annotated[int | None, typer.Option(help="Request body limit (413)")] = None,
+    max_body_bytes: Annotated[int | None, typer.Option(min=1, help="Request body limit (413)")
+                              ] = None,
     max_header_bytes: Annotated[int | None, typer.Option(
-        help="Request line + headers limit (431)")] = None,
+        min=1, help="Request line + headers limit (431)")] = None,
     ready_max_hold_s: Annotated[float | None, typer.Option(
         help="/ready is 503 while a turn has been held longer than this")] = None,
     auth_token: Annotated[
@@ -217,7 +241,7 @@ def replay(
                                  envvar="TURNSTILE_AUTH_TOKEN")
     ] = None,
     subset: Annotated[str | None, typer.Option(help="agentcgroup subset")] = None,
-    seed: Annotated[int, typer.Option()] = 0,
+    seed: Annotated[int, typer.Option(min=0)] = 0,
     timeout_s: Annotated[float, typer.Option(help="Per-request timeout")] = 300.0,
     save_detailed: Annotated[
         bool, typer.Option("--save-detailed", help="Also write every workflow's and turn's "

@@ -47,7 +47,9 @@ class GatewayError(Exception):
 
 
 def error_body(message: str, type_: str, code: str | int | None = None) -> bytes:
-    return json.dumps({"error": {"message": message, "type": type_, "code": code}}).encode()
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return json.dumps({"error": {"message": message, "type": type_, "param": None,
+                                 "code": code}}).encode()
 
 
 @dataclass(slots=True)

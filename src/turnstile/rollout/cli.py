@@ -97,7 +97,8 @@ def render_sim(results: dict[str, Any], con: Console) -> None:
 
 @rollout_app.command("sim")
 def sim_cmd(
-    steps: Annotated[int, typer.Option("--steps", min=1, help="RL steps to simulate")] = 5,
+    steps: Annotated[int, typer.Option("--steps", min=1, max=10_000,
+                                       help="RL steps to simulate")] = 5,
     gpus: Annotated[int, typer.Option("--gpus", help="GPUs in the pool (2 to 1,024)")] = 16,
     policies: Annotated[
         str, typer.Option("--policies", help="Comma-separated routing policies: least-open, "
@@ -116,7 +117,7 @@ def sim_cmd(
     samples: Annotated[
         int | None, typer.Option(min=1, help="Samples per prompt (G; default: the workload's)")
     ] = None,
-    seed: Annotated[int, typer.Option()] = 0,
+    seed: Annotated[int, typer.Option(min=0)] = 0,
     tool_time_scale: Annotated[
         float, typer.Option(help="Multiply fitted tool latencies (1 = as in the traces)")
     ] = 1.0,
@@ -195,7 +196,7 @@ def live_cmd(
     ),
     max_turns: Annotated[int, typer.Option(min=1, help="Turns per trajectory at most")] = 4,
     max_tokens: Annotated[int, typer.Option(min=1, help="Output tokens per turn at most")] = 16,
-    seed: Annotated[int, typer.Option()] = 0,
+    seed: Annotated[int, typer.Option(min=0)] = 0,
     model: Annotated[
         Path | None, typer.Option(help="GGUF model (default: the tiny random test model)")
     ] = None,
@@ -212,9 +213,23 @@ def live_cmd(
     follow the trajectory spec (the tiny model's text is not parsed); each return goes back to
     the gateway as an OpenAI tool message.
     """
+    from turnstile.bench.usage import check_out_dir
+    from turnstile.core.registry import UnknownNameError
     from turnstile.engines.llama_server import LlamaServerError
+    from turnstile.policies import ROUTING
     from turnstile.rollout.live import LiveConfig, run_live
 
+    try:  # every flag checked before two engines start
+        if policy not in ROUTING:
+            ROUTING.create(policy)  # raises with the valid names
+        if model is not None and not model.is_file():
+            raise ValueError(f"--model {model}: no such file")
+        if out is not None:
+            check_out_dir(out)
+    except UnknownNameError as e:
+        raise _fail(f"--policy {policy}: {e.args[0]}") from None
+    except ValueError as e:
+        raise _fail(str(e)) from None
     cfg = LiveConfig(trajectories=trajectories, policy=policy, max_turns=max_turns,
                      max_tokens=max_tokens, seed=seed, model_path=model, steps=steps)
     try:
