@@ -9,14 +9,9 @@ engine-death tests come last: they kill engines (one is restarted in between).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import http.client
-import json
 import signal
-import socket
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +25,7 @@ from turnstile.gateway.embedded import GatewayServer, start_gateway
 
 from .conftest import VllmEngines
 from .death import killed_with_turns_in_flight
+from .overtaking import first_admitted
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -169,204 +165,13 @@ def test_routing_by_kv_residency_across_two_engines(vllm_engines: VllmEngines) -
 
 def test_priority_lets_a_late_turn_overtake(vllm_engines: VllmEngines,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """``tiered-aging`` gives a short fresh turn a lower (earlier) priority than long turns
-    queued before it; the adapter sends it as vLLM's ``priority``; with ``--scheduling-policy
-    priority`` vLLM gives it the first slot that frees, ahead of both. Deterministic on a loaded
-    host: the engine is paused while the turns queue, then exactly one slot is freed (see
-    :func:`_first_admitted`)."""
-    order, sent_priority = _first_admitted(vllm_engines.servers[0], monkeypatch)
-    assert all(sent_priority["high"] < sent_priority[n] for n in ("low0", "low1")), \
-        sent_priority
+    """``tiered-aging`` gives a short fresh turn a lower (earlier) priority than two long
+    turns queued before it; the adapter sends it as vLLM's ``priority``; with
+    ``--scheduling-policy priority`` vLLM gives it the one free slot, ahead of both
+    (``overtaking.py``: the engine paused while they queue, so no timing race)."""
+    order, sent = first_admitted(vllm_engines.servers[0], monkeypatch)
+    assert sent["high"] < sent["low0"] and sent["high"] < sent["low1"], sent
     assert order[0] == "high", order  # it overtook both lows queued before it
-
-
-#: a filler's output: what the 2,048-token context leaves after its few prompt tokens
-FILLER_TOKENS = 2000
-#: a turn's name by its prompt's first line
-NAMES = {"low 0": "low0", "low 1": "low1", "quick question": "high"}
-#: how long a request forwarded by the gateway is given to reach a paused engine's queue (its
-#: API server is idle then: tens of milliseconds on a loaded host)
-ARRIVE_S = 2.0
-#: each turn's output: the turn admitted first holds its slot for seconds
-TURN_TOKENS = 1024
-#: how long the turn admitted first runs alone before the other fillers are cancelled
-HOLD_S = 0.5
-
-
-class SetUpDidNotHold(AssertionError):
-    """A filler ended (or a turn started) before the engine was paused: a slow host."""
-
-
-class _Filler:
-    """A long completion streamed straight from the engine, cancelled (the connection shut,
-    which vLLM answers by aborting the request) from another thread even while no token
-    comes (a paused engine)."""
-
-    def __init__(self, server: VllmServerProcess, i: int) -> None:
-        self.i = i
-        self.conn = http.client.HTTPConnection(server.HOST, server.port, timeout=180)
-        self.started = threading.Event()
-        self.ended = False  # ran to its max_tokens
-        self.cancelled = False
-        self.chunks = 0
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        body = {"model": "tiny", "prompt": f"filler {self.i}", "max_tokens": FILLER_TOKENS,
-                "stream": True}
-        try:
-            self.conn.request("POST", "/v1/completions", json.dumps(body),
-                              {"content-type": "application/json"})
-            r = self.conn.getresponse()
-            while line := r.readline():
-                if line.startswith(b"data: {"):
-                    self.chunks += 1
-                    self.started.set()
-            self.ended = not self.cancelled
-        except (OSError, http.client.HTTPException):
-            pass  # cancelled
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        if self.conn.sock is not None:
-            with contextlib.suppress(OSError):
-                self.conn.sock.shutdown(socket.SHUT_RDWR)
-
-
-def _metric(server: VllmServerProcess, name: str) -> float:
-    return parse_prometheus(httpx.get(server.base_url + "/metrics", timeout=30).text
-                            ).get(name, -1.0)
-
-
-def _pause(server: VllmServerProcess) -> None:
-    """Stop ``server``'s scheduler: the running requests keep their slots and stop, new ones
-    queue (vLLM's ``POST /pause?mode=keep``, dev mode; ``clear_cache=false``, for a cache
-    reset would move the running requests back to the queue)."""
-    r = httpx.post(server.base_url + "/pause", params={"mode": "keep", "clear_cache": "false"},
-                   timeout=60)
-    assert r.status_code == 200, r.text
-
-
-def _resume(server: VllmServerProcess) -> None:
-    r = httpx.post(server.base_url + "/resume", timeout=60)
-    assert r.status_code == 200, r.text
-
-
-def _wait_for(what: str, cond: Callable[[], bool], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"not in {timeout_s:.0f} s: {what}"
-        time.sleep(0.02)
-
-
-def _first_admitted(server: VllmServerProcess, monkeypatch: pytest.MonkeyPatch,
-                    attempts: int = 3) -> tuple[list[str], dict[str, int]]:
-    """:func:`_first_admitted_once`, set up again (``attempts`` in all) where a filler ended
-    before the engine was paused: the set-up, not the contract, failed."""
-    for attempt in range(attempts):
-        try:
-            return _first_admitted_once(server, monkeypatch)
-        except SetUpDidNotHold as e:
-            print(f"\nset-up {attempt + 1} did not hold: {e}")
-            if attempt + 1 == attempts:
-                raise
-    raise AssertionError("unreachable")
-
-
-def _first_admitted_once(server: VllmServerProcess, monkeypatch: pytest.MonkeyPatch
-                         ) -> tuple[list[str], dict[str, int]]:
-    """The order in which three queued turns got a slot of ``server``, and the priorities the
-    adapter sent for them.
-
-    Four fillers (straight to the engine, 2,000 tokens each) take all ``--max-num-seqs 4``
-    slots, and the engine is paused with them in it (``POST /pause?mode=keep``, dev mode: the
-    scheduler runs nothing, takes requests into its queue and keeps the running ones' slots).
-    Through the gateway (``eager+tiered-aging``, nothing held there) two long-prompt turns
-    ``low0``, ``low1`` are sent, then a short ``high``, each once the previous one is in the
-    engine, so that they queue in that order. One filler is cancelled (its client closes the
-    stream; vLLM aborts it and frees its slot) and the engine resumes: its scheduler admits one
-    waiting request, the first of its queue — a heap on (priority, arrival) under
-    ``--scheduling-policy priority``, a FIFO otherwise. When that one has streamed a token the
-    other fillers are cancelled too. Nothing here depends on how fast the host is, except that
-    the fillers must still be running when the engine is paused (else :class:`SetUpDidNotHold`)."""
-    sent_priority: dict[str, int] = {}
-    forwarded: list[str] = []
-    prepare = VllmAdapter.prepare
-
-    def recording(self: VllmAdapter, body: dict[str, Any], hints: Any) -> dict[str, Any]:
-        out = prepare(self, body, hints)
-        name = NAMES[body["messages"][0]["content"].split("\n")[0]]
-        sent_priority[name] = out["priority"]
-        forwarded.append(name)
-        return out
-
-    monkeypatch.setattr(VllmAdapter, "prepare", recording)
-    fillers = [_Filler(server, i) for i in range(4)]
-    gw = _gateway([server], "eager+tiered-aging",
-                  policy_params={"admission": {"tokens_per_s": 50.0}})
-    first: dict[str, float] = {}
-
-    def turn(name: str, content: str, max_tokens: int) -> None:
-        for ch in _client(gw).chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": content}],
-                max_tokens=max_tokens, stream=True, extra_headers={"x-session-id": name}):
-            if ch.choices and ch.choices[0].delta.content and name not in first:
-                first[name] = time.monotonic()
-
-    turns: list[threading.Thread] = []
-    paused = False
-    try:
-        _wait_for("an idle engine", lambda: (_metric(server, "vllm:num_requests_running"),
-                                             _metric(server, "vllm:num_requests_waiting"))
-                  == (0, 0))
-        _pause(server)
-        paused = True
-        for f in fillers:
-            f.thread.start()
-        time.sleep(ARRIVE_S)  # the four are in the paused engine's queue
-        for _ in range(50):  # run it a step or a few at a time until all four are in its batch
-            _resume(server)
-            time.sleep(0.01)
-            _pause(server)
-            time.sleep(0.2)  # their first tokens reach their clients (the engine is idle)
-            if all(f.started.is_set() for f in fillers):
-                break
-        if not all(f.started.is_set() for f in fillers) or any(f.ended for f in fillers):
-            raise SetUpDidNotHold(f"fillers {[(f.chunks, f.ended) for f in fillers]}")
-        for name, content, max_tokens in (("low0", "low 0\n" + LONG, TURN_TOKENS),
-                                          ("low1", "low 1\n" + LONG, TURN_TOKENS),
-                                          ("high", "quick question", TURN_TOKENS)):
-            turns.append(threading.Thread(target=turn, args=(name, content, max_tokens)))
-            turns[-1].start()
-            _wait_for(f"the gateway forwarding {name}", lambda name=name: name in forwarded)
-            time.sleep(ARRIVE_S)
-        assert not first and not any(f.ended for f in fillers), first  # nothing ran, paused
-        fillers[0].cancel()  # one slot frees ...
-        _wait_for("filler 0 closed", lambda: not fillers[0].thread.is_alive())
-        time.sleep(ARRIVE_S)  # ... once its abort reached the engine
-        at_resume = {f.i: (f.chunks, f.ended) for f in fillers}
-        _resume(server)
-        paused = False
-        _wait_for("a queued turn admitted", lambda: bool(first), 120)
-        time.sleep(HOLD_S)  # it holds the one free slot: no other turn starts meanwhile
-        cancelled = time.monotonic()
-    finally:
-        if paused:
-            _resume(server)
-        for f in fillers:
-            f.cancel()
-        for t in [*(f.thread for f in fillers), *turns]:
-            t.join(120)
-        gw.stop()
-    assert set(first) == {"low0", "low1", "high"}, first  # all served in the end
-    order = sorted(first, key=first.__getitem__)
-    # exactly one slot was free: the first turn ran alone until the other fillers went
-    assert [n for n in order if first[n] < cancelled] == order[:1], \
-        (first, cancelled, at_resume)
-    print("\nfillers at resume (chunks, ended):", at_resume)
-    print("first tokens (s after the first):",
-          {n: round(first[n] - first[order[0]], 2) for n in order}, "priorities", sent_priority)
-    return order, sent_priority
 
 
 def test_context_overflow_is_a_clear_4xx(vllm_engines: VllmEngines) -> None:
@@ -472,12 +277,12 @@ def test_without_priority_scheduling_the_late_turn_waits(
         vllm_engines: VllmEngines, monkeypatch: pytest.MonkeyPatch) -> None:
     """The control of the overtaking test, on the engine the previous test restarted without
     ``--scheduling-policy priority``: the same priorities are sent, vLLM accepts them and
-    serves its queue first come, first served (the defect the configuration check warns of)."""
+    serves its queue first come, first served (what the configuration check warns of)."""
     server = vllm_engines.servers[1]
     if server.priority or not server.alive:  # run alone
         server = vllm_engines.revive(1, priority=False, prompt_tokens_details=False)
-    order, sent_priority = _first_admitted(server, monkeypatch)
-    assert sent_priority["high"] < sent_priority["low0"], sent_priority
+    order, sent = first_admitted(server, monkeypatch)
+    assert sent["high"] < sent["low0"], sent
     assert order[0] == "low0", order
 
 
