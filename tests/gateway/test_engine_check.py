@@ -23,13 +23,14 @@ _METRICS = ('vllm:cache_config_info{block_size="128",enable_prefix_caching="%s",
 
 
 def _vllm(*, policy: str | None, details: bool, prefix: bool = True,
-          options: dict[str, Any] | None = None) -> EngineAdapter:
+          options: dict[str, Any] | None = None, max_model_len: int = 2048) -> EngineAdapter:
     """A vLLM adapter over a mocked server: ``policy`` None = no /server_info (no dev mode)."""
 
     def handler(req: httpx.Request) -> httpx.Response:
         path = req.url.path
         if path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "tiny", "max_model_len": 2048}]})
+            return httpx.Response(200, json={"data": [{"id": "tiny",
+                                                       "max_model_len": max_model_len}]})
         if path == "/metrics":
             return httpx.Response(200, text=_METRICS % prefix)
         if path == "/server_info" and policy is not None:
@@ -105,3 +106,43 @@ def test_gateway_exposes_the_warnings_on_metrics(
     assert (f'turnstile_engine_config_warning{{engine="{engine}",feature="cached_tokens"}} 0.0'
             in text)
     assert any("ignores priority" in r.getMessage() for r in caplog.records)
+
+
+def test_engines_with_different_context_limits_are_warned_of(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """No routing policy reads an engine's context limit: where the engines' limits differ,
+    the smaller ones are named (a session placed there is refused once its context passes
+    it); where they agree, nothing is said."""
+    policies = PolicySet.from_spec("eager+kv-affinity")
+    small = _check(_vllm(policy="priority", details=True, max_model_len=2048))
+    large = _check(_vllm(policy="priority", details=True, max_model_len=8192))
+    with caplog.at_level(logging.WARNING, logger="turnstile.gateway"):
+        verdicts = check_engines(policies, {"small": small, "large": large})
+    assert verdicts["large"]["max_model_len"] is None
+    msg = str(verdicts["small"]["max_model_len"])
+    assert "up to 2048 tokens" in msg and "large up to 8192" in msg and "--max-model-len" in msg
+    assert sum("engine small" in r.getMessage() for r in caplog.records) == 1
+    same = {"a": _check(_vllm(policy="priority", details=True)),
+            "b": _check(_vllm(policy="priority", details=True))}
+    assert all(v["max_model_len"] is None for v in check_engines(policies, same).values())
+
+
+def test_gateway_exposes_context_limits_on_metrics(
+        fake_engines: Callable[..., FakeServer], gateways: Callable[..., GatewayServer],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Two llama.cpp-like engines whose slots hold 2,048 and 4,096 tokens (``GET /slots``
+    ``n_ctx``): both limits on /metrics, and the smaller one warned of."""
+    small, large = fake_engines(slot_ctx=2048), fake_engines(slot_ctx=4096)
+    with caplog.at_level(logging.WARNING, logger="turnstile.gateway"):
+        gw = gateways([small.url, large.url], policy="eager+kv-affinity")
+    text = httpx.get(gw.url + "/metrics").text
+    ids = {gw.gateway.adapters[e].base_url: e for e in gw.gateway.adapters}
+    e_small, e_large = ids[small.url], ids[large.url]
+    assert f'turnstile_engine_max_model_len{{engine="{e_small}"}} 2048.0' in text
+    assert f'turnstile_engine_max_model_len{{engine="{e_large}"}} 4096.0' in text
+    assert (f'turnstile_engine_config_warning{{engine="{e_small}",feature="max_model_len"}} '
+            "1.0") in text
+    assert (f'turnstile_engine_config_warning{{engine="{e_large}",feature="max_model_len"}} '
+            "0.0") in text
+    assert any(f"engine {e_small}" in r.getMessage() and "up to 2048 tokens" in r.getMessage()
+               for r in caplog.records)

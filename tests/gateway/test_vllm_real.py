@@ -25,6 +25,7 @@ from turnstile.gateway.embedded import GatewayServer, start_gateway
 
 from .conftest import VllmEngines
 from .death import killed_with_turns_in_flight
+from .overtaking import first_admitted
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -164,57 +165,13 @@ def test_routing_by_kv_residency_across_two_engines(vllm_engines: VllmEngines) -
 
 def test_priority_lets_a_late_turn_overtake(vllm_engines: VllmEngines,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """tiered-aging gives a short fresh turn a lower (earlier) priority than long turns queued
-    before it; the adapter sends it as vLLM's ``priority`` and the engine (--max-num-seqs 4,
-    --scheduling-policy priority) takes it. Asserted: the priorities sent are so ordered and
-    vLLM serves every turn with them. The overtaking itself is printed, not asserted: on this
-    2-core host the high turn often reaches vLLM's queue only after a slot freed (its API
-    server shares the cores with the engine streaming four long turns; 2026-12-07: two long
-    turns admitted 2.3 s after the high one was sent, before it, with 900-token turns)."""
-    sent_priority: dict[str, int] = {}
-    prepare = VllmAdapter.prepare
-
-    def recording(self: VllmAdapter, body: dict[str, Any], hints: Any) -> dict[str, Any]:
-        out = prepare(self, body, hints)
-        sent_priority[body["messages"][0]["content"].split("\n")[0]] = out["priority"]
-        return out
-
-    monkeypatch.setattr(VllmAdapter, "prepare", recording)
-    gw = _gateway(vllm_engines.servers[:1], "eager+tiered-aging",
-                  policy_params={"admission": {"tokens_per_s": 50.0}})
-    first: dict[str, float] = {}
-    running = threading.Semaphore(0)
-
-    def turn(name: str, content: str, max_tokens: int) -> None:
-        c = _client(gw)
-        for ch in c.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": content}],
-                max_tokens=max_tokens, stream=True, extra_headers={"x-session-id": name}):
-            if ch.choices and ch.choices[0].delta.content and name not in first:
-                first[name] = time.monotonic()
-                running.release()
-
-    try:
-        lows = [threading.Thread(target=turn, args=(f"low{i}", f"low {i}\n" + LONG, 300))
-                for i in range(6)]
-        for t in lows:
-            t.start()
-        for _ in range(4):  # the batch is full
-            assert running.acquire(timeout=120)
-        sent = time.monotonic()
-        high = threading.Thread(target=turn, args=("high", "quick question", 8))
-        high.start()
-        for t in [*lows, high]:
-            t.join(240)
-    finally:
-        gw.stop()
-    assert set(first) == {*(f"low{i}" for i in range(6)), "high"}, first  # all served
-    waited = [n for n, t in first.items() if n != "high" and t > sent]
-    assert waited, first  # long turns were still queued when it came
-    high = sent_priority["quick question"]
-    assert all(high < sent_priority[f"low {n[3:]}"] for n in waited), sent_priority
-    print("\nfirst tokens after the high turn was sent (s):",
-          sorted((round(t - sent, 2), n) for n, t in first.items()))
+    """``tiered-aging`` gives a short fresh turn a lower (earlier) priority than two long
+    turns queued before it; the adapter sends it as vLLM's ``priority``; with
+    ``--scheduling-policy priority`` vLLM gives it the one free slot, ahead of both
+    (``overtaking.py``: the engine paused while they queue, so no timing race)."""
+    order, sent = first_admitted(vllm_engines.servers[0], monkeypatch)
+    assert sent["high"] < sent["low0"] and sent["high"] < sent["low1"], sent
+    assert order[0] == "high", order  # it overtook both lows queued before it
 
 
 def test_context_overflow_is_a_clear_4xx(vllm_engines: VllmEngines) -> None:
@@ -314,6 +271,19 @@ def test_config_check_warns_about_a_misconfigured_engine(vllm_engines: VllmEngin
                     " 1.0") in text
     finally:
         gw.stop()
+
+
+def test_without_priority_scheduling_the_late_turn_waits(
+        vllm_engines: VllmEngines, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control of the overtaking test, on the engine the previous test restarted without
+    ``--scheduling-policy priority``: the same priorities are sent, vLLM accepts them and
+    serves its queue first come, first served (what the configuration check warns of)."""
+    server = vllm_engines.servers[1]
+    if server.priority or not server.alive:  # run alone
+        server = vllm_engines.revive(1, priority=False, prompt_tokens_details=False)
+    order, sent = first_admitted(server, monkeypatch)
+    assert sent["high"] < sent["low0"], sent
+    assert order[0] == "low0", order
 
 
 def test_vllm_engine_sigkill_with_turns_in_flight(vllm_engines: VllmEngines) -> None:

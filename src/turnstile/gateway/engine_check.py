@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from turnstile.gateway.adapters import EngineAdapter
 from turnstile.policies import PolicySet
 
-__all__ = ["check_engines", "policy_needs"]
+__all__ = ["check_engines", "context_limits", "policy_needs"]
 
 log = logging.getLogger("turnstile.gateway")
 
@@ -81,4 +81,33 @@ def check_engines(policies: PolicySet, adapters: Mapping[str, EngineAdapter]
         out[eid] = verdicts
         if a.max_model_len is not None:
             log.info("engine %s accepts contexts up to %d tokens", eid, a.max_model_len)
+    for eid, limit_msg in context_limits(policies, adapters).items():
+        out[eid]["max_model_len"] = limit_msg
+        if limit_msg is not None:
+            log.warning("%s", limit_msg)
     return out
+
+
+def context_limits(policies: PolicySet, adapters: Mapping[str, EngineAdapter]
+                   ) -> dict[str, str | None]:
+    """Engine → the warning for its context limit (None: no engine behind the gateway accepts
+    longer contexts), for the engines whose limit is known (``max_model_len``: vLLM's
+    ``--max-model-len``, a llama.cpp slot's context).
+
+    No routing policy reads an engine's context limit: a session placed on an engine whose
+    limit is below another's is refused (HTTP 400) there once its context outgrows it, while
+    the other engine would take it. Where every engine has the same limit a client that keeps
+    its contexts under it (less the chat template's few dozen tokens) is never refused."""
+    limits = {eid: a.max_model_len for eid, a in adapters.items() if a.max_model_len}
+    if not limits:
+        return {}
+    top = max(limits.values())
+    larger = [e for e, n in limits.items() if n == top]
+    routing = _name(policies.routing)
+    return {eid: None if n == top else
+            (f"engine {eid} ({adapters[eid].kind}) accepts contexts up to {n} tokens, "
+             f"{', '.join(larger)} up to {top}: routing policy {routing!r} does not read "
+             f"context limits, so a session placed here is refused (HTTP 400) once its "
+             f"context passes {n} tokens. Give the engines one limit (vLLM: --max-model-len; "
+             "llama.cpp: -c / -np per slot).")
+            for eid, n in limits.items()}

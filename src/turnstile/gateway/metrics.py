@@ -42,6 +42,9 @@ class GatewayState(Protocol):
     def engine_config(self) -> dict[str, dict[str, str | None]]: ...
 
     @property
+    def engine_max_model_len(self) -> dict[str, int]: ...
+
+    @property
     def clock(self) -> Clock: ...
 
 
@@ -107,12 +110,19 @@ class _StateCollector(Collector):
         for eid, verdicts in gw.engine_config.items():
             for feature, msg in verdicts.items():
                 warning.add_metric([eid, feature], 0.0 if msg is None else 1.0)
+        context = GaugeMetricFamily(
+            "turnstile_engine_max_model_len",
+            "The longest context (prompt + output tokens) the engine accepts, as read at start "
+            "(vLLM: --max-model-len; llama.cpp: a slot's context)", labels=["engine"])
+        for eid, n in gw.engine_max_model_len.items():
+            context.add_metric([eid], n)
         yield outstanding
         yield tokens
         yield paused
         yield healthy
         yield queue
         yield warning
+        yield context
 
 
 class GatewayMetrics:

@@ -137,6 +137,7 @@ class Gateway:
         self.started = False
         #: engine → feature the policies need → the warning logged, or None (see engine_check)
         self.engine_config: dict[str, dict[str, str | None]] = {}
+        self.engine_max_model_len: dict[str, int] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         #: requests accepted and not READY yet (counted by admission from their acceptance)
         self.admitting = 0
@@ -175,6 +176,8 @@ class Gateway:
         await asyncio.gather(*(a.check_config() for a in self.adapters.values()),
                              return_exceptions=True)
         self.engine_config = check_engines(self.policies, self.adapters)
+        self.engine_max_model_len = {eid: a.max_model_len for eid, a in self.adapters.items()
+                                     if a.max_model_len}
         for a in self.adapters.values():
             slots = getattr(a, "slots", None)  # llama.cpp: the slots the server reported
             if slots and a.id in self.scheduler.view:

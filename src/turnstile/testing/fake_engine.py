@@ -62,6 +62,8 @@ class FakeEngine:
     tpot_s: float = 0.0
     default_max_tokens: int = 16
     slots: int = 4
+    #: each slot's context as ``GET /slots`` reports it (``n_ctx``; None: not reported)
+    slot_ctx: int | None = None
     #: failure to inject on the next requests: None, "status:CODE", "crash", "abort",
     #: "abort_waiting", "die_after:N", "end_after:N"
     fail: str | None = None
@@ -109,7 +111,9 @@ class FakeEngine:
             await _send(send, 200, [(b"content-type", b"text/plain")], text.encode())
         elif path.startswith("/slots"):
             if scope["method"] == "GET":
-                body = json.dumps([{"id": i, "is_processing": False} for i in range(self.slots)])
+                body = json.dumps([{"id": i, "is_processing": False}
+                                   | ({} if self.slot_ctx is None else {"n_ctx": self.slot_ctx})
+                                   for i in range(self.slots)])
                 await _send(send, 200, _JSON, body.encode())
             else:
                 await _read(receive)

@@ -72,6 +72,10 @@ class LlamaCppAdapter(EngineAdapter):
                 resp = await self._get("/slots")
                 if resp.status_code == 200 and isinstance(resp.json(), list):
                     n = len(resp.json())
+                    ctx = [s.get("n_ctx") for s in resp.json() if isinstance(s, dict)]
+                    known = [c for c in ctx if isinstance(c, int) and c > 0]
+                    if known and len(known) == len(ctx):
+                        self.max_model_len = min(known)  # a slot's context (-c / -np)
             except (httpx.HTTPError, ValueError):
                 n = None
         if n is None:
