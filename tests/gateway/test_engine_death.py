@@ -196,8 +196,9 @@ def test_busy_engine_whose_health_check_is_slow_stays_up_while_it_streams(
     assert out["p1"]["engine"] == "a"  # still routed to its hinted engine
     long_turn.join(10)
     assert out["s1"]["tokens"] == 200 and '"error"' not in out["s1"]["last"], out["s1"]
-    # nothing streams any more and /health stays unanswered: the engine goes down
-    deadline = time.monotonic() + 5
+    # nothing streams any more and /health stays unanswered: the engine goes down (three failed
+    # checks; over 5 s once on a loaded host in a fresh-clone CI run, hence the slack)
+    deadline = time.monotonic() + 15
     while gw.gateway.engine_up["a"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert gw.gateway.engine_up["a"] is False
