@@ -12,6 +12,11 @@ Each case failed before the fix it names:
   was held) was marked done all the same: its retry got that 409 too;
 * a retry reaching the replica that had just claimed the dead replica's turn in Redis, before
   it adopted the turn locally, was served as a new request while the adopted copy ran too;
+* a retry whose lookup of the turn's row spanned this replica's takeover of it (it found no
+  turn here, then read the row naming this replica as owner) was served as a new request
+  after the adopted copy: a third generation in the replica-kill test on a loaded host;
+* a claim took every unanswered turn in the dead replica's set, even one a live replica had
+  accepted again meanwhile (and was running);
 * a replica whose heartbeat lapsed once (a stalled event loop) was dropped from the replica set
   for good, so the turns it accepted afterwards would never be taken over if it died.
 """
@@ -162,6 +167,84 @@ def test_a_retry_during_the_takeover_is_attached_not_run_twice(pair: Any,
         pytest.xfail(f"{state.read_errors} Redis lookups timed out on this host")
     assert row[b"owner"] == b"a" and b"done" not in row, row  # a retry elsewhere would wait
     assert generations(eng, "x5") == 1
+
+
+def test_a_retry_whose_lookup_spans_the_takeover_is_attached_not_run_again(
+        pair: Any, redis_url: str) -> None:
+    """The replica-kill test's third generation (CI, loaded host): a retry found no turn here,
+    and while it read the turn's row this replica claimed and adopted the dead replica's turn;
+    the row then named this replica as owner and the retry was served as a new request, queued
+    behind the adopted copy in its session and run after it."""
+    eng, a, b = pair(ttft_s=0.5)
+    b.stop()
+    state = a.gateway.replicas.state
+    claim, status = state.claim_orphans, state.turn_status
+    looking = threading.Event()
+
+    async def claim_once_the_retry_looks() -> list[HeldTurnRow]:
+        return await claim() if looking.is_set() else []
+
+    async def status_read_after_the_takeover(rid: str) -> tuple[str | None, bool]:
+        looking.set()
+        deadline = time.monotonic() + 10
+        while rid not in a.gateway.by_request and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)  # claimed and adopted meanwhile
+        return await status(rid)
+
+    state.claim_orphans = claim_once_the_retry_looks
+    state.turn_status = status_read_after_the_takeover
+
+    async def dead_replica_accepts() -> None:
+        dead = RedisState(redis_url, replica_id="dead", replica_ttl_s=1.0)
+        await dead.open()
+        now = time.time() - dead.clock_origin(0.0)
+        dead.put_held(HeldTurnRow("x7", "s-x7", "/v1/chat/completions",
+                                  chat_body("job x7"), False, now, 8, 8, 4), now)
+        await dead.flush()
+        await dead.redis.delete("ts:hb:dead")
+        await dead.redis.aclose()
+
+    asyncio.run(dead_replica_accepts())
+    r = post(a, "x7")
+    assert r.status_code == 200, r.text
+    time.sleep(0.3)
+    assert state.read_errors == 0
+    assert generations(eng, "x7") == 1
+
+
+def test_a_turn_served_again_by_a_live_replica_is_not_claimed_from_the_dead_one(
+        pair: Any, redis_url: str) -> None:
+    """A dead replica's turn that a live replica accepted again (its retry was served there:
+    the lookup failed, or the row was not yet written) is that replica's: the claim of the dead
+    replica's turns leaves it, instead of running it a third time."""
+    import redis
+
+    pair(ttft_s=0.2)
+
+    async def dead_then_b_accepts() -> None:
+        dead = RedisState(redis_url, replica_id="dead", replica_ttl_s=1.0)
+        await dead.open()
+        now = time.time() - dead.clock_origin(0.0)
+        for rid in ("y1", "y2"):
+            dead.put_held(HeldTurnRow(rid, f"s-{rid}", "/v1/chat/completions",
+                                      chat_body(f"job {rid}"), False, now, 8, 8, 4), now)
+        await dead.flush()
+        await dead.redis.aclose()
+        b_side = RedisState(redis_url, replica_id="b-live", replica_ttl_s=30.0)
+        await b_side.open()  # a live replica re-accepts y1 (its own row now)
+        b_side.put_held(HeldTurnRow("y1", "s-y1", "/v1/chat/completions",
+                                    chat_body("job y1"), False, now, 8, 8, 4), now)
+        await b_side.flush()
+        await b_side.redis.aclose()
+
+    asyncio.run(dead_then_b_accepts())
+    r = redis.Redis.from_url(redis_url)
+    r.delete("ts:hb:dead")  # the dead replica's heartbeat stops
+    deadline = time.monotonic() + 10
+    while r.sismember("ts:replicas", "dead") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert r.hget("ts:turn:y1", "owner") == b"b-live"  # left to the replica serving it
+    assert r.hget("ts:turn:y2", "owner") in (b"a", b"b")  # claimed
 
 
 def test_a_replica_whose_heartbeat_lapsed_rejoins_the_replica_set(pair: Any,

@@ -120,11 +120,14 @@ class ReplicaSync:
         answer, or answered in full with no answer kept (a stream: run again, see
         docs/reliability.md). Raises :class:`TakenOver` when this replica has just claimed it."""
         owner, done = await self.state.turn_status(rid)
-        if owner == self.state.replica and not done and self._claiming.locked():
-            async with self._claiming:  # adopted here once the claim is through
+        if owner == self.state.replica and not done:
+            # claimed here, maybe while this lookup ran (the caller found no turn for it just
+            # before): attached to the adopted turn once the claim is through; none adopted
+            # (a turn of this replica's own, just over), the caller serves it
+            async with self._claiming:
                 pass
             raise TakenOver(rid)
-        if owner is None or (owner == self.state.replica and not done):
+        if owner is None:
             return None
         deadline = self.now() + self.wait_s
         while not done:

@@ -56,7 +56,9 @@ local claimed = {}
 for _, r in ipairs(redis.call('SMEMBERS', ns .. ':replicas')) do
   if r ~= me and redis.call('EXISTS', ns .. ':hb:' .. r) == 0 then
     for _, rid in ipairs(redis.call('SMEMBERS', ns .. ':owned:' .. r)) do
-      if redis.call('EXISTS', ns .. ':turn:' .. rid) == 1
+      -- still that replica's and not answered: a retry served meanwhile by a live replica
+      -- (which accepted it again, as its own) is that replica's turn, not run a third time
+      if redis.call('HGET', ns .. ':turn:' .. rid, 'owner') == r
           and redis.call('HEXISTS', ns .. ':turn:' .. rid, 'done') == 0 then
         redis.call('HSET', ns .. ':turn:' .. rid, 'owner', me)
         redis.call('SADD', ns .. ':owned:' .. me, rid)
