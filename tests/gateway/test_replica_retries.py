@@ -17,6 +17,9 @@ Each case failed before the fix it names:
   after the adopted copy: a third generation in the replica-kill test on a loaded host;
 * a claim took every unanswered turn in the dead replica's set, even one a live replica had
   accepted again meanwhile (and was running);
+* a claim slower than ``replica_ttl_s`` let the claiming replica's heartbeat lapse (it was
+  refreshed by the same loop), so its turns could be claimed and run again by another;
+* a stopped replica whose sync loop lost its cancellation kept syncing (and logging) forever;
 * a replica whose heartbeat lapsed once (a stalled event loop) was dropped from the replica set
   for good, so the turns it accepted afterwards would never be taken over if it died.
 """
@@ -245,6 +248,56 @@ def test_a_turn_served_again_by_a_live_replica_is_not_claimed_from_the_dead_one(
         time.sleep(0.05)
     assert r.hget("ts:turn:y1", "owner") == b"b-live"  # left to the replica serving it
     assert r.hget("ts:turn:y2", "owner") in (b"a", b"b")  # claimed
+
+
+def test_the_heartbeat_outlives_a_slow_claim(pair: Any, redis_url: str) -> None:
+    """The heartbeat was refreshed only by the load sync, which also claims (adopting each
+    claimed turn after a session lookup): a claim slower than ``replica_ttl_s`` (a loaded host)
+    let a live replica's heartbeat lapse, and another replica could claim its turns, running
+    them a second time. The heartbeat has its own loop now."""
+    import redis
+
+    _, a, _ = pair()
+    state = a.gateway.replicas.state
+    claim = state.claim_orphans
+    slow = threading.Event()
+
+    async def slow_claim() -> list[HeldTurnRow]:
+        slow.set()
+        await asyncio.sleep(2.5)  # 2.5 x replica_ttl_s
+        return await claim()
+
+    state.claim_orphans = slow_claim
+    assert slow.wait(5)
+    r = redis.Redis.from_url(redis_url)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 2.0:
+        assert r.exists("ts:hb:a"), f"heartbeat lapsed {time.monotonic() - t0:.1f} s in"
+        time.sleep(0.1)
+
+
+def test_a_stopped_replica_syncs_no_more_even_if_a_cancellation_is_lost(pair: Any) -> None:
+    """A stopped in-process replica whose sync loop lost its cancellation (the Redis client
+    turned it into an error, caught as a failed sync) went on syncing — against a Redis long
+    gone, logging a traceback every 100 ms into later tests — and its stop never finished."""
+    _, a, _ = pair()
+    sync = a.gateway.replicas
+    exchange = sync.state.exchange_load
+    lost = threading.Event()
+
+    async def losing_the_cancel(*args: Any) -> Any:
+        try:
+            await asyncio.sleep(0.5)
+        except asyncio.CancelledError:
+            lost.set()
+            raise RuntimeError("connection closed") from None
+        return await exchange(*args)
+
+    sync.state.exchange_load = losing_the_cancel
+    time.sleep(0.3)
+    a.server.stop(timeout_s=3.0)
+    assert lost.is_set()
+    assert a.server.thread is not None and not a.server.thread.is_alive()
 
 
 def test_a_replica_whose_heartbeat_lapsed_rejoins_the_replica_set(pair: Any,

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Protocol
@@ -68,17 +69,38 @@ class ReplicaSync:
         self._claiming = asyncio.Lock()
         #: load syncs done (each also reads the others' observations)
         self.learned = 0
+        #: syncs that failed (Redis away): logged the first time and every 100th
+        self.failures = 0
+        #: set by :meth:`stop`: the loops end even if a cancellation was lost on the way (a
+        #: client library turning it into a timeout or connection error, caught as a failure)
+        self.stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
 
     async def loop(self) -> None:
         n = 0
-        while True:
+        while not self.stopped:
             try:
                 await self.sync_load()
                 if n % _CLAIM_EVERY == 0:
                     await self.claim()
             except Exception:
-                log.exception("replica sync failed")
+                self.failures += 1
+                if self.failures % 100 == 1:
+                    log.exception("replica sync failed (%d so far)", self.failures)
             n += 1
+            await asyncio.sleep(self.sync_s)
+
+    async def beat_loop(self) -> None:
+        """The heartbeat alone, every ``sync_s``, apart from the load sync and the claims (a
+        claim adopting many turns, or a slow load exchange on a loaded host, must not leave the
+        heartbeat to lapse: a live replica whose heartbeat lapses has its turns claimed and run
+        a second time by another)."""
+        while not self.stopped:
+            # a failure is counted and logged by the load sync, which fails the same way
+            with contextlib.suppress(Exception):
+                await self.state.heartbeat()
             await asyncio.sleep(self.sync_s)
 
     async def sync_load(self) -> None:
