@@ -17,6 +17,8 @@ Each case failed before the fix it names:
   after the adopted copy: a third generation in the replica-kill test on a loaded host;
 * a claim took every unanswered turn in the dead replica's set, even one a live replica had
   accepted again meanwhile (and was running);
+* a retry waiting for another replica's answer took one failed read of the turn's row for
+  "no such turn" and was served as well;
 * a claim slower than ``replica_ttl_s`` let the claiming replica's heartbeat lapse (it was
   refreshed by the same loop), so its turns could be claimed and run again by another;
 * a stopped replica whose sync loop lost its cancellation kept syncing (and logging) forever;
@@ -248,6 +250,57 @@ def test_a_turn_served_again_by_a_live_replica_is_not_claimed_from_the_dead_one(
         time.sleep(0.05)
     assert r.hget("ts:turn:y1", "owner") == b"b-live"  # left to the replica serving it
     assert r.hget("ts:turn:y2", "owner") in (b"a", b"b")  # claimed
+
+
+def test_a_failed_read_while_a_retry_waits_is_not_taken_for_a_turn_gone(
+        pair: Any, redis_url: str) -> None:
+    """A retry waiting for the replica that serves its turn polls the turn's row; one poll that
+    Redis did not answer in time (a loaded host) read as "no such turn" and the retry was
+    served here while the owner ran the turn too (a third generation in the replica-kill test
+    when the owner had adopted a turn cut at the dead replica). It waits on, and gets the
+    owner's answer."""
+    eng, a, _ = pair()
+    state = a.gateway.replicas.state
+    status = state.turn_status
+    polls = 0
+
+    async def one_poll_fails(rid: str) -> tuple[str | None, bool]:
+        nonlocal polls
+        polls += 1
+        if polls == 3:
+            state.read_errors += 1  # what RedisState does when a read times out
+            return None, False
+        return await status(rid)
+
+    state.turn_status = one_poll_fails
+    kept = (b'{"id": "c1", "object": "chat.completion", "choices": [{"index": 0, "message": '
+            b'{"role": "assistant", "content": "kept"}, "finish_reason": "stop"}]}')
+
+    async def other(answer: bool) -> None:
+        o = RedisState(redis_url, replica_id="other", replica_ttl_s=60.0)  # alive throughout
+        await o.open()
+        now = time.time() - o.clock_origin(0.0)
+        if answer:
+            o.put_result("x9", "s-x9", "/v1/chat/completions", 200, kept, now)
+            o.drop_turn("x9", answered=True)
+        else:
+            o.put_held(HeldTurnRow("x9", "s-x9", "/v1/chat/completions", chat_body("job x9"),
+                                   False, now, 8, 8, 4), now)
+        await o.flush()
+        await o.redis.aclose()
+
+    asyncio.run(other(answer=False))
+    answers: list[httpx.Response] = []
+    retry = threading.Thread(target=lambda: answers.append(post(a, "x9")))
+    retry.start()
+    deadline = time.monotonic() + 10
+    while polls < 5 and time.monotonic() < deadline and retry.is_alive():
+        time.sleep(0.05)
+    asyncio.run(other(answer=True))
+    retry.join(30)
+    assert answers and answers[0].status_code == 200, answers
+    assert answers[0].headers.get("x-turnstile-cached") == "1"
+    assert generations(eng, "x9") == 0  # served by its owner only
 
 
 def test_the_heartbeat_outlives_a_slow_claim(pair: Any, redis_url: str) -> None:

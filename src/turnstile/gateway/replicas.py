@@ -151,13 +151,24 @@ class ReplicaSync:
             raise TakenOver(rid)
         if owner is None:
             return None
+        # Waiting, a read that fails (Redis slow to answer on a loaded host) is not an answer:
+        # taken as "no such turn" it served the request here while its owner ran it too (a
+        # third generation of a turn cut at a replica's death); the wait goes on instead
         deadline = self.now() + self.wait_s
-        while not done:
+        while True:
             if self.now() > deadline:
                 raise GatewayError(504, f"request {rid!r} is still being served by replica "
                                    f"{owner}", type_="upstream_error", code="timeout")
+            if done:
+                failed = self.state.read_errors
+                out = await self.host.cached_outcome(rid, req)
+                if out is not None or self.state.read_errors == failed:
+                    return out  # None: answered in full, no answer kept (a stream)
             await asyncio.sleep(0.05)
-            owner, done = await self.state.turn_status(rid)
-            if owner is None:
-                return None  # expired meanwhile
-        return await self.host.cached_outcome(rid, req)
+            failed = self.state.read_errors
+            seen, done = await self.state.turn_status(rid)
+            if self.state.read_errors != failed:
+                continue  # unknown, not gone
+            if seen is None:
+                return None  # over with no answer (or expired) meanwhile
+            owner = seen
