@@ -21,6 +21,7 @@ Each case failed before the fix it names:
   "no such turn" and was served as well;
 * a claim slower than ``replica_ttl_s`` let the claiming replica's heartbeat lapse (it was
   refreshed by the same loop), so its turns could be claimed and run again by another;
+* an event loop blocked past ``replica_ttl_s`` let the heartbeat lapse likewise;
 * a stopped replica whose sync loop lost its cancellation kept syncing (and logging) forever;
 * a replica whose heartbeat lapsed once (a stalled event loop) was dropped from the replica set
   for good, so the turns it accepted afterwards would never be taken over if it died.
@@ -327,6 +328,28 @@ def test_the_heartbeat_outlives_a_slow_claim(pair: Any, redis_url: str) -> None:
     while time.monotonic() - t0 < 2.0:
         assert r.exists("ts:hb:a"), f"heartbeat lapsed {time.monotonic() - t0:.1f} s in"
         time.sleep(0.1)
+
+
+def test_the_heartbeat_outlives_a_blocked_event_loop_then_lapses(pair: Any,
+                                                                  redis_url: str) -> None:
+    """An event loop blocked past ``replica_ttl_s`` (CPU-starved on a loaded host) let a live
+    replica's heartbeat lapse: its turns could be claimed and run again by another (a third
+    generation of a turn it had taken over). A thread beats on for 5 x ``replica_ttl_s`` of
+    such a stall; a replica that stops beats no more."""
+    import redis
+
+    _, a, _ = pair()
+    r = redis.Redis.from_url(redis_url)
+    loop = a.server.server.servers[0].get_loop()
+    time.sleep(0.3)
+    loop.call_soon_threadsafe(time.sleep, 2.5)  # the loop runs nothing for 2.5 x ttl
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 2.3:
+        assert r.exists("ts:hb:a"), f"heartbeat lapsed {time.monotonic() - t0:.1f} s in"
+        time.sleep(0.1)
+    a.stop()
+    time.sleep(1.5)
+    assert not r.exists("ts:hb:a")  # stopped: taken for dead after replica_ttl_s
 
 
 def test_a_stopped_replica_syncs_no_more_even_if_a_cancellation_is_lost(pair: Any) -> None:

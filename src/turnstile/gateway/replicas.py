@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -37,6 +38,8 @@ log = logging.getLogger("turnstile.gateway")
 
 #: claim dead replicas' turns every this many load syncs
 _CLAIM_EVERY = 5
+#: the heartbeat thread goes on while the event loop was seen within this many replica_ttl_s
+_LOOP_GRACE = 5
 
 
 class TakenOver(Exception):
@@ -74,9 +77,12 @@ class ReplicaSync:
         #: set by :meth:`stop`: the loops end even if a cancellation was lost on the way (a
         #: client library turning it into a timeout or connection error, caught as a failure)
         self.stopped = False
+        #: when the event loop last ran the heartbeat loop (``time.monotonic()``)
+        self.loop_seen = 0.0
 
     def stop(self) -> None:
         self.stopped = True
+        self.state.stop_beating()
 
     async def loop(self) -> None:
         n = 0
@@ -96,8 +102,13 @@ class ReplicaSync:
         """The heartbeat alone, every ``sync_s``, apart from the load sync and the claims (a
         claim adopting many turns, or a slow load exchange on a loaded host, must not leave the
         heartbeat to lapse: a live replica whose heartbeat lapses has its turns claimed and run
-        a second time by another)."""
+        a second time by another); and from a thread while this loop was seen within
+        ``_LOOP_GRACE`` x ``replica_ttl_s`` (:meth:`RedisState.beat_in_thread`)."""
+        self.loop_seen = time.monotonic()
+        self.state.beat_in_thread(lambda: self.loop_seen, every_s=self.sync_s,
+                                  grace_s=_LOOP_GRACE * self.state.replica_ttl_s)
         while not self.stopped:
+            self.loop_seen = time.monotonic()
             # a failure is counted and logged by the load sync, which fails the same way
             with contextlib.suppress(Exception):
                 await self.state.heartbeat()
