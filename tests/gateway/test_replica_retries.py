@@ -12,6 +12,17 @@ Each case failed before the fix it names:
   was held) was marked done all the same: its retry got that 409 too;
 * a retry reaching the replica that had just claimed the dead replica's turn in Redis, before
   it adopted the turn locally, was served as a new request while the adopted copy ran too;
+* a retry whose lookup of the turn's row spanned this replica's takeover of it (it found no
+  turn here, then read the row naming this replica as owner) was served as a new request
+  after the adopted copy: a third generation in the replica-kill test on a loaded host;
+* a claim took every unanswered turn in the dead replica's set, even one a live replica had
+  accepted again meanwhile (and was running);
+* a retry waiting for another replica's answer took one failed read of the turn's row for
+  "no such turn" and was served as well;
+* a claim slower than ``replica_ttl_s`` let the claiming replica's heartbeat lapse (it was
+  refreshed by the same loop), so its turns could be claimed and run again by another;
+* an event loop blocked past ``replica_ttl_s`` let the heartbeat lapse likewise;
+* a stopped replica whose sync loop lost its cancellation kept syncing (and logging) forever;
 * a replica whose heartbeat lapsed once (a stalled event loop) was dropped from the replica set
   for good, so the turns it accepted afterwards would never be taken over if it died.
 """
@@ -162,6 +173,207 @@ def test_a_retry_during_the_takeover_is_attached_not_run_twice(pair: Any,
         pytest.xfail(f"{state.read_errors} Redis lookups timed out on this host")
     assert row[b"owner"] == b"a" and b"done" not in row, row  # a retry elsewhere would wait
     assert generations(eng, "x5") == 1
+
+
+def test_a_retry_whose_lookup_spans_the_takeover_is_attached_not_run_again(
+        pair: Any, redis_url: str) -> None:
+    """The replica-kill test's third generation (CI, loaded host): a retry found no turn here,
+    and while it read the turn's row this replica claimed and adopted the dead replica's turn;
+    the row then named this replica as owner and the retry was served as a new request, queued
+    behind the adopted copy in its session and run after it."""
+    eng, a, b = pair(ttft_s=0.5)
+    b.stop()
+    state = a.gateway.replicas.state
+    claim, status = state.claim_orphans, state.turn_status
+    looking = threading.Event()
+
+    async def claim_once_the_retry_looks() -> list[HeldTurnRow]:
+        return await claim() if looking.is_set() else []
+
+    async def status_read_after_the_takeover(rid: str) -> tuple[str | None, bool]:
+        looking.set()
+        deadline = time.monotonic() + 10
+        while rid not in a.gateway.by_request and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)  # claimed and adopted meanwhile
+        return await status(rid)
+
+    state.claim_orphans = claim_once_the_retry_looks
+    state.turn_status = status_read_after_the_takeover
+
+    async def dead_replica_accepts() -> None:
+        dead = RedisState(redis_url, replica_id="dead", replica_ttl_s=1.0)
+        await dead.open()
+        now = time.time() - dead.clock_origin(0.0)
+        dead.put_held(HeldTurnRow("x7", "s-x7", "/v1/chat/completions",
+                                  chat_body("job x7"), False, now, 8, 8, 4), now)
+        await dead.flush()
+        await dead.redis.delete("ts:hb:dead")
+        await dead.redis.aclose()
+
+    asyncio.run(dead_replica_accepts())
+    r = post(a, "x7")
+    assert r.status_code == 200, r.text
+    time.sleep(0.3)
+    assert state.read_errors == 0
+    assert generations(eng, "x7") == 1
+
+
+def test_a_turn_served_again_by_a_live_replica_is_not_claimed_from_the_dead_one(
+        pair: Any, redis_url: str) -> None:
+    """A dead replica's turn that a live replica accepted again (its retry was served there:
+    the lookup failed, or the row was not yet written) is that replica's: the claim of the dead
+    replica's turns leaves it, instead of running it a third time."""
+    import redis
+
+    pair(ttft_s=0.2)
+
+    async def dead_then_b_accepts() -> None:
+        dead = RedisState(redis_url, replica_id="dead", replica_ttl_s=1.0)
+        await dead.open()
+        now = time.time() - dead.clock_origin(0.0)
+        for rid in ("y1", "y2"):
+            dead.put_held(HeldTurnRow(rid, f"s-{rid}", "/v1/chat/completions",
+                                      chat_body(f"job {rid}"), False, now, 8, 8, 4), now)
+        await dead.flush()
+        await dead.redis.aclose()
+        b_side = RedisState(redis_url, replica_id="b-live", replica_ttl_s=30.0)
+        await b_side.open()  # a live replica re-accepts y1 (its own row now)
+        b_side.put_held(HeldTurnRow("y1", "s-y1", "/v1/chat/completions",
+                                    chat_body("job y1"), False, now, 8, 8, 4), now)
+        await b_side.flush()
+        await b_side.redis.aclose()
+
+    asyncio.run(dead_then_b_accepts())
+    r = redis.Redis.from_url(redis_url)
+    r.delete("ts:hb:dead")  # the dead replica's heartbeat stops
+    deadline = time.monotonic() + 10
+    while r.sismember("ts:replicas", "dead") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert r.hget("ts:turn:y1", "owner") == b"b-live"  # left to the replica serving it
+    assert r.hget("ts:turn:y2", "owner") in (b"a", b"b")  # claimed
+
+
+def test_a_failed_read_while_a_retry_waits_is_not_taken_for_a_turn_gone(
+        pair: Any, redis_url: str) -> None:
+    """A retry waiting for the replica that serves its turn polls the turn's row; one poll that
+    Redis did not answer in time (a loaded host) read as "no such turn" and the retry was
+    served here while the owner ran the turn too (a third generation in the replica-kill test
+    when the owner had adopted a turn cut at the dead replica). It waits on, and gets the
+    owner's answer."""
+    eng, a, _ = pair()
+    state = a.gateway.replicas.state
+    status = state.turn_status
+    polls = 0
+
+    async def one_poll_fails(rid: str) -> tuple[str | None, bool]:
+        nonlocal polls
+        polls += 1
+        if polls == 3:
+            state.read_errors += 1  # what RedisState does when a read times out
+            return None, False
+        return await status(rid)
+
+    state.turn_status = one_poll_fails
+    kept = (b'{"id": "c1", "object": "chat.completion", "choices": [{"index": 0, "message": '
+            b'{"role": "assistant", "content": "kept"}, "finish_reason": "stop"}]}')
+
+    async def other(answer: bool) -> None:
+        o = RedisState(redis_url, replica_id="other", replica_ttl_s=60.0)  # alive throughout
+        await o.open()
+        now = time.time() - o.clock_origin(0.0)
+        if answer:
+            o.put_result("x9", "s-x9", "/v1/chat/completions", 200, kept, now)
+            o.drop_turn("x9", answered=True)
+        else:
+            o.put_held(HeldTurnRow("x9", "s-x9", "/v1/chat/completions", chat_body("job x9"),
+                                   False, now, 8, 8, 4), now)
+        await o.flush()
+        await o.redis.aclose()
+
+    asyncio.run(other(answer=False))
+    answers: list[httpx.Response] = []
+    retry = threading.Thread(target=lambda: answers.append(post(a, "x9")))
+    retry.start()
+    deadline = time.monotonic() + 10
+    while polls < 5 and time.monotonic() < deadline and retry.is_alive():
+        time.sleep(0.05)
+    asyncio.run(other(answer=True))
+    retry.join(30)
+    assert answers and answers[0].status_code == 200, answers
+    assert answers[0].headers.get("x-turnstile-cached") == "1"
+    assert generations(eng, "x9") == 0  # served by its owner only
+
+
+def test_the_heartbeat_outlives_a_slow_claim(pair: Any, redis_url: str) -> None:
+    """The heartbeat was refreshed only by the load sync, which also claims (adopting each
+    claimed turn after a session lookup): a claim slower than ``replica_ttl_s`` (a loaded host)
+    let a live replica's heartbeat lapse, and another replica could claim its turns, running
+    them a second time. The heartbeat has its own loop now."""
+    import redis
+
+    _, a, _ = pair()
+    state = a.gateway.replicas.state
+    claim = state.claim_orphans
+    slow = threading.Event()
+
+    async def slow_claim() -> list[HeldTurnRow]:
+        slow.set()
+        await asyncio.sleep(2.5)  # 2.5 x replica_ttl_s
+        return await claim()
+
+    state.claim_orphans = slow_claim
+    assert slow.wait(5)
+    r = redis.Redis.from_url(redis_url)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 2.0:
+        assert r.exists("ts:hb:a"), f"heartbeat lapsed {time.monotonic() - t0:.1f} s in"
+        time.sleep(0.1)
+
+
+def test_the_heartbeat_outlives_a_blocked_event_loop_then_lapses(pair: Any,
+                                                                  redis_url: str) -> None:
+    """An event loop blocked past ``replica_ttl_s`` (CPU-starved on a loaded host) let a live
+    replica's heartbeat lapse: its turns could be claimed and run again by another (a third
+    generation of a turn it had taken over). A thread beats on for 5 x ``replica_ttl_s`` of
+    such a stall; a replica that stops beats no more."""
+    import redis
+
+    _, a, _ = pair()
+    r = redis.Redis.from_url(redis_url)
+    loop = a.server.server.servers[0].get_loop()
+    time.sleep(0.3)
+    loop.call_soon_threadsafe(time.sleep, 2.5)  # the loop runs nothing for 2.5 x ttl
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 2.3:
+        assert r.exists("ts:hb:a"), f"heartbeat lapsed {time.monotonic() - t0:.1f} s in"
+        time.sleep(0.1)
+    a.stop()
+    time.sleep(1.5)
+    assert not r.exists("ts:hb:a")  # stopped: taken for dead after replica_ttl_s
+
+
+def test_a_stopped_replica_syncs_no_more_even_if_a_cancellation_is_lost(pair: Any) -> None:
+    """A stopped in-process replica whose sync loop lost its cancellation (the Redis client
+    turned it into an error, caught as a failed sync) went on syncing — against a Redis long
+    gone, logging a traceback every 100 ms into later tests — and its stop never finished."""
+    _, a, _ = pair()
+    sync = a.gateway.replicas
+    exchange = sync.state.exchange_load
+    lost = threading.Event()
+
+    async def losing_the_cancel(*args: Any) -> Any:
+        try:
+            await asyncio.sleep(0.5)
+        except asyncio.CancelledError:
+            lost.set()
+            raise RuntimeError("connection closed") from None
+        return await exchange(*args)
+
+    sync.state.exchange_load = losing_the_cancel
+    time.sleep(0.3)
+    a.server.stop(timeout_s=3.0)
+    assert lost.is_set()
+    assert a.server.thread is not None and not a.server.thread.is_alive()
 
 
 def test_a_replica_whose_heartbeat_lapsed_rejoins_the_replica_set(pair: Any,

@@ -19,7 +19,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -36,6 +38,8 @@ log = logging.getLogger("turnstile.gateway")
 
 #: claim dead replicas' turns every this many load syncs
 _CLAIM_EVERY = 5
+#: the heartbeat thread goes on while the event loop was seen within this many replica_ttl_s
+_LOOP_GRACE = 5
 
 
 class TakenOver(Exception):
@@ -68,17 +72,46 @@ class ReplicaSync:
         self._claiming = asyncio.Lock()
         #: load syncs done (each also reads the others' observations)
         self.learned = 0
+        #: syncs that failed (Redis away): logged the first time and every 100th
+        self.failures = 0
+        #: set by :meth:`stop`: the loops end even if a cancellation was lost on the way (a
+        #: client library turning it into a timeout or connection error, caught as a failure)
+        self.stopped = False
+        #: when the event loop last ran the heartbeat loop (``time.monotonic()``)
+        self.loop_seen = 0.0
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.state.stop_beating()
 
     async def loop(self) -> None:
         n = 0
-        while True:
+        while not self.stopped:
             try:
                 await self.sync_load()
                 if n % _CLAIM_EVERY == 0:
                     await self.claim()
             except Exception:
-                log.exception("replica sync failed")
+                self.failures += 1
+                if self.failures % 100 == 1:
+                    log.exception("replica sync failed (%d so far)", self.failures)
             n += 1
+            await asyncio.sleep(self.sync_s)
+
+    async def beat_loop(self) -> None:
+        """The heartbeat alone, every ``sync_s``, apart from the load sync and the claims (a
+        claim adopting many turns, or a slow load exchange on a loaded host, must not leave the
+        heartbeat to lapse: a live replica whose heartbeat lapses has its turns claimed and run
+        a second time by another); and from a thread while this loop was seen within
+        ``_LOOP_GRACE`` x ``replica_ttl_s`` (:meth:`RedisState.beat_in_thread`)."""
+        self.loop_seen = time.monotonic()
+        self.state.beat_in_thread(lambda: self.loop_seen, every_s=self.sync_s,
+                                  grace_s=_LOOP_GRACE * self.state.replica_ttl_s)
+        while not self.stopped:
+            self.loop_seen = time.monotonic()
+            # a failure is counted and logged by the load sync, which fails the same way
+            with contextlib.suppress(Exception):
+                await self.state.heartbeat()
             await asyncio.sleep(self.sync_s)
 
     async def sync_load(self) -> None:
@@ -120,19 +153,33 @@ class ReplicaSync:
         answer, or answered in full with no answer kept (a stream: run again, see
         docs/reliability.md). Raises :class:`TakenOver` when this replica has just claimed it."""
         owner, done = await self.state.turn_status(rid)
-        if owner == self.state.replica and not done and self._claiming.locked():
-            async with self._claiming:  # adopted here once the claim is through
+        if owner == self.state.replica and not done:
+            # claimed here, maybe while this lookup ran (the caller found no turn for it just
+            # before): attached to the adopted turn once the claim is through; none adopted
+            # (a turn of this replica's own, just over), the caller serves it
+            async with self._claiming:
                 pass
             raise TakenOver(rid)
-        if owner is None or (owner == self.state.replica and not done):
+        if owner is None:
             return None
+        # Waiting, a read that fails (Redis slow to answer on a loaded host) is not an answer:
+        # taken as "no such turn" it served the request here while its owner ran it too (a
+        # third generation of a turn cut at a replica's death); the wait goes on instead
         deadline = self.now() + self.wait_s
-        while not done:
+        while True:
             if self.now() > deadline:
                 raise GatewayError(504, f"request {rid!r} is still being served by replica "
                                    f"{owner}", type_="upstream_error", code="timeout")
+            if done:
+                failed = self.state.read_errors
+                out = await self.host.cached_outcome(rid, req)
+                if out is not None or self.state.read_errors == failed:
+                    return out  # None: answered in full, no answer kept (a stream)
             await asyncio.sleep(0.05)
-            owner, done = await self.state.turn_status(rid)
-            if owner is None:
-                return None  # expired meanwhile
-        return await self.host.cached_outcome(rid, req)
+            failed = self.state.read_errors
+            seen, done = await self.state.turn_status(rid)
+            if self.state.read_errors != failed:
+                continue  # unknown, not gone
+            if seen is None:
+                return None  # over with no answer (or expired) meanwhile
+            owner = seen

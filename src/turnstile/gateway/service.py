@@ -207,6 +207,7 @@ class Gateway:
             self.replicas = ReplicaSync(self, backend, self.clock.now, sync_s=cfg.peer_sync_s,
                                         wait_s=cfg.read_timeout_s)
             self.spawn(self.replicas.loop())
+            self.spawn(self.replicas.beat_loop())
         self.keys = keys
         self.resolver = SessionResolver(self.table, self.scheduler, self.clock.now, keys,
                                         self.replicas, self.metrics)
@@ -220,6 +221,8 @@ class Gateway:
     async def stop(self) -> None:
         self.started = False
         self.driver.stop()
+        if self.replicas is not None:
+            self.replicas.stop()
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel()

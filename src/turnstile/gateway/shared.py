@@ -29,13 +29,15 @@ is forwarded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
 import redis.asyncio as aioredis
@@ -56,7 +58,9 @@ local claimed = {}
 for _, r in ipairs(redis.call('SMEMBERS', ns .. ':replicas')) do
   if r ~= me and redis.call('EXISTS', ns .. ':hb:' .. r) == 0 then
     for _, rid in ipairs(redis.call('SMEMBERS', ns .. ':owned:' .. r)) do
-      if redis.call('EXISTS', ns .. ':turn:' .. rid) == 1
+      -- still that replica's and not answered: a retry served meanwhile by a live replica
+      -- (which accepted it again, as its own) is that replica's turn, not run a third time
+      if redis.call('HGET', ns .. ':turn:' .. rid, 'owner') == r
           and redis.call('HEXISTS', ns .. ':turn:' .. rid, 'done') == 0 then
         redis.call('HSET', ns .. ':turn:' .. rid, 'owner', me)
         redis.call('SADD', ns .. ':owned:' .. me, rid)
@@ -136,6 +140,7 @@ class RedisState:
         self._learn_from = "0-0"
         self.write_errors = 0
         self.read_errors = 0
+        self._beat_stop: threading.Event | None = None
 
     # ------------------------------------------------------------------ lifecycle
     async def open(self) -> None:
@@ -151,6 +156,7 @@ class RedisState:
         self._writer = asyncio.ensure_future(self._write_loop())
 
     async def aclose(self) -> None:
+        self.stop_beating()
         if self._writer is not None:
             await self.flush()
             self._writer.cancel()
@@ -166,6 +172,35 @@ class RedisState:
     async def heartbeat(self) -> None:
         await self.redis.set(f"{self.ns}:hb:{self.replica}", "1",
                              px=int(self.replica_ttl_s * 1000))
+
+    def beat_in_thread(self, loop_seen: Callable[[], float], *, every_s: float,
+                       grace_s: float) -> None:
+        """Also refresh the heartbeat from a thread of its own (a blocking client), for as long
+        as the event loop was seen (``loop_seen()``, ``time.monotonic()``) within ``grace_s``:
+        an event loop slowed past ``replica_ttl_s`` (a starved host) does not make a live
+        replica look dead — its turns would be claimed and run again by another — while a
+        process that died stops at once, and an event loop stuck past ``grace_s`` lets the
+        heartbeat lapse (its turns are taken over)."""
+        import redis as sync_redis
+
+        client = sync_redis.Redis.from_url(self.url, socket_connect_timeout=1.0,
+                                           socket_timeout=1.0)
+        key, ttl_ms = f"{self.ns}:hb:{self.replica}", int(self.replica_ttl_s * 1000)
+        stop = self._beat_stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(every_s):
+                if time.monotonic() - loop_seen() > grace_s:
+                    continue
+                with contextlib.suppress(Exception):  # Redis away: the load sync logs it
+                    client.set(key, "1", px=ttl_ms)
+            client.close()
+
+        threading.Thread(target=beat, name=f"heartbeat-{self.replica}", daemon=True).start()
+
+    def stop_beating(self) -> None:
+        if self._beat_stop is not None:
+            self._beat_stop.set()
 
     # ------------------------------------------------------------------ batched writes
     def _put(self, cmd: str, *args: Any, **kw: Any) -> None:
