@@ -154,8 +154,9 @@ class Proc:
             raise RuntimeError(f"no server on {self.port}")
 
     def cpu_s(self) -> float:
-        fields = Path(f"/proc/{self.p.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        from turnstile.engines.process import cpu_seconds
+
+        return cpu_seconds(self.p.pid)
 
     def stop(self) -> None:
         if self.p.poll() is None:

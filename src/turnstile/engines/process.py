@@ -20,7 +20,7 @@ from typing import ClassVar, Self
 
 from turnstile.transport.blocking import wait_ready
 
-__all__ = ["ServerProcess", "free_port", "stop_process"]
+__all__ = ["ServerProcess", "cpu_seconds", "free_port", "stop_process"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -28,6 +28,12 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:

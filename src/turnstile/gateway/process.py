@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
-from turnstile.engines.process import free_port
+from turnstile.engines.process import cpu_seconds, free_port
 from turnstile.transport.blocking import wait_ready
 
 __all__ = ["GatewayProcess", "config_toml", "toml_value"]
@@ -95,8 +95,7 @@ class GatewayProcess:
     def cpu_s(self) -> float:
         """CPU seconds the process has used (Linux ``/proc``)."""
         assert self.proc is not None
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(self.proc.pid)
 
     def kill(self) -> None:
         """SIGKILL: no clean-up (a crash)."""

@@ -119,11 +119,9 @@ class PickerProcess:
         return f"http://127.0.0.1:{self.metrics_port}"
 
     def cpu_s(self) -> float:
-        import os
-        from pathlib import Path
+        from turnstile.engines.process import cpu_seconds
 
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(self.proc.pid)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
