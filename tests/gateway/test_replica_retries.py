@@ -75,6 +75,22 @@ def post(gw: GatewayServer, rid: str, body: dict[str, Any] | None = None,
                       timeout=timeout)
 
 
+def dead_replica_accepted(redis_url: str, rid: str) -> None:
+    """A replica "dead" accepted turn ``rid`` (held, session ``s-rid``) and died: its
+    heartbeat is gone, so a live replica claims the turn."""
+    async def accept() -> None:
+        dead = RedisState(redis_url, replica_id="dead", replica_ttl_s=1.0)
+        await dead.open()
+        now = time.time() - dead.clock_origin(0.0)
+        dead.put_held(HeldTurnRow(rid, f"s-{rid}", "/v1/chat/completions",
+                                  chat_body(f"job {rid}"), False, now, 8, 8, 4), now)
+        await dead.flush()
+        await dead.redis.delete("ts:hb:dead")  # its heartbeat stops: it died
+        await dead.redis.aclose()
+
+    asyncio.run(accept())
+
+
 def generations(eng: FakeServer, rid: str) -> int:
     return sum(1 for r in eng.engine.requests if r.request_id == rid)
 
@@ -146,17 +162,7 @@ def test_a_retry_during_the_takeover_is_attached_not_run_twice(pair: Any,
 
     state.claim_orphans = slow_claim
 
-    async def dead_replica_accepts() -> None:
-        dead = RedisState(redis_url, replica_id="dead", replica_ttl_s=1.0)
-        await dead.open()
-        now = time.time() - dead.clock_origin(0.0)
-        dead.put_held(HeldTurnRow("x5", "s-x5", "/v1/chat/completions",
-                                  chat_body("job x5"), False, now, 8, 8, 4), now)
-        await dead.flush()
-        await dead.redis.delete("ts:hb:dead")  # its heartbeat stops: it died
-        await dead.redis.aclose()
-
-    asyncio.run(dead_replica_accepts())
+    dead_replica_accepted(redis_url, "x5")
     assert claimed.wait(10)
     t0 = time.monotonic()
     answers: list[httpx.Response] = []
@@ -200,17 +206,7 @@ def test_a_retry_whose_lookup_spans_the_takeover_is_attached_not_run_again(
     state.claim_orphans = claim_once_the_retry_looks
     state.turn_status = status_read_after_the_takeover
 
-    async def dead_replica_accepts() -> None:
-        dead = RedisState(redis_url, replica_id="dead", replica_ttl_s=1.0)
-        await dead.open()
-        now = time.time() - dead.clock_origin(0.0)
-        dead.put_held(HeldTurnRow("x7", "s-x7", "/v1/chat/completions",
-                                  chat_body("job x7"), False, now, 8, 8, 4), now)
-        await dead.flush()
-        await dead.redis.delete("ts:hb:dead")
-        await dead.redis.aclose()
-
-    asyncio.run(dead_replica_accepts())
+    dead_replica_accepted(redis_url, "x7")
     r = post(a, "x7")
     assert r.status_code == 200, r.text
     time.sleep(0.3)
