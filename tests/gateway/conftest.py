@@ -70,7 +70,7 @@ class VllmEngines:
         """Engine ``i`` running (restarted if dead, or if ``kw`` — VllmServerProcess
         arguments — are given)."""
         old = self.servers[i]
-        if old.alive and not kw:
+        if old.alive and old.signalled is None and not kw:
             return old
         old.stop()
         self.servers[i] = self._server(old.cpus or "0", **kw).start()

@@ -5,6 +5,11 @@ streams and two whole replies that run, then a stream and a whole reply that wai
 engine's queue (its batch is full: 4 slots or ``--max-num-seqs 4``). The victim is killed; the
 gateway must then, within 2 s, end each stream that had tokens with an error event and send
 every other turn to the other engine, where it runs to the end — once.
+
+How long a turn runs depends on the host: on a fast one, 1,900 tokens of vLLM's were over
+before the kill (a CI run). Where the engine can be frozen, ``hold`` does so once the first four
+turns stream (vLLM: its engine-core process stopped; its API server still takes the last two
+into the queue), and the engine goes on as it is killed: the turns are in flight at any speed.
 """
 
 from __future__ import annotations
@@ -108,8 +113,12 @@ class TurnsOverBeforeTheKill(AssertionError):
 
 def killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
                                 kill: Callable[[], None], *, max_tokens: int,
-                                within_s: float = 2.0, attempts: int = 3) -> dict[str, Any]:
+                                within_s: float = 2.0, attempts: int = 3,
+                                hold: Callable[[], Callable[[], None]] | None = None
+                                ) -> dict[str, Any]:
     """Run the scenario; assert its contract; return the timings (seconds after the kill).
+    ``hold`` (optional) freezes the victim's generation and returns what lets it go on (called
+    right after ``kill``, or when the set-up failed).
 
     Where turns end, or are not all forwarded, before the kill (the set-up, not the contract,
     failed: a host's speed varies), the scenario is set up again on a fresh gateway,
@@ -117,7 +126,8 @@ def killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
     for attempt in range(attempts):
         try:
             return _killed_with_turns_in_flight(kind, victim_url, other_url, kill,
-                                                max_tokens=max_tokens, within_s=within_s)
+                                                max_tokens=max_tokens, within_s=within_s,
+                                                hold=hold)
         except TurnsOverBeforeTheKill:
             if attempt + 1 == attempts:
                 raise
@@ -126,19 +136,23 @@ def killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
 
 def _killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
                                  kill: Callable[[], None], *, max_tokens: int,
-                                 within_s: float) -> dict[str, Any]:
+                                 within_s: float,
+                                 hold: Callable[[], Callable[[], None]] | None
+                                 ) -> dict[str, Any]:
     victim = recording(kind, victim_url, "victim")
     other = recording(kind, other_url, "other")
     gw = start_gateway([victim, other], policy="eager+hinted")
     out: dict[str, Outcome] = {}
     first_token = {name: threading.Event() for name, _, _ in TURNS}
+    release: Callable[[], None] | None = None
     try:
         threads = {}
         for name, streamed, queued in TURNS:
-            if queued:  # once the four others are running at the engine
+            if queued and release is None:  # once the four others are running at the engine
                 for running in ("s1", "s2"):
                     assert first_token[running].wait(90), f"{running} never streamed"
                 time.sleep(0.3)
+                release = hold() if hold is not None else (lambda: None)
             threads[name] = threading.Thread(
                 target=_turn, args=(gw.url, name, streamed, max_tokens, out,
                                     first_token[name]))
@@ -158,10 +172,15 @@ def _killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
                 + repr({k: o.brief() for k, o in out.items()}))
         killed = time.monotonic()
         kill()
+        assert release is not None
+        release()
+        release = None
         for t in threads.values():
             t.join(180)
         assert not any(t.is_alive() for t in threads.values()), "a turn hung"
     finally:
+        if release is not None:
+            release()
         gw.stop()
 
     after = {k: round(o.ended_s - killed, 2) for k, o in out.items()}

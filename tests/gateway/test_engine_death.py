@@ -202,3 +202,43 @@ def test_busy_engine_whose_health_check_is_slow_stays_up_while_it_streams(
     while gw.gateway.engine_up["a"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert gw.gateway.engine_up["a"] is False
+
+
+def test_dead_engine_turns_go_to_an_engine_down_only_for_unanswered_checks(
+        fake_engines: Callable[..., FakeServer], gateways: Callable[..., GatewayServer]) -> None:
+    """The spare's health checks go unanswered (its front end starved of CPU: an idle vLLM on
+    a 2-core CI host while the other engine streamed), so it is down; then the engine with the
+    turns dies. Its turns go to the spare, the one engine that may still serve, within 2 s:
+    before, the dead engine was the one kept routable (routing needs one) and every turn got
+    a 502 after its attempts (CI: re-routed 5-10 s late, once the spare's checks passed)."""
+    dying = fake_engines(ttft_s=2.0, tpot_s=0.02)
+    spare = fake_engines(tpot_s=0.001)
+    gw = gateways([make_adapter(dying.url, "llama.cpp", engine_id="a", control_timeout_s=0.3),
+                   make_adapter(spare.url, "llama.cpp", engine_id="b", control_timeout_s=0.3)],
+                  policy="eager+hinted")
+    spare.engine.health_delay_s = 1.0
+    deadline = time.monotonic() + 8
+    while gw.gateway.engine_up["b"]:
+        assert time.monotonic() < deadline, "spare never marked down"
+        time.sleep(0.05)
+    out: dict[str, dict[str, Any]] = {}
+    threads = [threading.Thread(target=_turn, args=(gw.url, name),
+                                kwargs={"stream": name.startswith("s"), "engine": "a",
+                                        "max_tokens": 200, "out": out})
+               for name in ("s1", "p1")]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 3
+    while dying.engine.in_flight < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert dying.engine.in_flight == 2
+    died = time.monotonic()
+    dying.stop_listening()
+    dying.engine.stall = True
+    for t in threads:
+        t.join(10)
+    took = {k: round(v["ended"] - died, 2) for k, v in out.items()}
+    for name in ("s1", "p1"):
+        r = out[name]
+        assert r.get("status") == 200 and r.get("engine") == "b" and r["tokens"] == 200, (name, r)
+        assert took[name] < 2.5, took

@@ -9,9 +9,12 @@ engine-death tests come last: they kill engines (one is restarted in between).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +28,7 @@ from turnstile.gateway.embedded import GatewayServer, start_gateway
 
 from .conftest import VllmEngines
 from .death import killed_with_turns_in_flight
-from .overtaking import first_admitted
+from .overtaking import engine_core_pid, first_admitted
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -242,16 +245,29 @@ def test_config_check_finds_the_engines_features(vllm_engines: VllmEngines) -> N
 
 
 # ------------------------------------------------------------------ engine death (kills engines)
-#: long turns (the context is 2,048; 1,200 ended before the kill on a loaded CI host three times
-#: running): a turn over before the kill sets the scenario up again
+#: long turns (the context is 2,048): the engine goes on for a moment after a SIGTERM
 VLLM_DEATH_TOKENS = 1900
+
+
+def _frozen(server: VllmServerProcess) -> Callable[[], None]:
+    """Stop ``server``'s engine core (its API server still takes requests into the queue);
+    return what continues it. On a fast host turns were over before the kill (CI: 1,900
+    tokens in 5 s); frozen, they are in flight at the kill at any speed."""
+    core = engine_core_pid(server)
+    os.kill(core, signal.SIGSTOP)
+
+    def go_on() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(core, signal.SIGCONT)
+    return go_on
 
 
 def test_vllm_engine_sigterm_with_turns_in_flight(vllm_engines: VllmEngines) -> None:
     victim, other = vllm_engines.servers[1], vllm_engines.servers[0]
     timings = killed_with_turns_in_flight("vllm", victim.base_url, other.base_url,
                                           lambda: victim.kill(signal.SIGTERM),
-                                          max_tokens=VLLM_DEATH_TOKENS)
+                                          max_tokens=VLLM_DEATH_TOKENS,
+                                          hold=lambda: _frozen(victim))
     print(f"\nSIGTERM: {timings}")
 
 
@@ -291,5 +307,6 @@ def test_vllm_engine_sigkill_with_turns_in_flight(vllm_engines: VllmEngines) -> 
     victim = vllm_engines.servers[0]
     timings = killed_with_turns_in_flight("vllm", victim.base_url, other.base_url,
                                           lambda: victim.kill(signal.SIGKILL),
-                                          max_tokens=VLLM_DEATH_TOKENS)
+                                          max_tokens=VLLM_DEATH_TOKENS,
+                                          hold=lambda: _frozen(victim))
     print(f"\nSIGKILL: {timings}")

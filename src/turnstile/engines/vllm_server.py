@@ -139,6 +139,8 @@ class VllmServerProcess(ServerProcess):
         self.kv_cache_gib = kv_cache_gib
         self.cpus = cpus
         self.dev_mode = dev_mode
+        #: the signal :meth:`kill` sent (a server shutting down may run on for seconds)
+        self.signalled: int | None = None
         self.extra_args = tuple(extra_args)
         self.python = Path(python) if python is not None else None
 
@@ -180,6 +182,7 @@ class VllmServerProcess(ServerProcess):
         :meth:`stop` still cleans up the rest of its process group."""
         if self.process is None:
             raise VllmServerError("server not started")
+        self.signalled = sig
         self.process.send_signal(sig)
 
     def _end(self, proc: subprocess.Popen[bytes], timeout_s: float) -> None:

@@ -2,7 +2,9 @@
 
 The scheduler hears about health only through ``engine_stats(healthy=...)``; an engine is never
 marked down when it is the last one up (routing needs one; a turn sent to a dead engine fails
-fast and is retried).
+fast and is retried). When every engine is down, the one kept routable is one not known dead:
+an engine down only for unanswered checks (a front end starved of CPU) may still serve, one
+that refuses connections will not.
 
 An engine found dead — its health check refused or reset (no server listens there any more), a
 turn refused a connection before any reply, or three failed health checks in a row (unanswered
@@ -45,6 +47,8 @@ class EngineState:
     failures: int = 0
     #: its last health check went unanswered while it streamed replies (alive, only busy)
     busy: bool = False
+    #: known not to serve (refused a connection, or dropped as dead) until it is up again
+    dead: bool = False
     stats_counters: dict[str, float] = field(default_factory=dict)
 
 
@@ -73,6 +77,7 @@ class HealthMonitor:
         if st.up != up:
             log.warning("engine %s is %s", eid, "up" if up else "DOWN")
         st.up = up
+        st.dead = not up and (dead or st.dead)
         st.failures = 0 if up else st.failures + 1
         st.next_check_s = self.now() + (self.config.health_interval_s if up
                                         else self.config.recheck_interval_s)
@@ -84,15 +89,20 @@ class HealthMonitor:
                             "where nothing was streamed)", eid, dropped)
 
     def _sync(self) -> None:
+        """Give the scheduler the verdicts. Routing needs one engine: when every engine is
+        down, the one kept routable is one not known dead (its checks only went unanswered or
+        failed: a starved front end may still serve), not one that refuses connections."""
         view = self.scheduler.view
         now = self.now()
-        for eid, st in self.engines.items():
-            if st.up and not view[eid].healthy:
+        routable = {eid for eid, st in self.engines.items() if st.up}
+        if not routable:
+            alive = [eid for eid, st in self.engines.items() if not st.dead] or list(self.engines)
+            routable = {next((eid for eid in alive if view[eid].healthy), alive[0])}
+        for eid in self.engines:
+            if eid in routable and not view[eid].healthy:
                 self.apply(self.scheduler.engine_stats(now, eid, healthy=True))
-        for eid, st in self.engines.items():
-            if not st.up and view[eid].healthy:
-                if sum(1 for e in view.ids if view[e].healthy) <= 1:
-                    continue
+        for eid in self.engines:
+            if eid not in routable and view[eid].healthy:
                 self.apply(self.scheduler.engine_stats(now, eid, healthy=False))
 
     async def check_all(self) -> None:
