@@ -207,10 +207,11 @@ def test_busy_engine_whose_health_check_is_slow_stays_up_while_it_streams(
 def test_dead_engine_turns_go_to_an_engine_down_only_for_unanswered_checks(
         fake_engines: Callable[..., FakeServer], gateways: Callable[..., GatewayServer]) -> None:
     """The spare's health checks go unanswered (its front end starved of CPU: an idle vLLM on
-    a 2-core CI host while the other engine streamed), so it is down; then the engine with the
-    turns dies. Its turns go to the spare, the one engine that may still serve, within 2 s:
-    before, the dead engine was the one kept routable (routing needs one) and every turn got
-    a 502 after its attempts (CI: re-routed 5-10 s late, once the spare's checks passed)."""
+    a 2-core CI host while the other engine streamed), three in a row: it is down and declared
+    dead; then the engine with the turns dies (a refused connection). Its turns go to the
+    spare, the one engine that may still serve, within 2 s: before, the dead engine was the one
+    kept routable (routing needs one) and every turn got a 502 after its attempts (CI:
+    re-routed 5-10 s late, once the spare's checks passed)."""
     dying = fake_engines(ttft_s=2.0, tpot_s=0.02)
     spare = fake_engines(tpot_s=0.001)
     gw = gateways([make_adapter(dying.url, "llama.cpp", engine_id="a", control_timeout_s=0.3),
@@ -218,7 +219,7 @@ def test_dead_engine_turns_go_to_an_engine_down_only_for_unanswered_checks(
                   policy="eager+hinted")
     spare.engine.health_delay_s = 1.0
     deadline = time.monotonic() + 8
-    while gw.gateway.engine_up["b"]:
+    while gw.gateway.health.engines["b"].failures < 3:  # down, and past three failed checks
         assert time.monotonic() < deadline, "spare never marked down"
         time.sleep(0.05)
     out: dict[str, dict[str, Any]] = {}

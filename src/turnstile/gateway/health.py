@@ -2,9 +2,9 @@
 
 The scheduler hears about health only through ``engine_stats(healthy=...)``; an engine is never
 marked down when it is the last one up (routing needs one; a turn sent to a dead engine fails
-fast and is retried). When every engine is down, the one kept routable is one not known dead:
-an engine down only for unanswered checks (a front end starved of CPU) may still serve, one
-that refuses connections will not.
+fast and is retried). When every engine is down, the one kept routable is the likeliest to
+serve: an engine down only for unanswered checks (a front end starved of CPU) may still serve,
+one that refuses connections will not.
 
 An engine found dead — its health check refused or reset (no server listens there any more), a
 turn refused a connection before any reply, or three failed health checks in a row (unanswered
@@ -47,8 +47,10 @@ class EngineState:
     failures: int = 0
     #: its last health check went unanswered while it streamed replies (alive, only busy)
     busy: bool = False
-    #: known not to serve (refused a connection, or dropped as dead) until it is up again
+    #: declared dead (its requests in flight dropped) and not up since
     dead: bool = False
+    #: its last check went unanswered (neither refused nor answered: hung, or only starved)
+    silent: bool = False
     stats_counters: dict[str, float] = field(default_factory=dict)
 
 
@@ -70,14 +72,17 @@ class HealthMonitor:
     def up(self, eid: str) -> bool:
         return self.engines[eid].up
 
-    def set_health(self, eid: str, up: bool, *, dead: bool = False) -> None:
+    def set_health(self, eid: str, up: bool, *, dead: bool = False,
+                   silent: bool = False) -> None:
         """Record a health verdict; ``dead``: the engine is known not to serve (its in-flight
-        requests are dropped, see the module docstring)."""
+        requests are dropped, see the module docstring); ``silent``: the verdict is an
+        unanswered check (not a refused connection or a failed turn)."""
         st = self.engines[eid]
         if st.up != up:
             log.warning("engine %s is %s", eid, "up" if up else "DOWN")
         st.up = up
         st.dead = not up and (dead or st.dead)
+        st.silent = not up and silent
         st.failures = 0 if up else st.failures + 1
         st.next_check_s = self.now() + (self.config.health_interval_s if up
                                         else self.config.recheck_interval_s)
@@ -90,14 +95,15 @@ class HealthMonitor:
 
     def _sync(self) -> None:
         """Give the scheduler the verdicts. Routing needs one engine: when every engine is
-        down, the one kept routable is one not known dead (its checks only went unanswered or
-        failed: a starved front end may still serve), not one that refuses connections."""
+        down, the one kept routable is the likeliest to serve — one not declared dead, else one
+        whose checks only went unanswered (a starved front end may still serve), before one
+        that refused a connection or failed a turn."""
         view = self.scheduler.view
         now = self.now()
         routable = {eid for eid, st in self.engines.items() if st.up}
         if not routable:
-            alive = [eid for eid, st in self.engines.items() if not st.dead] or list(self.engines)
-            routable = {next((eid for eid in alive if view[eid].healthy), alive[0])}
+            routable = {max(self.engines, key=lambda eid: (
+                not self.engines[eid].dead, self.engines[eid].silent, view[eid].healthy))}
         for eid in self.engines:
             if eid in routable and not view[eid].healthy:
                 self.apply(self.scheduler.engine_stats(now, eid, healthy=True))
@@ -132,7 +138,8 @@ class HealthMonitor:
         # its requests: they are dropped once it has failed three checks in a row
         persistent = self.engines[eid].failures >= 2
         self.set_health(eid, state == "up",
-                        dead=state == "gone" or (state != "up" and persistent))
+                        dead=state == "gone" or (state != "up" and persistent),
+                        silent=state == "silent")
 
     async def stall_loop(self) -> None:
         """The stall probe (``stall_probe_s``): an engine with requests in flight and no reply
