@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from turnstile.core.slots import session_else_lru
 from turnstile.sim.engine import EngineConfig, EngineModel, SimRequest
 from turnstile.sim.engine_profile import (
     GENERIC,
     EngineProfile,
     WarmRule,
+    generic_server_slot,
     get_profile,
     profile_for,
     profile_names,
     register,
 )
 from turnstile.sim.fitted_perf import FittedPerf
+from turnstile.sim.profiles.llamacpp import session_else_lru
 from turnstile.sim.slot_pool import SlotPool
 
 
@@ -48,16 +49,9 @@ def test_what_each_profile_says() -> None:
         EngineProfile(name="x", kv_layout="slots", block_size=16)
 
 
-def _first_wins(slots, session):  # ties to the first slot: a different rule than the default
-    best = None
-    for s in slots:
-        if s.busy:
-            continue
-        if s.session == session:
-            return s
-        if best is None or s.last_used < best.last_used:
-            best = s
-    return best
+def _even_ids_first(slots, session):  # a rule unlike both the generic one and llama.cpp's
+    idle = [s for s in slots if not s.busy]
+    return min(idle, key=lambda s: (s.id % 2, s.id), default=None)
 
 
 def _slots_taken(profile: EngineProfile | None, perf: FittedPerf) -> tuple[list[int], list[int]]:
@@ -85,11 +79,14 @@ def _slots_taken(profile: EngineProfile | None, perf: FittedPerf) -> tuple[list[
 
 def test_slots_are_chosen_by_the_profiles_rule() -> None:
     perf = FittedPerf(0.001, 1e-6, ubatch_tokens=512, ubatch_split="equal")
-    # the generic rule (llama.cpp's too): a fresh engine fills its slots from the top
-    assert _slots_taken(None, perf) == ([3, 2, 1], [3, 2, 1])
-    mine = EngineProfile(name="first-fit", kv_layout="slots", block_size=1,
-                         server_slot=_first_wins)
-    assert _slots_taken(mine, perf) == ([0, 1, 2], [0, 1, 2])
+    # llama.cpp's rule: a fresh engine fills its slots from the top
+    assert _slots_taken(profile_for("llama.cpp"), perf) == ([3, 2, 1], [3, 2, 1])
+    # an engine profiled without a rule (the generic profile): the neutral one, lowest id first
+    assert _slots_taken(None, perf) == ([0, 1, 2], [0, 1, 2])
+    assert GENERIC.server_slot is generic_server_slot
+    mine = EngineProfile(name="even-first", kv_layout="slots", block_size=1,
+                         server_slot=_even_ids_first)
+    assert _slots_taken(mine, perf) == ([0, 2, 1], [0, 2, 1])
     # the profile comes from the engine the perf model was fitted on when none is given
     assert EngineModel("e", EngineConfig(num_gpu_blocks=10), FittedPerf(
         0.001, engine="llama.cpp")).profile is profile_for("llama.cpp")

@@ -10,11 +10,14 @@ from hypothesis import strategies as st
 from turnstile.policies import PolicySet
 from turnstile.sim.cluster import ClusterSim, EngineGroup
 from turnstile.sim.engine import EngineConfig, EngineModel, SimRequest
+from turnstile.sim.engine_profile import profile_for
 from turnstile.sim.fitted_perf import FittedPerf, forward_passes
 from turnstile.sim.lanes import Lanes, equal_split_passes
 from turnstile.workload import ToolCall, Turn, Workflow
 
 UB = 512
+#: llama-server's pick of an idle slot for an unbound request (its profile's rule)
+SERVER_SLOT = profile_for("llama.cpp").server_slot
 
 
 @pytest.mark.parametrize(
@@ -54,7 +57,7 @@ def req(i: int, session: str) -> SimRequest:
 
 
 def test_the_server_picks_the_sessions_slot_else_the_least_recently_used():
-    lanes = Lanes(3, UB)
+    lanes = Lanes(3, UB, SERVER_SLOT)
     a, b, c = req(0, "a"), req(1, "b"), req(2, "c")
     # never-used slots tie; llama.cpp keeps the last of a tie, so a fresh server fills its
     # slots from the highest id down (seen on llama-server: 3, 2, 1 with -np 4)
@@ -73,7 +76,7 @@ def test_the_server_picks_the_sessions_slot_else_the_least_recently_used():
 
 
 def test_decoding_slots_price_the_step():
-    lanes = Lanes(4, UB)
+    lanes = Lanes(4, UB, SERVER_SLOT)
     rs = [req(i, f"s{i}") for i in range(4)]
     for i, r in enumerate(rs):
         lanes.admit(r, slot=i)
@@ -95,7 +98,7 @@ def test_decoding_slots_price_the_step():
 
 #: a llama.cpp-like CPU engine: 8 ms a pass, 2 ms a token, one-token passes 3 ms
 PERF = FittedPerf(b0=0.008, b1=0.002, b2=0.002, b0_one=0.003, ubatch_tokens=UB,
-                  ubatch_split="equal")
+                  ubatch_split="equal", engine="llama.cpp")
 
 
 def test_the_engine_model_prices_its_slots():
@@ -157,7 +160,7 @@ def test_slot_aware_steps_leap_exactly(slots):
 def test_prompts_of_one_step_are_batched_by_slot():
     """The server adds prompts to its batch slot by slot, whatever order they came in: two
     equal prompts admitted into slots 3 then 2 are one pass over {2, 3}."""
-    lanes = Lanes(4, UB)
+    lanes = Lanes(4, UB, SERVER_SLOT)
     a, b = req(0, "a"), req(1, "b")
     assert (lanes.admit(a), lanes.admit(b)) == (3, 2)
     lanes.chunk(a, 20)
@@ -228,7 +231,7 @@ def test_prefill_leaps_price_their_passes_by_slot(monkeypatch):
 
 
 def test_lanes_hand_the_step_its_prompt_chunks_when_there_are_several():
-    lanes = Lanes(4, UB)
+    lanes = Lanes(4, UB, SERVER_SLOT)
     a, b = req(0, "a"), req(1, "b")
     lanes.admit(a)
     lanes.admit(b)
@@ -246,7 +249,8 @@ def test_an_engine_prices_two_small_appends_in_one_step_each_by_its_kernel():
     """Two sessions' 40-token prompts admitted in one step of a threshold model: both pay
     ``b5`` (each is under 64 query tokens), as llama.cpp's kernel choice per sequence does."""
     perf = FittedPerf(0.008, 1e-3, 2e-3, 0.0, 5e-7, b5=7e-7, small_chunk_tokens=64.0,
-                      small_chunk_rule="below", ubatch_tokens=UB, ubatch_split="equal")
+                      small_chunk_rule="below", ubatch_tokens=UB, ubatch_split="equal",
+                      engine="llama.cpp")
     perf.slot_passes = True
     eng = EngineModel("e", EngineConfig(num_gpu_blocks=4096, block_size=16, max_num_seqs=4,
                                         max_batched_tokens=2048), perf)

@@ -1,13 +1,14 @@
 """Which slot a session's turn runs in, on an engine that keeps one sequence per slot: the
-gateway's choice and the engine's.
+gateway's choice, and the shape of the engine's.
 
 A gateway in front of a slot-limited engine binds each turn to a slot from what it believes the
 slots hold; the simulator's slot-limited KV model makes the same choice, so that it predicts what
 the gateway will do. Both keep their own bookkeeping and call :func:`choose_slot`. A turn sent
-unbound gets the engine's own pick: a :data:`SlotRule`, which the engine's profile names
-(``turnstile.sim.engine_profile.EngineProfile.server_slot``); :func:`session_else_lru` is the
-rule of the engines profiled so far. The simulator's models of an engine's slots
-(``sim.slot_pool``, ``sim.lanes``) call the rule they are given.
+unbound gets the engine's own pick: a :data:`SlotRule`. Which rule is the engine's own, and so
+lives with the rest of what that engine does differently, in its profile
+(``turnstile.sim.engine_profile.EngineProfile.server_slot``); this module defines none. The
+simulator's models of an engine's slots (``sim.slot_pool``, ``sim.lanes``) call the rule the
+profile gives them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol, TypeVar
 
-__all__ = ["GatewaySlot", "ServerSlot", "SlotRule", "choose_slot", "session_else_lru"]
+__all__ = ["GatewaySlot", "ServerSlot", "SlotRule", "choose_slot"]
 
 
 class GatewaySlot(Protocol):
@@ -60,25 +61,6 @@ V = TypeVar("V", bound=ServerSlot)
 #: how an engine picks the idle slot of a request not bound to one: ``rule(slots, session)``,
 #: the slots in id order, returns one of the idle ones, or None when every slot is busy
 SlotRule = Callable[[Iterable[V], str], V | None]
-
-
-def session_else_lru(slots: Iterable[V], session: str) -> V | None:
-    """The idle slot holding ``session``'s sequence (a longest-common-prefix pick finds it),
-    else the least recently used idle one; None when every slot is busy.
-
-    Ties go to the *last* such slot in ``slots`` (the rule keeps a slot whose ``last_used`` is
-    ``<=`` the best so far): slots that start never used are then filled from the highest id
-    down. Which slots are busy sets how a step is cut into forward passes
-    (:mod:`turnstile.sim.lanes`), so the tie-break is part of the rule."""
-    lru = None
-    for s in slots:
-        if s.busy:
-            continue
-        if s.session == session:
-            return s
-        if lru is None or s.last_used <= lru.last_used:
-            lru = s
-    return lru
 
 
 def choose_slot(slots: Iterable[S], session: str, now_s: float) -> tuple[S | None, S | None]:

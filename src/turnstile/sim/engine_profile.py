@@ -9,7 +9,8 @@ rule or a number from the engine's :class:`EngineProfile`:
     ``slots``: one sequence per slot (:mod:`turnstile.sim.slot_pool`), counted in tokens;
 ``server_slot``
     on a slot-limited engine (or one whose forward passes follow its slots), the idle slot the
-    engine gives a request not bound to one (a :data:`turnstile.core.slots.SlotRule`);
+    engine gives a request not bound to one (a :data:`turnstile.core.slots.SlotRule`; an engine
+    profiled without one gets :func:`generic_server_slot`, a neutral rule);
 ``max_batched_tokens``, ``ubatch_tokens``, ``ubatch_split``, ``one_token_pass``
     how the engine cuts a step: its default logical batch, and into which forward passes
     (:func:`turnstile.sim.fitted_perf.forward_passes`); whether a pass of one token has its
@@ -32,9 +33,11 @@ and gives :data:`GENERIC` (no quirk at all) for a kind it does not know.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
-from turnstile.core.slots import SlotRule, session_else_lru
+from turnstile.core.slots import ServerSlot, SlotRule
 
 __all__ = [
     "GENERIC",
@@ -42,6 +45,7 @@ __all__ = [
     "PRIORITY_ORDERS",
     "EngineProfile",
     "WarmRule",
+    "generic_server_slot",
     "get_profile",
     "profile_for",
     "profile_names",
@@ -53,6 +57,30 @@ KV_LAYOUTS = ("paged", "slots")
 #: ``lower-first``: a lower ``priority`` runs first; ``higher-first``: the reverse; ``ignored``:
 #: the engine runs requests in arrival order whatever their priority
 PRIORITY_ORDERS = ("lower-first", "higher-first", "ignored")
+
+V = TypeVar("V", bound=ServerSlot)
+
+
+def generic_server_slot(slots: Iterable[V], session: str) -> V | None:
+    """The neutral slot rule (a :data:`~turnstile.core.slots.SlotRule`), for an engine whose
+    profile names none (:data:`GENERIC` among them): the idle slot holding ``session``'s
+    sequence, else the least recently used idle one, a tie (slots never used) to the *first* in
+    ``slots``, i.e. the lowest id; None when every slot is busy.
+
+    No engine was measured to pick this way; it is the plain reading of "reuse the session's
+    slot, else the oldest", with ties broken in id order. An engine whose pick differs (another
+    tie-break, a prefix match across sessions) names its own rule in its profile: which slots are
+    busy sets how a step is cut into forward passes (:mod:`turnstile.sim.lanes`), so even the
+    tie-break can move step times."""
+    lru = None
+    for s in slots:
+        if s.busy:
+            continue
+        if s.session == session:
+            return s
+        if lru is None or s.last_used < lru.last_used:
+            lru = s
+    return lru
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +111,9 @@ class EngineProfile:
     kv_layout: str = "paged"
     #: KV block tokens of a paged engine (its prefix cache's granularity); 1 with slots
     block_size: int = 16
-    server_slot: SlotRule = session_else_lru
+    #: the engine's pick of an idle slot for an unbound request (:func:`generic_server_slot`
+    #: unless the engine's profile names its own)
+    server_slot: SlotRule = generic_server_slot
     max_batched_tokens: int = 8192
     ubatch_tokens: int = 0
     ubatch_split: str = "simple"
@@ -113,7 +143,8 @@ class EngineProfile:
         return self.priority_order != "ignored"
 
 
-#: the profile of an engine kind nobody profiled: paged KV, no kernel switch, no cold steps
+#: the profile of an engine kind nobody profiled: paged KV, no kernel switch, no cold steps,
+#: the neutral slot rule
 GENERIC = EngineProfile(name="generic")
 
 _PROFILES: dict[str, EngineProfile] = {}

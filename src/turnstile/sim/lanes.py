@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from turnstile.core.slots import SlotRule, session_else_lru
+from turnstile.core.slots import SlotRule
 from turnstile.sim.request import SimRequest
 
 __all__ = ["Lane", "Lanes", "equal_split_passes"]
@@ -80,16 +80,15 @@ class Lanes:
     which slots decode (``decoding``, a bit per slot), the prompt chunks of the step being
     scheduled (``chunks``), and per slot the session it last held and when it was last used.
 
-    On a paged engine model the slot is the engine's choice, ``server_slot`` (its profile's
-    rule, e.g. :func:`turnstile.core.slots.session_else_lru`: the idle slot that last held the
-    request's session, else the least recently used idle slot). On a slot-limited one the slot
-    pool has chosen and :meth:`admit` is told."""
+    On a paged engine model the slot is the engine's choice, ``server_slot``: the rule its
+    profile names (``EngineProfile.server_slot``; the engine model passes it; there is no
+    default here, so no engine's pick is assumed). On a slot-limited one the slot pool has
+    chosen and :meth:`admit` is told."""
 
     __slots__ = ("chunks", "decoding", "lanes", "n", "of", "prompts", "server_slot", "tick",
                  "ubatch_tokens")
 
-    def __init__(self, n: int, ubatch_tokens: int,
-                 server_slot: SlotRule = session_else_lru) -> None:
+    def __init__(self, n: int, ubatch_tokens: int, server_slot: SlotRule) -> None:
         if n < 1:
             raise ValueError(f"an engine needs at least one slot, got {n}")
         if ubatch_tokens < 2:

@@ -21,8 +21,9 @@ Which slot a request gets is decided twice, as in front of a real server:
   (every one busy or pinned), the request goes unbound and the gateway forgets where the
   session's KV is;
 * an unbound request gets, when it is admitted, the engine's choice: the rule its profile
-  names (``EngineProfile.server_slot``, e.g. :func:`turnstile.core.slots.session_else_lru`:
-  the idle slot holding its session, else the least recently used idle one).
+  names (``EngineProfile.server_slot``, which the engine model passes; an engine profiled
+  without one gets the neutral :func:`turnstile.sim.engine_profile.generic_server_slot`: the
+  idle slot holding its session, else the least recently used idle one, ties to the lowest id).
 
 So the gateway's belief can go stale: an unbound request may overwrite a slot the gateway still
 thinks another session owns, and a session whose KV the gateway forgot looks like an empty
@@ -40,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from turnstile.core.slots import SlotRule, choose_slot, session_else_lru
+from turnstile.core.slots import SlotRule, choose_slot
 from turnstile.sim.engine_config import EngineConfig
 from turnstile.sim.request import SimRequest
 
@@ -93,9 +94,9 @@ class SlotMatch:
 class SlotPool:
     """The slots of one slot-limited engine (see the module docstring)."""
 
-    def __init__(self, config: EngineConfig, server_slot: SlotRule = session_else_lru) -> None:
-        """``server_slot``: the engine's rule for a request not bound to a slot (its
-        profile's)."""
+    def __init__(self, config: EngineConfig, server_slot: SlotRule) -> None:
+        """``server_slot``: the engine's rule for a request not bound to a slot (its profile's,
+        ``EngineProfile.server_slot``; no default here, so no engine's pick is assumed)."""
         c = config
         self._server_slot = server_slot
         if c.block_size != 1:

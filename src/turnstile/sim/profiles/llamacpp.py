@@ -8,7 +8,9 @@
   prefix with the prompt (its session's, when one holds it), else the least recently used idle
   one, keeping a slot whose ``t_last_used <= t_last`` — ties go to the last slot, and since
   slots start never used (``t_last_used = -1``) a fresh server fills them from the highest id
-  down (:func:`turnstile.core.slots.session_else_lru`).
+  down (:func:`session_else_lru`; the general simulator takes it from :data:`PROFILE`, and an
+  engine profiled without a rule gets the neutral one, ties to the *lowest* id:
+  :func:`turnstile.sim.engine_profile.generic_server_slot`).
 * **Forward passes.** A step is cut into micro-batches of at most ``-ub`` tokens (512); without
   ``--kv-unified`` each slot has its own KV stream and the server splits the batch with
   ``split_equal(n_ubatch, sequential=true)``: the same number of tokens from every sequence in a
@@ -33,8 +35,13 @@
 
 from __future__ import annotations
 
-from turnstile.core.slots import session_else_lru
+from collections.abc import Iterable
+from typing import TypeVar
+
+from turnstile.core.slots import ServerSlot
 from turnstile.sim.engine_profile import EngineProfile, WarmRule, register
+
+__all__ = ["BATCH_TOKENS", "FA_TILE_Q", "PROFILE", "UBATCH_TOKENS", "WARM", "session_else_lru"]
 
 #: the default logical batch (``-b``): the most tokens one step computes
 BATCH_TOKENS = 2048
@@ -44,6 +51,30 @@ UBATCH_TOKENS = 512
 FA_TILE_Q = 64.0
 #: which steps run with the CPU's caches warm (see the module docstring)
 WARM = WarmRule(gap_s=0.1, steps=3, max_prefill=64)
+
+V = TypeVar("V", bound=ServerSlot)
+
+
+def session_else_lru(slots: Iterable[V], session: str) -> V | None:
+    """``llama-server``'s pick of an idle slot for a request sent without ``id_slot`` (a
+    :data:`turnstile.core.slots.SlotRule`): the idle slot holding ``session``'s sequence (its
+    longest-common-prefix pick finds it), else the least recently used idle one; None when every
+    slot is busy.
+
+    Ties go to the *last* such slot in ``slots`` (the server keeps a slot whose ``t_last_used``
+    is ``<=`` the best so far): slots that start never used are then filled from the highest id
+    down (seen on ``llama-server``: 3, 2, 1 with ``-np 4``). Which slots are busy sets how a step
+    is cut into forward passes (:mod:`turnstile.sim.lanes`), so the tie-break is part of the
+    rule."""
+    lru = None
+    for s in slots:
+        if s.busy:
+            continue
+        if s.session == session:
+            return s
+        if lru is None or s.last_used <= lru.last_used:
+            lru = s
+    return lru
 
 PROFILE = register(EngineProfile(
     name="llama.cpp",
