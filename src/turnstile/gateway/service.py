@@ -41,7 +41,7 @@ from turnstile.gateway.affinity import (
 from turnstile.gateway.config import GatewayConfig
 from turnstile.gateway.driving import ReleaseDriver
 from turnstile.gateway.durability import Durability, OffsetClock
-from turnstile.gateway.engine_check import check_engines
+from turnstile.gateway.engine_check import check_engines, max_model_lens
 from turnstile.gateway.estimate import TokenEstimator
 from turnstile.gateway.health import HealthMonitor
 from turnstile.gateway.logs import quiet_probe_logs
@@ -173,8 +173,7 @@ class Gateway(TurnLifecycle):
         await asyncio.gather(*(a.check_config() for a in self.adapters.values()),
                              return_exceptions=True)
         self.engine_config = check_engines(self.policies, self.adapters)
-        self.engine_max_model_len = {eid: a.max_model_len for eid, a in self.adapters.items()
-                                     if a.max_model_len}
+        self.engine_max_model_len = max_model_lens(self.adapters)
         for a in self.adapters.values():
             slots = getattr(a, "slots", None)  # llama.cpp: the slots the server reported
             if slots and a.id in self.scheduler.view:
