@@ -183,6 +183,7 @@ class Gateway(TurnLifecycle):
         if cfg.record:
             self.recorder = SessionRecorder(cfg.record, background=True)
             self.recorder.bind_clock(self.clock.now())
+            self.recorder.create()  # there at once, with its header
         backend = self._backend
         if backend is None and cfg.state:
             backend = RedisState(cfg.state, replica_id=cfg.replica_id,
