@@ -277,3 +277,31 @@ def test_a_malformed_record_file_is_left_untouched(tmp_path: Path, capsys) -> No
         main(["serve", "--engine", f"{ENGINE},openai", "--port", "0", "--record", str(f)])
     assert e.value.code == 2
     assert f.read_bytes() == b"\x00\x01 not a workload"
+
+
+def test_replay_target_check_takes_an_error_status_as_an_answer() -> None:
+    """``replay --target`` needs a target that answers HTTP, whatever the status (checked
+    through the one blocking transport): a 404 on ``/v1/models`` passes, no listener fails."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from turnstile.engines.process import free_port
+    from turnstile.gateway.cli import _check_target
+
+    class NotFound(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_error(404)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        _check_target(f"http://127.0.0.1:{httpd.server_address[1]}")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    url = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ValueError, match=f"--target {url}: cannot connect"):
+        _check_target(url)

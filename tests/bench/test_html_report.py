@@ -43,6 +43,21 @@ def test_report_has_the_tables_and_cdfs(bench_out) -> None:
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", page)
 
 
+def test_the_ttft_cdf_needs_no_save_detailed(tmp_path: Path) -> None:
+    """The TTFT CDF was drawn only from ``--save-detailed``'s samples; a run's per-turn TTFTs
+    are at hand without it (a private key, never written to results.json)."""
+    groups = [EngineGroup(count=2)]
+    wfs, info = build_workload(WorkloadSpec(trace=None, workflows=8, load=0.7), groups)
+    results = run_bench(wfs, ["eager"], groups)
+    doc = load_results(write_results(tmp_path, results, {"policies": ["eager"]}, info))
+    assert "detailed" not in doc["policies"][0] and "_ttft_s" not in doc["policies"][0]
+    page = write_html_report(tmp_path, doc, policies=results).read_text(encoding="utf-8")
+    assert page.count("<svg") == 2 and "TTFT CDF (simulated)" in page
+    (detailed,) = run_bench(wfs, ["eager"], groups, detailed=True)
+    ttfts = [x for x in detailed["detailed"]["turns"]["ttft_s"] if x is not None]
+    assert results[0]["_ttft_s"] == ttfts and len(ttfts) >= len(wfs)  # the same curve
+
+
 def test_cdf_svg_log_axis_and_empty() -> None:
     svg = cdf_svg({"a": [0.01, 1.0, 100.0], "b": [0.5, 2.0]}, xlabel="x", title="t")
     assert "(log scale)" in svg and svg.count("<polyline") == 2

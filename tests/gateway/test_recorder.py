@@ -180,6 +180,35 @@ def test_an_explicit_end_writes_the_session_when_that_turn_finishes(tmp_path: Pa
     assert [len(w.turns) for w in read_workload(path)] == [2]
 
 
+@pytest.mark.parametrize("empty_file", [False, True], ids=["new", "empty"])
+def test_create_writes_the_header_at_once_and_the_first_session_its_origin(
+        tmp_path: Path, empty_file: bool) -> None:
+    """``serve --record`` creates its file at start (it was created only when the first session
+    ended): the header line, with the time origin ``null`` until the first session is written,
+    which fills it in place; a restart before any session keeps the same file."""
+    path = tmp_path / "rec.jsonl"
+    if empty_file:
+        path.touch()  # new or empty: both allowed by serve's --record check
+    rec = SessionRecorder(path, background=True)
+    rec.create()
+    assert path.read_bytes().count(b"\n") == 1 and read_workload(path) == []
+    assert read_header(path)["meta"]["origin_unix"] is None
+    rec.close()
+    rec = SessionRecorder(path)  # a restart before any session ended
+    rec.create()  # the file is there: nothing more written
+    _session(rec, "a", 100.0, turns=2)
+    _session(rec, "b", 101.5, turns=1)
+    rec.session_closed("a")
+    rec.session_closed("b")
+    rec.close()
+    a, b = read_workload(path)
+    assert a.arrival_s == 0.0 and b.arrival_s == pytest.approx(1.5)
+    meta = read_header(path)["meta"]
+    assert meta["origin_unix"] == 100.0 and meta["hash_block_chars"] == BLOCK_CHARS
+    assert meta["sample_tokens"] > 0  # the ratio fields are rewritten as before
+    assert load_trace(path).hash_block_tokens == meta["hash_block_tokens"]
+
+
 def test_gateway_headers_reach_the_recorder(tmp_path: Path) -> None:
     """In-process gateway over the fake engine: the session-end and parent headers."""
     import httpx
@@ -190,6 +219,8 @@ def test_gateway_headers_reach_the_recorder(tmp_path: Path) -> None:
     path = tmp_path / "rec.jsonl"
     eng = start_fake(count_prompt=True)
     gw = start_gateway([eng.url], record=str(path))
+    # there at once, its header first (time origin to come with the first session)
+    assert read_workload(path) == [] and read_header(path)["meta"]["origin_unix"] is None
     try:
         def post(sid: str, **headers: str) -> None:
             r = httpx.post(gw.url + "/v1/chat/completions", json=chat_body("x" * 40),

@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from turnstile.engines.process import free_port
-from turnstile.transport.blocking import get, post_json, wait_ready
+from turnstile.transport.blocking import NO_ANSWER, get, post_json, request, wait_ready
 
 
 class _Server:
@@ -103,3 +103,14 @@ def test_one_shot_get_and_post(loading: _Server) -> None:
     with pytest.raises(urllib.error.HTTPError):
         post_json(loading.url + "/missing", timeout=2.0)
     assert get(f"http://127.0.0.1:{free_port()}/", timeout=1.0) is None  # nothing listening
+
+
+def test_request_gives_any_status_and_raises_without_an_answer(loading: _Server) -> None:
+    """The one blocking GET that ``get`` and ``wait_ready`` share: an error status is an
+    answer (``replay --target`` checks only that the target answers); no answer raises."""
+    assert request(loading.url + "/x", timeout=2.0) == (503, b"ok")
+    assert request(loading.url + "/x", timeout=2.0) == (503, b"ok")
+    assert request(loading.url + "/x", timeout=2.0) == (200, b"ok")
+    assert get(loading.url + "/x", timeout=2.0) == b"ok"
+    with pytest.raises(NO_ANSWER):
+        request(f"http://127.0.0.1:{free_port()}/", timeout=1.0)

@@ -14,6 +14,9 @@ and one per turn that ran, enough to re-plot any CDF or recompute any percentile
 
 Times are in the run's clock (seconds; the simulator's virtual clock for ``bench``); a time
 the turn never reached is ``null``, as is an unknown cached-token count.
+
+Without ``--save-detailed`` the HTML report still plots the TTFT CDF: :func:`ttft_samples` puts
+the per-turn TTFTs in a private key (``_ttft_s``, never written to ``results.json``).
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from typing import Any
 
 from turnstile.core.state import WorkflowRecord
 
-__all__ = ["DETAILED_KEY", "detailed_samples"]
+__all__ = ["DETAILED_KEY", "TTFT_KEY", "detailed_samples", "ttft_samples"]
 
 #: the key of a policy's entry in ``results.json`` that holds the samples
 DETAILED_KEY = "detailed"
+#: the private key of a policy's in-memory result that holds its turns' TTFTs (for the report)
+TTFT_KEY = "_ttft_s"
 
 
 def _t(x: float) -> float | None:
@@ -66,3 +71,10 @@ def detailed_samples(workflows: Iterable[WorkflowRecord]) -> dict[str, dict[str,
                                     else None)
             t_cols["e2e_s"].append(_t(t.finished_s - t.ready_s) if t.finished_s >= 0 else None)
     return {"workflows": wf_cols, "turns": t_cols}
+
+
+def ttft_samples(workflows: Iterable[WorkflowRecord]) -> list[float]:
+    """The TTFT of every turn that reached its first token: ``detailed_samples``'
+    ``turns.ttft_s`` without its nulls."""
+    return [round(t.first_token_s - t.ready_s, 6) for wf in workflows for t in wf.turns
+            if t.ready_s >= 0 and t.first_token_s >= 0]

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from turnstile.bench.detailed import TTFT_KEY
 from turnstile.bench.report import format_count, format_seconds, p95_ratio
 
 __all__ = ["REPORT_FILE", "cdf_svg", "heatmap_html", "render_html", "write_html_report"]
@@ -202,7 +203,9 @@ def _flows_from(policies: Sequence[Mapping[str, Any]]) -> dict[str, list[float]]
 def _ttfts_from(policies: Sequence[Mapping[str, Any]]) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
     for i, r in enumerate(policies):
-        samples = ((r.get("detailed") or {}).get("turns") or {}).get("ttft_s")
+        samples = r.get(TTFT_KEY)  # a run's in-memory result; else ``--save-detailed``'s
+        if samples is None:
+            samples = ((r.get("detailed") or {}).get("turns") or {}).get("ttft_s")
         if samples:
             out[str(r.get("policy", f"#{i}"))] = [s for s in samples if s is not None]
     return out

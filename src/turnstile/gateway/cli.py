@@ -296,12 +296,15 @@ def replay(
 
 def _check_target(url: str) -> None:
     """``--target`` must answer HTTP (any status) before the replay starts."""
-    import httpx
+    import urllib.error
+
+    from turnstile.transport import blocking
 
     try:
-        httpx.get(f"{url}/v1/models", timeout=5.0)
-    except httpx.HTTPError as e:
-        raise ValueError(f"--target {url}: cannot connect ({e or type(e).__name__})") from None
+        blocking.request(f"{url}/v1/models", timeout=5.0)
+    except blocking.NO_ANSWER as e:
+        why = e.reason if isinstance(e, urllib.error.URLError) else e
+        raise ValueError(f"--target {url}: cannot connect ({why or type(e).__name__})") from None
 
 
 def register(app: typer.Typer) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from turnstile.gateway.adapters import EngineAdapter
 from turnstile.policies import PolicySet
 
-__all__ = ["check_engines", "context_limits", "policy_needs"]
+__all__ = ["check_engines", "context_limits", "max_model_lens", "policy_needs"]
 
 log = logging.getLogger("turnstile.gateway")
 
@@ -88,6 +88,12 @@ def check_engines(policies: PolicySet, adapters: Mapping[str, EngineAdapter]
     return out
 
 
+def max_model_lens(adapters: Mapping[str, EngineAdapter]) -> dict[str, int]:
+    """Engine → the longest context it accepts, for the engines whose limit is known (vLLM's
+    ``--max-model-len``, a llama.cpp slot's context)."""
+    return {eid: a.max_model_len for eid, a in adapters.items() if a.max_model_len}
+
+
 def context_limits(policies: PolicySet, adapters: Mapping[str, EngineAdapter]
                    ) -> dict[str, str | None]:
     """Engine → the warning for its context limit (None: no engine behind the gateway accepts
@@ -98,7 +104,7 @@ def context_limits(policies: PolicySet, adapters: Mapping[str, EngineAdapter]
     limit is below another's is refused (HTTP 400) there once its context outgrows it, while
     the other engine would take it. Where every engine has the same limit a client that keeps
     its contexts under it (less the chat template's few dozen tokens) is never refused."""
-    limits = {eid: a.max_model_len for eid, a in adapters.items() if a.max_model_len}
+    limits = max_model_lens(adapters)
     if not limits:
         return {}
     top = max(limits.values())

@@ -20,8 +20,11 @@ branch (:mod:`turnstile.traces.observed`); the parent stays open until its sub-a
 closed. A sub-agent whose parent already finished (or never went through this gateway) is
 written on its own with ``meta.parent_session``.
 
-Each finished session is one JSON line appended with a single ``write``; the header is written
-with the first session. The work (hashing the prompt, building and writing the workflow) runs on
+Each finished session is one JSON line appended with a single ``write``. The gateway creates the
+file with its header line at start (:meth:`SessionRecorder.create`), so it is there before any
+session ends; its time origin (``meta.origin_unix``) is then ``null``, padded, and filled in place
+by the first session written (a recorder used on its own writes the header with the first
+session). The work (hashing the prompt, building and writing the workflow) runs on
 a background thread, so the gateway's event loop only queues an observation; the thread
 ``fsync``s whenever its queue is empty (a group commit: one ``fsync`` per finished session when
 they come one at a time). A gateway killed at any moment leaves a readable workload holding
@@ -68,6 +71,8 @@ PARENT_HEADER = "x-turnstile-parent-session"
 END_HEADER = "x-turnstile-session-end"
 #: the header's rewritable fields start with this key
 _RATIO_KEY = b'"hash_block_tokens":'
+#: the header's time origin: ``null`` padded to this width until the first session is written
+_ORIGIN_KEY, _ORIGIN_WIDTH = b'"origin_unix":', 20
 
 
 @dataclass
@@ -107,6 +112,8 @@ class SessionRecorder:
         #: where the header's fixed-width ratio fields start (None: not rewritable)
         self._ratio_at: int | None = None
         self._ratio_written = b""
+        #: where the header's time origin is to be filled in (None: written, or not rewritable)
+        self._origin_at: int | None = None
         self._dirty = False
         self._read_existing()
         #: ``background``: observations are queued to a writer thread (the gateway's mode)
@@ -174,7 +181,13 @@ class SessionRecorder:
             raise ValueError(f"{self.path}: exists and is not a turnstile workload; "
                              "record to a new file")
         meta = header.get("meta") or {}
-        self._origin_unix = float(meta.get("origin_unix", 0.0))
+        origin = meta.get("origin_unix", 0.0)
+        if origin is None:  # created at a gateway's start, no session written yet
+            at = lines[0].find(_ORIGIN_KEY) + len(_ORIGIN_KEY)
+            if lines[0][at:at + _ORIGIN_WIDTH] == b"null".ljust(_ORIGIN_WIDTH):
+                self._origin_at = at
+        else:
+            self._origin_unix = float(origin)
         self.block_chars = int(meta.get("hash_block_chars", self.block_chars))
         at = lines[0].find(_RATIO_KEY)
         if at >= 0 and isinstance(meta.get("sample_tokens"), int) \
@@ -200,28 +213,62 @@ class SessionRecorder:
                 f'"tokens_per_char":{ratio:<12.6f},"sample_tokens":{self._tokens:<16d},'
                 f'"sample_chars":{self._chars:<16d}').encode()
 
-    def _write(self, line: bytes) -> None:
+    def create(self) -> None:
+        """Create the file with its header line now, if it is new or empty (the gateway does
+        at start: the file is there at once, not only when the first session ends)."""
         if self._fd is None:
-            meta = {"recorder": "turnstile serve --record", "origin_unix": self._origin_unix,
-                    "hash_block_chars": self.block_chars,
-                    "content": "none: token counts, times and prefix block hashes only"}
-            head = f'{{"format":"{FORMAT_NAME}","version":{FORMAT_VERSION},"meta":{{'.encode()
-            self._ratio_at = len(head)
-            self._ratio_written = self._ratio_fields()
-            header = (head + self._ratio_written + b"," +
-                      json.dumps(meta, separators=(",", ":")).encode()[1:] + b"}")
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND,
-                               0o644)
-            line = header + b"\n" + line
-        view = memoryview(line)
+            self._append(self._new_file())
+            self._sync()
+
+    def _new_file(self) -> bytes:
+        """Open the file to write (new, or empty); returns its header line, to be written
+        first."""
+        meta = {"recorder": "turnstile serve --record", "origin_unix": self._origin_unix,
+                "hash_block_chars": self.block_chars,
+                "content": "none: token counts, times and prefix block hashes only"}
+        head = f'{{"format":"{FORMAT_NAME}","version":{FORMAT_VERSION},"meta":{{'.encode()
+        self._ratio_at = len(head)
+        self._ratio_written = self._ratio_fields()
+        rest = json.dumps(meta, separators=(",", ":")).encode()[1:]
+        if self._origin_unix is None:  # no session yet: filled in by the first one
+            rest = rest.replace(_ORIGIN_KEY + b"null",
+                                _ORIGIN_KEY + b"null".ljust(_ORIGIN_WIDTH), 1)
+        header = head + self._ratio_written + b"," + rest + b"}"
+        if self._origin_unix is None:
+            self._origin_at = header.find(_ORIGIN_KEY) + len(_ORIGIN_KEY)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        empty = self.path.exists() and self.path.stat().st_size == 0
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND
+                           | (0 if empty else os.O_EXCL), 0o644)
+        return header + b"\n"
+
+    def _append(self, data: bytes) -> None:
+        assert self._fd is not None
+        view = memoryview(data)
         while view:
             n = os.write(self._fd, view)
             view = view[n:]
-        self._update_ratio()
         self._dirty = True
+
+    def _write(self, line: bytes) -> None:
+        if self._fd is None:
+            line = self._new_file() + line
+        if self._origin_at is not None and self._origin_unix is not None:
+            self._rewrite(f"{self._origin_unix:.3f}".encode().ljust(_ORIGIN_WIDTH),
+                          self._origin_at)
+            self._origin_at = None
+        self._append(line)
+        self._update_ratio()
         if self._queue is None:
             self._sync()
+
+    def _rewrite(self, data: bytes, at: int) -> None:
+        """Overwrite the header's bytes at ``at`` (same width)."""
+        fd = os.open(self.path, os.O_WRONLY)  # not O_APPEND: pwrite must not append
+        try:
+            os.pwrite(fd, data, at)
+        finally:
+            os.close(fd)
 
     def _update_ratio(self) -> None:
         """Rewrite the header's ratio fields in place (same width) from every turn so far, so
@@ -231,11 +278,7 @@ class SessionRecorder:
         fields = self._ratio_fields()
         if fields == self._ratio_written or len(fields) != len(self._ratio_written):
             return  # unchanged, or a count outgrew its width: keep the last value
-        fd = os.open(self.path, os.O_WRONLY)  # not O_APPEND: pwrite must not append
-        try:
-            os.pwrite(fd, fields, self._ratio_at)
-        finally:
-            os.close(fd)
+        self._rewrite(fields, self._ratio_at)
         self._ratio_written = fields
 
     # ------------------------------------------------------------------ observations

@@ -1,10 +1,11 @@
 """One gateway replica among several sharing a :class:`~.shared.RedisState`.
 
 * Every ``peer_sync_s`` the replica publishes its own load on each engine (released turns and
-  tokens, paused context and sessions) and its held turns, refreshes its heartbeat, and hands
-  the other replicas' sum to its scheduler (``Scheduler.peer_load``): routing, shadow load, free
-  slots and the budgets policies read from the view are decided on the cluster's load, not one
-  replica's share of it.
+  tokens, paused context and sessions) and its held turns, and hands the other replicas' sum
+  to its scheduler (``Scheduler.peer_load``): routing, shadow load, free slots and the budgets
+  policies read from the view are decided on the cluster's load, not one replica's share of it.
+  Its heartbeat is refreshed on the same period by a loop of its own and by a thread
+  (:meth:`ReplicaSync.beat_loop`).
 * It feeds the other replicas' observations (flow times, tool-call durations) to its policies,
   so what they learn is learned from the whole cluster's traffic.
 * Every few syncs it claims the accepted turns of replicas whose heartbeat expired and serves

@@ -121,6 +121,8 @@ class RedisState:
         self.replica = replica_id or replica_name()
         self.ns = namespace
         self.replica_ttl_s = replica_ttl_s
+        #: the heartbeat's and the load document's lifetime
+        self._ttl_ms = int(replica_ttl_s * 1000)
         self.result_ttl_s = result_ttl_s
         self.key_ttl_s = key_ttl_s
         # a Redis that hangs (partitioned, overloaded) costs a request's lookup at most ~2 s
@@ -169,9 +171,13 @@ class RedisState:
     def close(self) -> None:  # the sync protocol method; the service awaits aclose
         pass
 
+    def _beat(self, client: Any) -> Any:
+        """Refresh this replica's heartbeat (expiring after ``replica_ttl_s``) through
+        ``client``: the asyncio client (awaited) or the heartbeat thread's blocking one."""
+        return client.set(f"{self.ns}:hb:{self.replica}", "1", px=self._ttl_ms)
+
     async def heartbeat(self) -> None:
-        await self.redis.set(f"{self.ns}:hb:{self.replica}", "1",
-                             px=int(self.replica_ttl_s * 1000))
+        await self._beat(self.redis)
 
     def beat_in_thread(self, loop_seen: Callable[[], float], *, every_s: float,
                        grace_s: float) -> None:
@@ -185,7 +191,6 @@ class RedisState:
 
         client = sync_redis.Redis.from_url(self.url, socket_connect_timeout=1.0,
                                            socket_timeout=1.0)
-        key, ttl_ms = f"{self.ns}:hb:{self.replica}", int(self.replica_ttl_s * 1000)
         stop = self._beat_stop = threading.Event()
 
         def beat() -> None:
@@ -193,7 +198,7 @@ class RedisState:
                 if time.monotonic() - loop_seen() > grace_s:
                     continue
                 with contextlib.suppress(Exception):  # Redis away: the load sync logs it
-                    client.set(key, "1", px=ttl_ms)
+                    self._beat(client)
             client.close()
 
         threading.Thread(target=beat, name=f"heartbeat-{self.replica}", daemon=True).start()
@@ -368,13 +373,12 @@ class RedisState:
         key = f"{self.ns}:load:{self.replica}"
         doc = json.dumps({"engines": own, "held": held})
         pipe = self.redis.pipeline(transaction=False)
-        pipe.set(key, doc, px=int(self.replica_ttl_s * 1000))
-        pipe.set(f"{self.ns}:hb:{self.replica}", "1", px=int(self.replica_ttl_s * 1000))
+        pipe.set(key, doc, px=self._ttl_ms)
         # back in the set after a lapse (a stalled loop, a Redis restart): a replica another one
         # dropped as dead would otherwise never have its later turns taken over
         pipe.sadd(f"{self.ns}:replicas", self.replica)
         pipe.smembers(f"{self.ns}:replicas")
-        _, _, _, members = await pipe.execute()
+        _, _, members = await pipe.execute()
         others = [_s(m) for m in members if _s(m) != self.replica]
         total: dict[str, list[int]] = {}
         held_total = 0

@@ -33,6 +33,7 @@ from turnstile.policies.base import ROUTING
 from turnstile.policies.estimators import LevelBounds, PrefixTree, RecentWindow, StagedUpdates
 from turnstile.policies.trajectory import (
     Levels,
+    PeakContexts,
     Trajectory,
     TrajectoryTracker,
     check_start,
@@ -152,7 +153,7 @@ class CmlfqRouting:
         self.relieved = 0
         self.start = check_start(start)
         #: peak contexts (KV tokens) of recently finished trajectories
-        self.peaks = RecentWindow(window)
+        self.peaks = PeakContexts(window)
         self.window, self.min_obs, self.max_depth = window, min_obs, max_depth
         self.rebuild_every = rebuild_every
         self.rebuild_every_done = rebuild_every_done
@@ -196,8 +197,7 @@ class CmlfqRouting:
                 # nothing is known of it yet: the pool's least-loaded engine (Libra starts
                 # every trajectory in the first bucket, which left the others idle: 0.91x
                 # least-open on dapo-math, where no tool ever returns to move it)
-                peak = max(float(tr.context_tokens), self.peaks.mean)
-                e = start_engine(view, self.start, peak)
+                e = start_engine(view, self.start, self.peaks.expected(tr))
                 st[0] = levels.level_of[e.id]
                 return e.id
         elif home is not None:
@@ -216,7 +216,7 @@ class CmlfqRouting:
             if self.relieve and home.kv_pressure > 1.0 and len(tr.codes) > 0:
                 # its engine's KV is over-committed (its sessions' contexts do not fit: they
                 # are evicted and re-prefilled, or preempted): take an engine with room
-                peak = max(float(tr.context_tokens), self.peaks.mean)
+                peak = self.peaks.expected(tr)
                 room = [e for e in view.healthy() if e is not home and kv_fits(e, peak)
                         and e.kv_pressure < 1.0]
                 if room:
@@ -239,7 +239,7 @@ class CmlfqRouting:
     def on_workflow_done(self, workflow: WorkflowRecord, now: float) -> None:
         tr = self._tracker.finish(workflow)
         self._state.pop(tr.id, None)
-        self.peaks.add(float(tr.context_tokens))
+        self.peaks.finished(tr)
         self._recent.append(tr)
         self._done_since_build += 1
 
@@ -311,7 +311,7 @@ class AdaptiveCmlfqRouting:
     ) -> None:
         self.bounds = _bounds(bounds)
         self.start = check_start(start)
-        self.peaks = RecentWindow(window)
+        self.peaks = PeakContexts(window)
         self.trees = TreeSet(window, max_depth, min_obs)
         self.min_obs = min_obs
         self.min_dwell_turns = min_dwell_turns
@@ -437,8 +437,8 @@ class AdaptiveCmlfqRouting:
         if memo is None:
             first = self._first_level(tr, levels)
             if first is None and self.start != "level0":
-                peak = max(float(tr.context_tokens), self.peaks.mean)
-                e = start_engine(view, self.start, peak)  # nothing known: least loaded
+                # nothing known: least loaded
+                e = start_engine(view, self.start, self.peaks.expected(tr))
             else:
                 e = least_open(levels.nearest(first or 0), weighted=True)
             memo = self._memo[tr.id] = _Memo(levels.level_of[e.id])
@@ -478,7 +478,7 @@ class AdaptiveCmlfqRouting:
             s = self._attained[memo.engine]
             s[0] -= memo.charged
             s[1] -= 1
-        self.peaks.add(float(tr.context_tokens))
+        self.peaks.finished(tr)
         self._staged.add(tr.step, lambda: self._learn(tr))
 
     def _learn(self, tr: Trajectory) -> None:

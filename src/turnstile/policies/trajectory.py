@@ -12,12 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, TurnState, WorkflowRecord
-from turnstile.policies.estimators import return_code
+from turnstile.policies.estimators import RecentWindow, return_code
 from turnstile.policies.routing import NoHealthyEngineError
 
 __all__ = [
     "STARTS",
     "Levels",
+    "PeakContexts",
     "Trajectory",
     "TrajectoryTracker",
     "check_start",
@@ -163,6 +164,24 @@ def check_start(start: str) -> str:
     if start not in STARTS:
         raise ValueError(f"start must be one of {', '.join(STARTS)}; got {start!r}")
     return start
+
+
+class PeakContexts:
+    """The peak contexts (KV tokens) of the last ``size`` finished trajectories: what a
+    trajectory is expected to grow to (:meth:`expected`, the ``peak_tokens`` that
+    :func:`start_engine` and :func:`kv_fits` take)."""
+
+    __slots__ = ("_window",)
+
+    def __init__(self, size: int) -> None:
+        self._window = RecentWindow(size)
+
+    def finished(self, tr: Trajectory) -> None:
+        self._window.add(float(tr.context_tokens))
+
+    def expected(self, tr: Trajectory) -> float:
+        """Its context so far, or the recent mean peak if larger."""
+        return max(float(tr.context_tokens), self._window.mean)
 
 
 def kv_fits(e: EngineLoad, peak_tokens: float) -> bool:

@@ -1,7 +1,8 @@
 """The transport for blocking callers that time-stamp every streamed line themselves (the
 calibration client, one thread per simulated session): standard library only, the same retry
-rule as :mod:`.client`. Also the one "wait until a started server answers" loop
-(:func:`wait_ready`) for whatever starts an engine, a gateway, a picker or Envoy as a process.
+rule as :mod:`.client`. Also the one blocking ``GET`` (:func:`request`; :func:`get` for the
+body of a success) and the one "wait until a started server answers" loop (:func:`wait_ready`)
+for whatever starts an engine, a gateway, a picker or Envoy as a process.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Literal
 
 from turnstile.transport.retry import RetryRule, retry_sync
 
-__all__ = ["get", "nothing_received", "open_post", "post_json", "wait_ready"]
+__all__ = ["get", "nothing_received", "open_post", "post_json", "request", "wait_ready"]
 
 
 def nothing_received(exc: BaseException) -> bool:
@@ -48,13 +49,29 @@ def open_post(url: str, body: bytes, headers: Mapping[str, str], *, timeout: flo
     return retry_sync(send, retry if retry is not None else RetryRule(), nothing_received)
 
 
+#: what :func:`request` raises when no answer came (nothing listening, a timeout, a connection
+#: cut or a malformed response)
+NO_ANSWER = (OSError, http.client.HTTPException)
+
+
+def request(url: str, *, timeout: float) -> tuple[int, bytes]:
+    """``GET url``: the status and body of the answer, whatever the status. No answer raises
+    one of :data:`NO_ANSWER` (``urllib.error.URLError`` where nothing listens)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return int(resp.status), bytes(resp.read())
+    except urllib.error.HTTPError as e:  # an answer, with an error status
+        with e:
+            return int(e.code), bytes(e.read())
+
+
 def get(url: str, *, timeout: float) -> bytes | None:
     """The body of ``GET url``; None when it fails (no answer, an error status)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return bytes(resp.read())
-    except (urllib.error.URLError, OSError):
+        status, body = request(url, timeout=timeout)
+    except NO_ANSWER:
         return None
+    return body if 200 <= status < 300 else None
 
 
 def post_json(url: str, body: bytes = b"{}", *, timeout: float) -> int:
@@ -79,11 +96,10 @@ def wait_ready(url: str, *, timeout_s: float, process: subprocess.Popen[Any] | N
         if process is not None and process.poll() is not None:
             return "exited"
         try:
-            with urllib.request.urlopen(url, timeout=request_timeout_s) as resp:
-                if resp.status == 200:
-                    return "ready"
-        except (OSError, http.client.HTTPException):
-            pass  # not listening yet, an error status, a connection cut
+            if request(url, timeout=request_timeout_s)[0] == 200:
+                return "ready"
+        except NO_ANSWER:
+            pass  # not listening yet, a connection cut
         if time.monotonic() > deadline:
             return "timeout"
         time.sleep(poll_s)
