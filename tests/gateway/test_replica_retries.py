@@ -355,18 +355,21 @@ def test_a_stopped_replica_syncs_no_more_even_if_a_cancellation_is_lost(pair: An
     _, a, _ = pair()
     sync = a.gateway.replicas
     exchange = sync.state.exchange_load
-    lost = threading.Event()
+    lost, entered = threading.Event(), threading.Event()
 
     async def losing_the_cancel(*args: Any) -> Any:
+        entered.set()
         try:
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(5.0)  # cancelled by the stop below, long before
         except asyncio.CancelledError:
             lost.set()
             raise RuntimeError("connection closed") from None
         return await exchange(*args)
 
     sync.state.exchange_load = losing_the_cancel
-    time.sleep(0.3)
+    # the stop must find the loop inside the exchange (a fixed 0.3 s wait on a loaded host
+    # found it between syncs at times: nothing to lose, a flaky failure)
+    assert entered.wait(10)
     a.server.stop(timeout_s=3.0)
     assert lost.is_set()
     assert a.server.thread is not None and not a.server.thread.is_alive()
