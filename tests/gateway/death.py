@@ -10,11 +10,17 @@ How long a turn runs depends on the host: on a fast one, 1,900 tokens of vLLM's 
 before the kill (a CI run). Where the engine can be frozen, ``hold`` does so once the first four
 turns stream (vLLM: its engine-core process stopped; its API server still takes the last two
 into the queue), and the engine goes on as it is killed: the turns are in flight at any speed.
+llama.cpp's ``llama-server`` is one process, its HTTP front stopped with it: the last two wait
+in its socket's backlog (connected, the request sent, no byte back: to the gateway, a turn
+queued at the engine), and a SIGTERM reaches it as it goes on, with its four slots still busy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -104,6 +110,17 @@ def _turn(url: str, name: str, streamed: bool, max_tokens: int, out: dict[str, O
         o.exception = repr(e)
     o.ended_s = time.monotonic()
     out[name] = o
+
+
+def frozen(pid: int) -> Callable[[], None]:
+    """Stop the process ``pid`` (SIGSTOP); return what continues it (SIGCONT; nothing where it
+    is gone): the ``hold`` of :func:`killed_with_turns_in_flight`."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def go_on() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    return go_on
 
 
 class TurnsOverBeforeTheKill(AssertionError):
