@@ -17,10 +17,7 @@ queued at the engine), and a SIGTERM reaches it as it goes on, with its four slo
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -110,17 +107,6 @@ def _turn(url: str, name: str, streamed: bool, max_tokens: int, out: dict[str, O
         o.exception = repr(e)
     o.ended_s = time.monotonic()
     out[name] = o
-
-
-def frozen(pid: int) -> Callable[[], None]:
-    """Stop the process ``pid`` (SIGSTOP); return what continues it (SIGCONT; nothing where it
-    is gone): the ``hold`` of :func:`killed_with_turns_in_flight`."""
-    os.kill(pid, signal.SIGSTOP)
-
-    def go_on() -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
-    return go_on
 
 
 class TurnsOverBeforeTheKill(AssertionError):

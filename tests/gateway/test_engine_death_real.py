@@ -14,8 +14,9 @@ import pytest
 
 from turnstile.engines.llama_server import LlamaServerProcess
 from turnstile.engines.tiny_model import write_tiny_gguf
+from turnstile.testing.freeze import frozen
 
-from .death import frozen, killed_with_turns_in_flight
+from .death import killed_with_turns_in_flight
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
