@@ -49,6 +49,7 @@ import httpx
 from turnstile.engines.llama_server import LlamaServerProcess, find_llama_server, free_port
 from turnstile.engines.tiny_model import write_tiny_gguf
 from turnstile.testing.fault_proxy import Generation, ProxyProcess
+from turnstile.testing.freeze import frozen
 from turnstile.testing.redis_server import RedisServer, find_redis_server
 from turnstile.testing.replicas import GatewayProcess, write_config
 from turnstile.transport.blocking import wait_ready
@@ -81,9 +82,13 @@ class Engine:
             return self
         raise TimeoutError("fake engine did not start")
 
-    def signal(self, sig: int) -> None:
+    def signal(self, sig: int, sent: Callable[[], None] | None = None) -> None:
+        """Send ``sig`` and wait for the process to end; ``sent``: called once it is sent (a
+        frozen engine is continued there, to act on it)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
+            if sent is not None:
+                sent()
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
@@ -259,6 +264,8 @@ class Row:
     peak_mb: float = 0.0
     rps: float = 0.0
     note: str = ""
+    #: the fault came with a stream under way (None: no fault injected)
+    hit: bool | None = None
 
 
 def judge(row: Row, logs: list[TurnLog], gens: list[Generation], faults: list[float],
@@ -304,16 +311,12 @@ def judge(row: Row, logs: list[TurnLog], gens: list[Generation], faults: list[fl
     return row
 
 
-async def streaming(clients: Clients, timeout_s: float = 3.0) -> str:
-    """Wait (a little) until some attempt is mid-response, so that the fault hits a stream;
-    returns the engine serving it ("" when none was found in time)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for t in clients.turns:
-            a = t.attempts[-1] if t.attempts else None
-            if a is not None and a.head_s >= 0 and a.end_s < 0 and a.events and a.engine:
-                return a.engine
-        await asyncio.sleep(0.005)
+def streaming(clients: Clients) -> str:
+    """The engine of an attempt mid-response (its head and bytes in, not its end); "" if none."""
+    for t in clients.turns:
+        a = t.attempts[-1] if t.attempts else None
+        if a is not None and a.head_s >= 0 and a.end_s < 0 and a.events and a.engine:
+            return a.engine
     return ""
 
 
@@ -331,6 +334,7 @@ class Suite:
         self.rows: list[Row] = []
         self.peak_mb = 0.0
         self.hostile_failures: list[str] = []
+        self.frozen: list[Callable[[], None]] = []
 
     def generations(self) -> list[Generation]:
         return [g for p in self.proxies for g in p.generations()]
@@ -346,6 +350,32 @@ class Suite:
                             health_interval_s=0.5, stall_probe_s=self.args.stall_probe_s,
                             **cfg)
         return GatewayProcess(path, replica_id=name, port=port).start(60)
+
+    def freeze(self) -> None:
+        """Stop the engines (SIGSTOP): a turn under way stays under way, at any host speed."""
+        self.frozen += [frozen(e.proc.pid) for e in self.engines
+                        if e.proc is not None and e.proc.poll() is None]
+
+    def thaw(self) -> None:
+        """Continue the engines :meth:`freeze` stopped (nothing where none is)."""
+        go_on, self.frozen = self.frozen, []
+        for g in go_on:
+            g()
+
+    async def under_way(self, clients: Clients, timeout_s: float = 10.0) -> str:
+        """Freeze the engines with a stream under way, running them a slice at a time until
+        there is one (on a host 4x faster, 16-token turns were over before a fault 0.3 s in:
+        the faults hit nothing); returns its engine, or "" (the engines running) when none
+        came in ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.freeze()
+            await asyncio.sleep(0.05)  # the bytes made so far reach their clients
+            if engine := streaming(clients):
+                return engine
+            self.thaw()
+            await asyncio.sleep(0.01)
+        return ""
 
     def note_memory(self) -> None:
         for g in self.gateways:
@@ -365,13 +395,22 @@ class Suite:
         faults: list[float] = []
         note = ""
         engine = ""
+        hit: bool | None = None
         if inject is not None:
-            await asyncio.sleep(a.fault_at_s)
-            engine = await streaming(clients)
-            i = next((k for k, p in enumerate(self.proxies) if engine.endswith(f":{p.port}")), 0)
-            engine = f":{self.proxies[i].port}" if on_engine else ""
-            faults.append(time.monotonic())
-            note = str(await asyncio.to_thread(inject, i) or "")
+            # the load settled: --fault-at-s in, or half its turns sent (a fast host)
+            while (time.monotonic() - t_start < a.fault_at_s
+                   and len(clients.turns) < a.sessions * a.turns // 2):
+                await asyncio.sleep(0.005)
+            try:
+                engine = await self.under_way(clients)
+                i = next((k for k, p in enumerate(self.proxies)
+                          if engine.endswith(f":{p.port}")), 0)
+                hit = bool(engine)
+                engine = f":{self.proxies[i].port}" if on_engine else ""
+                faults.append(time.monotonic())
+                note = str(await asyncio.to_thread(inject, i) or "")
+            finally:
+                self.thaw()
             if heal is not None:
                 await asyncio.sleep(a.heal_s)
                 await asyncio.to_thread(heal, i)
@@ -383,8 +422,8 @@ class Suite:
         await asyncio.gather(*pending, return_exceptions=True)
         await clients.aclose()
         self.note_memory()
-        row = judge(Row(name, injected, note=note), clients.turns, self.generations(), faults,
-                    time.monotonic() - t_start, engine=engine)
+        row = judge(Row(name, injected, note=note, hit=hit), clients.turns, self.generations(),
+                    faults, time.monotonic() - t_start, engine=engine)
         row.peak_mb = self.peak_mb
         self.rows.append(row)
         print(f"  {name}: {row}", file=sys.stderr, flush=True)
@@ -392,7 +431,7 @@ class Suite:
 
     # ------------------------------------------------------------------ faults
     def kill_engine(self, sig: int) -> Callable[[int], None]:
-        return lambda i: self.engines[i].signal(sig)
+        return lambda i: self.engines[i].signal(sig, sent=self.thaw)
 
     def restart_engine(self, i: int) -> None:
         self.engines[i].start()
@@ -465,6 +504,7 @@ class Suite:
         def restart_gateway(_: int) -> None:
             port = self.gateways[0].port
             self.gateways[0].kill()
+            self.thaw()
             self.gateways[0] = GatewayProcess(self.gateways[0].config, replica_id="single",
                                               port=port).start(60)
 
@@ -489,6 +529,7 @@ class Suite:
 
             def restart_redis(_: int) -> None:
                 redis.stop()
+                self.thaw()
                 redis.start()
 
             await self.phase("Redis restart", restart_redis)
@@ -496,6 +537,7 @@ class Suite:
                 g.close()
 
     def close(self) -> None:
+        self.thaw()
         for g in self.gateways:
             g.close()
         for p in self.proxies:

@@ -26,6 +26,7 @@ from turnstile.engines.llama_server import LlamaServerProcess
 from turnstile.engines.tiny_model import write_tiny_gguf
 from turnstile.epp.envoy import EnvoyProcess, envoy_config, free_port
 from turnstile.testing.epp import PickerProcess, PickerThread, start_picker
+from turnstile.testing.freeze import freezing
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -181,26 +182,32 @@ def test_holds_and_429s_reach_the_client(model: Path, tmp_path: Path, llama_serv
         def call(i: int) -> None:
             results.append(s.client.chat.completions.with_raw_response.create(
                 model="tiny", messages=[{"role": "user", "content": f"hold {i}"}],
-                max_tokens=800, extra_headers={"x-session-id": f"h{i}"}))
+                max_tokens=200, extra_headers={"x-session-id": f"h{i}"}))
 
         threads = [threading.Thread(target=call, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()  # each turn runs ~0.5 s (800 tokens): the other two wait for it
-        deadline = time.monotonic() + 20
-        while s.picker.picker.scheduler.held_turns < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        with pytest.raises(openai.RateLimitError) as exc:
-            s.client.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": "one too many"}],
-                max_tokens=4, extra_headers={"x-session-id": "over"})
+        # the engine frozen until the 429 is back: the first turn still runs, the other two
+        # wait for it, at any speed (unfrozen, 50 tokens for the 800 of then, as on a host 16x
+        # faster, ended the first turn in under 20 ms; at 200 tokens, 4x, it held)
+        assert procs[0].process is not None
+        with freezing(procs[0].process.pid):
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 20
+            while s.picker.picker.scheduler.held_turns < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            with pytest.raises(openai.RateLimitError) as exc:
+                s.client.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "one too many"}],
+                    max_tokens=4, extra_headers={"x-session-id": "over"})
+            time.sleep(0.05)  # the second turn's hold: over 20 ms, however fast the rest ran
         assert exc.value.response.headers["retry-after"] == "1"
         for t in threads:
             t.join(60)
         assert len(results) == 3
         holds = sorted(float(r.headers["x-turnstile-hold-ms"]) for r in results)
         assert holds[0] < holds[1] < holds[2] and holds[1] > 20  # each waited for the one before
-        assert all(r.parse().usage.completion_tokens == 800 for r in results)
+        assert all(r.parse().usage.completion_tokens == 200 for r in results)
     finally:
         for p in procs:
             p.stop()

@@ -10,6 +10,9 @@ How long a turn runs depends on the host: on a fast one, 1,900 tokens of vLLM's 
 before the kill (a CI run). Where the engine can be frozen, ``hold`` does so once the first four
 turns stream (vLLM: its engine-core process stopped; its API server still takes the last two
 into the queue), and the engine goes on as it is killed: the turns are in flight at any speed.
+llama.cpp's ``llama-server`` is one process, its HTTP front stopped with it: the last two wait
+in its socket's backlog (connected, the request sent, no byte back: to the gateway, a turn
+queued at the engine), and a SIGTERM reaches it as it goes on, with its four slots still busy.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import pytest
 from turnstile.engines.llama_server import LlamaServerProcess
 from turnstile.engines.tiny_model import write_tiny_gguf
 from turnstile.gateway.adapters import parse_prometheus
+from turnstile.testing.freeze import freezing
 from turnstile.testing.redis_server import RedisServer
 from turnstile.testing.replicas import GatewayProcess, write_config
 
@@ -57,6 +58,15 @@ def _replicas(cluster: dict[str, Any], name: str, n: int, policy: str,
                        params or None, state=cluster["redis"].url, replica_ttl_s=1.0,
                        stats_interval_s=0.0)
     return [GatewayProcess(cfg, replica_id=f"{name}-{i}").start() for i in range(n)]
+
+
+def _wait_for(gw: GatewayProcess, cond: Callable[[dict[str, float]], bool],
+              timeout_s: float = 30.0) -> None:
+    """Until ``cond`` holds of ``gw``'s metrics."""
+    deadline = time.monotonic() + timeout_s
+    while not cond(m := parse_prometheus(httpx.get(gw.url + "/metrics", timeout=10).text)):
+        assert time.monotonic() < deadline, m
+        time.sleep(0.02)
 
 
 def _client(gw: GatewayProcess) -> openai.OpenAI:
@@ -112,7 +122,7 @@ def test_replicas_agree_on_derived_sessions_and_their_engines(cluster: dict[str,
 # answered 409. The cause: a non-streamed answer was marked done in Redis before it went out,
 # with no answer kept, so a turn finishing as its replica was killed left its retry a 409 on
 # every replica (fixed: the answer is kept first; tests/gateway/test_replica_retries.py). The
-# reruns stay for the engines' timing on a loaded host; each attempt has its own request ids
+# reruns stay (a loaded host); each attempt has its own request ids
 # and replica names, so an attempt never sees an earlier one's turns in the shared Redis.
 @pytest.mark.flaky(reruns=2)
 def test_killed_replica_loses_no_turn_and_serves_none_twice(cluster: dict[str, Any]) -> None:
@@ -126,7 +136,7 @@ def test_killed_replica_loses_no_turn_and_serves_none_twice(cluster: dict[str, A
 
         def client(i: int) -> None:
             rid = f"job-{tag}-{i}"
-            body = {"model": "tiny", "max_tokens": 800,
+            body = {"model": "tiny", "max_tokens": 200,
                     "messages": [{"role": "user", "content": f"job {i}: " + "work " * 40}]}
             headers = {"x-request-id": rid, "x-session-id": f"job-session-{tag}-{i}"}
             try:
@@ -139,22 +149,26 @@ def test_killed_replica_loses_no_turn_and_serves_none_twice(cluster: dict[str, A
             answers[rid].append((r.status_code, r.headers.get("x-turnstile-cached", "")))
 
         threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        time.sleep(0.5)  # two turns on the engines, the rest held by kill-0's release policy
-        gws[0].kill()
+        # the engines frozen until kill-0 dies: two turns on them, the rest held by kill-0's
+        # release policy, at the kill whatever the host's speed (with a 0.5 s sleep instead, and
+        # 200 tokens for the 800 of then, as on a host 4x faster: every turn answered before
+        # the kill in 2 runs of 3)
+        with freezing(*(e.process.pid for e in cluster["engines"] if e.process)):
+            for t in threads:
+                t.start()
+            _wait_for(gws[0], lambda m: m.get("turnstile_gateway_held_turns") == n - 2
+                      and m.get("turnstile_gateway_released_turns") == 2)
+            gws[0].kill()
         for t in threads:
             t.join(150)
         # every request answered exactly once, successfully
         assert all(len(a) == 1 and a[0][0] == 200 for a in answers.values()), answers
-        # the dead replica's unanswered turns were taken over and each run once by the
-        # survivors (the client's retry either took the turn over or got the kept result)
-        assert len(retried) >= n - 4, (retried, answers)
+        # every turn was held or running at kill-0 when it died (the engines frozen): each
+        # client retried, and the survivors took each turn over and ran it once
+        assert len(retried) == n, (retried, answers)
         finished = sum(parse_prometheus(httpx.get(g.url + "/metrics", timeout=10).text)
                        .get("turnstile_gateway_turns_finished_total", 0.0) for g in gws[1:])
-        # (a turn that kill-0 finished in the instant it was killed is not run again: its
-        # retry gets the answer kill-0 kept, so up to its two running turns may be missing)
-        assert len(retried) - 2 <= finished <= len(retried), (finished, retried)
+        assert finished == n, (finished, retried)
         # a second try of an answered request gets the kept result, not a second run
         again = httpx.post(gws[2].url + "/v1/chat/completions",
                            json={"model": "tiny", "max_tokens": 200,

@@ -9,8 +9,6 @@ engine-death tests come last: they kill engines (one is restarted in between).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import signal
 import threading
 import time
@@ -25,6 +23,7 @@ import pytest
 from turnstile.engines.vllm_server import VllmServerProcess
 from turnstile.gateway.adapters import VllmAdapter, make_adapter, parse_prometheus
 from turnstile.gateway.embedded import GatewayServer, start_gateway
+from turnstile.testing.freeze import frozen
 
 from .conftest import VllmEngines
 from .death import killed_with_turns_in_flight
@@ -253,13 +252,7 @@ def _frozen(server: VllmServerProcess) -> Callable[[], None]:
     """Stop ``server``'s engine core (its API server still takes requests into the queue);
     return what continues it. On a fast host turns were over before the kill (CI: 1,900
     tokens in 5 s); frozen, they are in flight at the kill at any speed."""
-    core = engine_core_pid(server)
-    os.kill(core, signal.SIGSTOP)
-
-    def go_on() -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(core, signal.SIGCONT)
-    return go_on
+    return frozen(engine_core_pid(server))
 
 
 def test_vllm_engine_sigterm_with_turns_in_flight(vllm_engines: VllmEngines) -> None:
