@@ -87,6 +87,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the KV each engine keeps for sessions, in average sessions (vLLM: its "
                          "pool of 128-token blocks; the gateway's KV gate either way); default "
                          "--n-parallel")
+    ap.add_argument("--pool-sessions", type=int, default=None,
+                    help="vLLM: its KV pool, in average sessions, when larger than "
+                         "--kv-sessions (the gate and the simulator are told --kv-sessions; "
+                         "the rest is headroom); default --kv-sessions")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--hidden", type=int, default=384)
     ap.add_argument("--layers", type=int, default=4)
@@ -132,6 +136,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.serving_probe = args.engine != "vllm"
     if args.engine != "vllm" and args.kv_sessions not in (None, args.n_parallel):
         ap.error("--kv-sessions is for vLLM engines (llama.cpp keeps one session per slot)")
+    if args.pool_sessions is not None and (
+            args.engine != "vllm" or args.pool_sessions < (args.kv_sessions or args.n_parallel)):
+        ap.error("--pool-sessions is for vLLM engines, at least --kv-sessions")
     if args.engine == "vllm" and args.pin_cores:
         ap.error("--pin-cores is for llama.cpp engines")
     return args
@@ -256,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                 max_tokens=args.max_output, quick_profile=args.quick_profile,
                 rerun_baseline=args.rerun_baseline, measure_attempts=args.measure_attempts,
                 pin_cores=args.pin_cores, engine=args.engine,
+                pool_kv_tokens=slot_kv_tokens(sessions, args.pool_sessions)
+                if args.pool_sessions else None,
                 serving=_serving(args), serving_probe=args.serving_probe,
                 # longer than any tool call: the gateway must not close a session mid-task
                 session_idle_s=args.max_tool_s + 0.3)
@@ -279,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         "trace": str(args.trace), "subset": args.subset, "sessions": len(sessions),
         "trace_sessions": args.trace_sessions, "synth_sessions": args.synth_sessions,
         "kv_sessions": args.kv_sessions or args.n_parallel,
+        "pool_sessions": args.pool_sessions or args.kv_sessions or args.n_parallel,
         "seed": args.seed, "kv_model": args.kv_model, "engine": args.engine,
         "serving": doc["serving"],
         "serving_source": "flags" if run.serving is not None

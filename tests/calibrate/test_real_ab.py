@@ -103,3 +103,18 @@ def test_kv_sessions_flag(engine: str, n_parallel: int, kv_sessions: str | None,
         return
     args = mod.parse_args(argv)
     assert (args.kv_sessions or args.n_parallel) == int(kv_sessions or n_parallel)
+
+
+@pytest.mark.parametrize("argv, ok", [
+    (["--engine", "vllm", "--kv-sessions", "7", "--pool-sessions", "14"], True),
+    (["--engine", "vllm", "--kv-sessions", "7", "--pool-sessions", "5"], False),
+    (["--engine", "llamacpp", "--pool-sessions", "8"], False),
+])
+def test_pool_sessions_flag(argv: list[str], ok: bool) -> None:
+    """``--pool-sessions``: a vLLM pool larger than what the gate is told, never smaller."""
+    mod = _load_benchmark()
+    if ok:
+        assert mod.parse_args(argv).pool_sessions == 14
+    else:
+        with pytest.raises(SystemExit):
+            mod.parse_args(argv)
