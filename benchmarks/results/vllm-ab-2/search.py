@@ -7,11 +7,13 @@ paged KV model, 128-token blocks), with the vLLM profile of the earlier run
 (``benchmarks/results/vllm-ab/profile.json``); no engine runs. Prints one JSON line per set-up:
 eager's and cvar's **simulated** P95 flow time and their ratio per ``load/seed``.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/results/vllm-ab-2/search.py > search.jsonl
+    PYTHONPATH=src .venv/bin/python benchmarks/results/vllm-ab-2/search.py \
+        --trace /work/shared/traces/agentcgroup_swerebench_claude_code > search.jsonl
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import sys
@@ -37,7 +39,8 @@ from turnstile.sim.fitted_perf import FittedPerf  # noqa: E402
 PROFILE = REPO / "benchmarks" / "results" / "vllm-ab" / "profile.json"
 
 
-def evaluate(perf: FittedPerf, *, n_trace: int = 12, n_synth: int = 6, n_parallel: int = 4,
+def evaluate(perf: FittedPerf, *, trace: Path = DEFAULT_TRACE, n_trace: int = 12,
+             n_synth: int = 6, n_parallel: int = 4,
              kv_sess: int | None = None, max_context: int = 600, max_turns: int = 8,
              max_output: int = 8, tool_div: float = 20.0, max_tool_s: float = 0.5,
              ctx: int | None = None, loads: tuple[float, ...] = (0.2, 2.0),
@@ -47,7 +50,7 @@ def evaluate(perf: FittedPerf, *, n_trace: int = 12, n_synth: int = 6, n_paralle
                        max_tool_s=max_tool_s, max_context=max_context, max_turns=max_turns)
     need = int(1.1 * max_context) + max_output + 32 + 12 * max_turns  # real_ab.py's check
     per_seq = max(796, need) if ctx is None else ctx // n_parallel
-    sessions = _sessions(DEFAULT_TRACE, "glm47flash_local", n_trace, n_synth, scale, 0)
+    sessions = _sessions(trace, "glm47flash_local", n_trace, n_synth, scale, 0)
     kv = slot_kv_tokens(sessions, kv_sess or n_parallel)
     eng = AbEngines(count=2, n_parallel=n_parallel, ctx=per_seq * n_parallel, kv_tokens=kv,
                     kv_model="paged", chunk=8192, block_size=VLLM_CPU_BLOCK,
@@ -91,11 +94,14 @@ def _grid() -> list[tuple[dict[str, Any], tuple[float, ...]]]:
     ]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="the AgentCgroup trace")
+    args = ap.parse_args(argv)
     perf = FittedPerf.from_profile(PROFILE)
     for kw, loads in _grid():
         try:
-            got = evaluate(perf, **kw, loads=loads)
+            got = evaluate(perf, trace=args.trace, **kw, loads=loads)
         except ValueError as e:  # e.g. a turn that needs more KV blocks than the pool has
             got = {"err": repr(e)[:100]}
         print(json.dumps({**kw, **got}), flush=True)
