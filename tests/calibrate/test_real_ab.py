@@ -84,3 +84,37 @@ def test_real_ab_smoke(tmp_path: Path, llama_server_binary: Path,
     for old, new in zip(cells, redo["cells"], strict=True):
         assert new["real"] == old["real"] and new["pred_before"] == old["pred"]
         assert new["pred"]["workflows"] == 4
+
+
+@pytest.mark.parametrize("engine, n_parallel, kv_sessions, ok", [
+    ("vllm", 2, "5", True), ("vllm", 4, None, True),
+    ("llamacpp", 2, "2", True), ("llamacpp", 2, "5", False),
+])
+def test_kv_sessions_flag(engine: str, n_parallel: int, kv_sessions: str | None,
+                          ok: bool) -> None:
+    """``--kv-sessions`` sizes vLLM's KV pool apart from its ``--max-num-seqs``; llama.cpp keeps
+    one session per slot, so there it must equal ``--n-parallel``."""
+    argv = ["--engine", engine, "--n-parallel", str(n_parallel)]
+    argv += ["--kv-sessions", kv_sessions] if kv_sessions else []
+    mod = _load_benchmark()
+    if not ok:
+        with pytest.raises(SystemExit):
+            mod.parse_args(argv)
+        return
+    args = mod.parse_args(argv)
+    assert (args.kv_sessions or args.n_parallel) == int(kv_sessions or n_parallel)
+
+
+@pytest.mark.parametrize("argv, ok", [
+    (["--engine", "vllm", "--kv-sessions", "7", "--pool-sessions", "14"], True),
+    (["--engine", "vllm", "--kv-sessions", "7", "--pool-sessions", "5"], False),
+    (["--engine", "llamacpp", "--pool-sessions", "8"], False),
+])
+def test_pool_sessions_flag(argv: list[str], ok: bool) -> None:
+    """``--pool-sessions``: a vLLM pool larger than what the gate is told, never smaller."""
+    mod = _load_benchmark()
+    if ok:
+        assert mod.parse_args(argv).pool_sessions == 14
+    else:
+        with pytest.raises(SystemExit):
+            mod.parse_args(argv)

@@ -120,6 +120,10 @@ class AbRun:
     pin_cores: bool = False
     #: the engines: ``llamacpp`` or ``vllm`` (:mod:`turnstile.calibrate.ab_engines`)
     engine: str = "llamacpp"
+    #: vLLM: the engines' KV pool (tokens) when larger than the KV the gateway's gate and the
+    #: simulator are told (``engines.session_kv_tokens``): headroom beyond the sessions' KV;
+    #: None: the same
+    pool_kv_tokens: int | None = None
 
     @property
     def cell_policies(self) -> list[str]:
@@ -382,7 +386,8 @@ def run_ab(
     tmp = Path(tempfile.mkdtemp(prefix="turnstile-ab-", dir=work_dir))
     servers = start_servers(run.engine, tmp, count=eng.count, hidden=run.hidden,
                             layers=run.layers, n_parallel=eng.n_parallel, ctx=eng.ctx,
-                            threads=run.threads, kv_tokens=eng.session_kv_tokens)
+                            threads=run.threads,
+                            kv_tokens=max(run.pool_kv_tokens or 0, eng.session_kv_tokens))
     cells: list[dict[str, Any]] = []
     t0 = time.time()
     pinned: dict[str, list[int]] = {}
