@@ -11,8 +11,9 @@ that cvar's idle override admitted past its KV gate. No engine runs; all figures
 
 ``--overhead`` / ``--slowdown``: :class:`ServingTerms` (the run was predicted with none: no
 serving probe on vLLM). ``--override off``: cvar's idle override no longer admits a new session
-past its KV gate (diagnostic only). ``max_live_sessions``: the most sessions cvar had started and
-not finished at once (both engines).
+past its KV gate; ``pool``: only where its prompt fits in the whole pool beside the released
+and paused KV (``kv_fill`` 1; diagnostics only). ``max_live_sessions``: the most sessions cvar
+had started and not finished at once (both engines).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def _count_retention() -> None:
 
 def _idle_override(mode: str) -> None:
     """``count``: count the new sessions the idle override lets past the KV gate; ``off``: the
-    override no longer applies to new sessions on engines without slots (paged KV)."""
+    override no longer admits a new session past the gate; ``pool``: only where it fits in the
+    whole pool (``kv_fill`` 1)."""
     orig = cvar_mod.CvarRelease.idle_with_free_slot
 
     def idle_with_free_slot(self, view, now):  # type: ignore[no-untyped-def]
@@ -67,6 +69,12 @@ def _idle_override(mode: str) -> None:
             over = turn.prompt_tokens > self.kv_room(view)
             if over and mode == "off":
                 return False
+            if over and mode == "pool":  # fits beside the KV counted, in the whole pool
+                fill, self.kv_fill = self.kv_fill, 1.0
+                fits = turn.prompt_tokens <= self.kv_room(view)
+                self.kv_fill = fill
+                if not fits:
+                    return False
             if over:
                 _PAST_GATE.add(turn.workflow.id)
                 COUNTS["idle_override_new"] = len(_PAST_GATE)
@@ -79,7 +87,7 @@ def main() -> int:
     ap.add_argument("--trace", type=Path, required=True)
     ap.add_argument("--overhead", type=float, default=0.0, help="turn_overhead_s")
     ap.add_argument("--slowdown", type=float, default=1.0, help="engine_slowdown")
-    ap.add_argument("--override", choices=("count", "off"), default="count")
+    ap.add_argument("--override", choices=("count", "off", "pool"), default="count")
     ap.add_argument("--pool-blocks", type=int, default=None,
                     help="the simulator's pool (blocks of 128); default the gate's kv_tokens")
     ap.add_argument("--load", type=float, default=2.0)
