@@ -7,9 +7,12 @@ gateway must then, within 2 s, end each stream that had tokens with an error eve
 every other turn to the other engine, where it runs to the end — once.
 
 How long a turn runs depends on the host: on a fast one, 1,900 tokens of vLLM's were over
-before the kill (a CI run). Where the engine can be frozen, ``hold`` does so once the first four
-turns stream (vLLM: its engine-core process stopped; its API server still takes the last two
-into the queue), and the engine goes on as it is killed: the turns are in flight at any speed.
+before the kill (a CI run). Where the engine can be frozen, ``hold`` does so and the engine goes
+on as it is killed: the turns are in flight at any speed. ``hold_when``: ``"running"``, once the
+first four turns stream (llama.cpp: the whole server stopped; the last two wait in its socket
+backlog), or ``"queued"``, once all six are at the engine (vLLM: its engine core stopped once its
+metrics show four running and two waiting; a connect to its API server with the core stopped
+went unanswered for 2 s once).
 llama.cpp's ``llama-server`` is one process, its HTTP front stopped with it: the last two wait
 in its socket's backlog (connected, the request sent, no byte back: to the gateway, a turn
 queued at the engine), and a SIGTERM reaches it as it goes on, with its four slots still busy.
@@ -117,8 +120,8 @@ class TurnsOverBeforeTheKill(AssertionError):
 def killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
                                 kill: Callable[[], None], *, max_tokens: int,
                                 within_s: float = 2.0, attempts: int = 3,
-                                hold: Callable[[], Callable[[], None]] | None = None
-                                ) -> dict[str, Any]:
+                                hold: Callable[[], Callable[[], None]] | None = None,
+                                hold_when: str = "running") -> dict[str, Any]:
     """Run the scenario; assert its contract; return the timings (seconds after the kill).
     ``hold`` (optional) freezes the victim's generation and returns what lets it go on (called
     right after ``kill``, or when the set-up failed).
@@ -130,7 +133,7 @@ def killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
         try:
             return _killed_with_turns_in_flight(kind, victim_url, other_url, kill,
                                                 max_tokens=max_tokens, within_s=within_s,
-                                                hold=hold)
+                                                hold=hold, hold_when=hold_when)
         except TurnsOverBeforeTheKill:
             if attempt + 1 == attempts:
                 raise
@@ -140,8 +143,8 @@ def killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
 def _killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
                                  kill: Callable[[], None], *, max_tokens: int,
                                  within_s: float,
-                                 hold: Callable[[], Callable[[], None]] | None
-                                 ) -> dict[str, Any]:
+                                 hold: Callable[[], Callable[[], None]] | None,
+                                 hold_when: str) -> dict[str, Any]:
     victim = recording(kind, victim_url, "victim")
     other = recording(kind, other_url, "other")
     gw = start_gateway([victim, other], policy="eager+hinted")
@@ -151,11 +154,12 @@ def _killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
     try:
         threads = {}
         for name, streamed, queued in TURNS:
-            if queued and release is None:  # once the four others are running at the engine
+            if queued and name == TURNS[4][0]:  # once the four others run at the engine
                 for running in ("s1", "s2"):
                     assert first_token[running].wait(90), f"{running} never streamed"
                 time.sleep(0.3)
-                release = hold() if hold is not None else (lambda: None)
+                if hold is not None and hold_when == "running":
+                    release = hold()
             threads[name] = threading.Thread(
                 target=_turn, args=(gw.url, name, streamed, max_tokens, out,
                                     first_token[name]))
@@ -167,8 +171,11 @@ def _killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
                     f"not all turns forwarded to the victim in 20 s: victim {victim.calls}, "
                     f"other {other.calls}, engines up {gw.gateway.engine_up}")
             time.sleep(0.01)
-        time.sleep(0.3)  # the last two reach the engine's queue
-        assert len(victim.calls) == len(TURNS) and not other.calls
+        if hold is None or hold_when != "queued":
+            time.sleep(0.3)  # the last two reach the engine's queue (a queued hold waits on it)
+        if release is None:  # hold_when == "queued", or no hold
+            release = hold() if hold is not None else (lambda: None)
+        assert len(victim.calls) == len(TURNS) and not other.calls, (victim.calls, other.calls)
         if out:
             raise TurnsOverBeforeTheKill(
                 "turns over before the kill (max_tokens too small?): "

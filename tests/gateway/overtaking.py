@@ -140,7 +140,7 @@ def _run_for(pid: int, run_s: float) -> None:
                    check=True, timeout=60)
 
 
-def _counts(server: VllmServerProcess) -> tuple[float, float]:
+def engine_counts(server: VllmServerProcess) -> tuple[float, float]:
     m = parse_prometheus(httpx.get(server.base_url + "/metrics", timeout=60).text)
     return m.get("vllm:num_requests_running", -1.0), m.get("vllm:num_requests_waiting", -1.0)
 
@@ -208,7 +208,7 @@ def first_admitted_once(server: VllmServerProcess, monkeypatch: pytest.MonkeyPat
     threads: list[threading.Thread] = []
     paused = stopped = False
     try:
-        _wait_for("an idle engine", lambda: _counts(server) == (0, 0))
+        _wait_for("an idle engine", lambda: engine_counts(server) == (0, 0))
         control.pause()
         paused = True
         for f in fillers:

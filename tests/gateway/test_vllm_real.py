@@ -27,7 +27,7 @@ from turnstile.testing.freeze import frozen
 
 from .conftest import VllmEngines
 from .death import killed_with_turns_in_flight
-from .overtaking import engine_core_pid, first_admitted
+from .overtaking import engine_core_pid, engine_counts, first_admitted
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -249,9 +249,13 @@ VLLM_DEATH_TOKENS = 1900
 
 
 def _frozen(server: VllmServerProcess) -> Callable[[], None]:
-    """Stop ``server``'s engine core (its API server still takes requests into the queue);
-    return what continues it. On a fast host turns were over before the kill (CI: 1,900
-    tokens in 5 s); frozen, they are in flight at the kill at any speed."""
+    """Stop ``server``'s engine core, once the six turns are in its queue (with the core stopped
+    earlier, a connect to its API server went unanswered for 2 s once); return what continues
+    it. On a fast host turns were over before the kill (CI: 1,900 tokens in 5 s); frozen, they
+    are in flight at the kill at any speed."""
+    deadline = time.monotonic() + 5
+    while engine_counts(server) != (4.0, 2.0) and time.monotonic() < deadline:
+        time.sleep(0.01)  # four running, two waiting (a 0.3 s sleep let 300 tokens end)
     return frozen(engine_core_pid(server))
 
 
@@ -260,7 +264,7 @@ def test_vllm_engine_sigterm_with_turns_in_flight(vllm_engines: VllmEngines) -> 
     timings = killed_with_turns_in_flight("vllm", victim.base_url, other.base_url,
                                           lambda: victim.kill(signal.SIGTERM),
                                           max_tokens=VLLM_DEATH_TOKENS,
-                                          hold=lambda: _frozen(victim))
+                                          hold=lambda: _frozen(victim), hold_when="queued")
     print(f"\nSIGTERM: {timings}")
 
 
@@ -301,5 +305,5 @@ def test_vllm_engine_sigkill_with_turns_in_flight(vllm_engines: VllmEngines) -> 
     timings = killed_with_turns_in_flight("vllm", victim.base_url, other.base_url,
                                           lambda: victim.kill(signal.SIGKILL),
                                           max_tokens=VLLM_DEATH_TOKENS,
-                                          hold=lambda: _frozen(victim))
+                                          hold=lambda: _frozen(victim), hold_when="queued")
     print(f"\nSIGKILL: {timings}")
