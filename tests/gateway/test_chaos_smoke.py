@@ -43,8 +43,11 @@ def test_chaos_smoke(llama_server_binary: Path, request: pytest.FixtureRequest) 
             assert r.duplicated == 0, r
         assert r.completed == r.sent, r
         # each fault came with a stream under way (the engines frozen until then: on a host 4x
-        # faster the agents' turns were over before the faults, which hit nothing)
-        assert r.hit is not False, r
+        # faster the agents' turns were over before the faults, which hit nothing); the
+        # baseline injects nothing (a fresh-clone run on a host stalled by memory reclaim
+        # found no stream under way for it, at 1.8 turns/s)
+        if r.fault != "no fault (baseline)":
+            assert r.hit is not False, r
         if math.isnan(r.answered_s):
             continue
         if r.fault in ("engine SIGTERM", "stalled engine"):
