@@ -25,8 +25,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import os
-import signal
 import socket
 import subprocess
 import threading
@@ -42,6 +40,7 @@ import pytest
 from turnstile.engines.vllm_server import VllmServerProcess
 from turnstile.gateway.adapters import VllmAdapter, make_adapter, parse_prometheus
 from turnstile.gateway.embedded import start_gateway
+from turnstile.testing.freeze import frozen
 
 #: ~400 tokens of the tiny vocabulary: a turn whose state costs ``tiered-aging`` seconds
 LONG = "plan the work and check each step " * 40
@@ -206,7 +205,8 @@ def first_admitted_once(server: VllmServerProcess, monkeypatch: pytest.MonkeyPat
     control = Control(server)
     core = engine_core_pid(server)
     threads: list[threading.Thread] = []
-    paused = stopped = False
+    paused = False
+    go_on: Callable[[], None] | None = None  # continues the stopped engine core
     try:
         _wait_for("an idle engine", lambda: engine_counts(server) == (0, 0))
         control.pause()
@@ -221,8 +221,7 @@ def first_admitted_once(server: VllmServerProcess, monkeypatch: pytest.MonkeyPat
             time.sleep(ARRIVE_S)  # in the engine's queue before the next one is sent
         assert not first and not any(f.ended for f in fillers), first  # nothing ran
         resume = threading.Thread(target=control.resume)  # answered once the core runs
-        os.kill(core, signal.SIGSTOP)
-        stopped = True
+        go_on = frozen(core)
         resume.start()
         paused = False
         time.sleep(ARRIVE_S)  # the resume waits at the stopped core
@@ -237,8 +236,8 @@ def first_admitted_once(server: VllmServerProcess, monkeypatch: pytest.MonkeyPat
         admitted = sorted(first)
         fillers_over = [f.i for f in fillers if f.ended]
     finally:
-        if stopped:
-            os.kill(core, signal.SIGCONT)
+        if go_on is not None:
+            go_on()
             if resume.is_alive():
                 resume.join(60)
         if paused:
