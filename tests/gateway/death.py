@@ -7,12 +7,14 @@ gateway must then, within 2 s, end each stream that had tokens with an error eve
 every other turn to the other engine, where it runs to the end — once.
 
 How long a turn runs depends on the host: on a fast one, 1,900 tokens of vLLM's were over
-before the kill (a CI run). Where the engine can be frozen, ``hold`` does so and the engine goes
-on as it is killed: the turns are in flight at any speed. ``hold_when``: ``"running"``, once the
-first four turns stream (llama.cpp: the whole server stopped; the last two wait in its socket
-backlog), or ``"queued"``, once all six are at the engine (vLLM: its engine core stopped once its
-metrics show four running and two waiting; a connect to its API server with the core stopped
-went unanswered for 2 s once).
+before the kill (a CI run). ``hold`` (a :class:`Hold`) freezes the victim's generation, and the
+engine goes on as it is killed: the turns are in flight at any speed. ``Hold.when``:
+``"running"``, once the first four turns stream (llama.cpp: the whole server stopped; the last
+two wait in its socket backlog), or ``"queued"``, once all six are forwarded (vLLM: its engine
+core, slowed to a tenth from the start so that the set-up takes as long on any host, stopped
+once its metrics show four running and two waiting; a connect to its API server with the core
+stopped went unanswered for 2 s once, and unslowed, a CI host ran a turn to its end while its
+metrics were read).
 llama.cpp's ``llama-server`` is one process, its HTTP front stopped with it: the last two wait
 in its socket's backlog (connected, the request sent, no byte back: to the gateway, a turn
 queued at the engine), and a SIGTERM reaches it as it goes on, with its four slots still busy.
@@ -25,12 +27,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, Protocol
 
 import httpx
 
 from turnstile.gateway.adapters import ADAPTERS, EngineAdapter, ForwardHints
 from turnstile.gateway.embedded import start_gateway
+from turnstile.testing.freeze import frozen
 
 #: the turns: (name, streamed, waits in the engine's queue when the engine dies)
 TURNS = (("s1", True, False), ("s2", True, False), ("p1", False, False), ("p2", False, False),
@@ -49,6 +52,43 @@ def recording(kind: str, url: str, engine_id: str) -> EngineAdapter:
     a = Recording(url, engine_id=engine_id)
     a.calls = []
     return a
+
+
+class Hold(Protocol):
+    """How the victim is held so that the scenario holds at any host speed."""
+
+    #: when :meth:`freeze` is called: once the first four turns stream (``"running"``), or once
+    #: all six are forwarded (``"queued"``)
+    when: Literal["running", "queued"]
+
+    def before(self) -> None:
+        """Called before the first turn is sent (an idle engine; a throttle)."""
+
+    def freeze(self) -> Callable[[], None]:
+        """Stop the victim's generation; return what lets it go on (called right after the
+        kill, or when the set-up failed). Raise :class:`TurnsOverBeforeTheKill` where the
+        engine is not as the scenario needs."""
+        ...
+
+    def undo(self) -> None:
+        """Called as the scenario ends, however: the victim runs free (where it lives)."""
+
+
+@dataclass
+class Frozen:
+    """The whole process ``pid`` frozen once the first four turns stream (llama.cpp)."""
+
+    pid: int
+    when: Literal["running", "queued"] = "running"
+
+    def before(self) -> None:
+        pass
+
+    def freeze(self) -> Callable[[], None]:
+        return frozen(self.pid)
+
+    def undo(self) -> None:
+        pass
 
 
 @dataclass
@@ -117,14 +157,24 @@ class TurnsOverBeforeTheKill(AssertionError):
     engine was killed."""
 
 
+def _forwarded(victim: EngineAdapter, n: int, other: EngineAdapter,
+               engine_up: object = None) -> None:
+    """Wait until ``n`` turns were forwarded to the victim (a busy host is slow at it)."""
+    deadline = time.monotonic() + 20
+    while len(victim.calls) < n:
+        if time.monotonic() > deadline:
+            raise TurnsOverBeforeTheKill(
+                f"not {n} turns forwarded to the victim in 20 s: victim {victim.calls}, "
+                f"other {other.calls}, engines up {engine_up}")
+        time.sleep(0.01)
+
+
 def killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
                                 kill: Callable[[], None], *, max_tokens: int,
                                 within_s: float = 2.0, attempts: int = 3,
-                                hold: Callable[[], Callable[[], None]] | None = None,
-                                hold_when: str = "running") -> dict[str, Any]:
+                                hold: Hold | None = None) -> dict[str, Any]:
     """Run the scenario; assert its contract; return the timings (seconds after the kill).
-    ``hold`` (optional) freezes the victim's generation and returns what lets it go on (called
-    right after ``kill``, or when the set-up failed).
+    ``hold`` (optional) keeps the turns in flight until the kill (:class:`Hold`).
 
     Where turns end, or are not all forwarded, before the kill (the set-up, not the contract,
     failed: a host's speed varies), the scenario is set up again on a fresh gateway,
@@ -133,8 +183,9 @@ def killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
         try:
             return _killed_with_turns_in_flight(kind, victim_url, other_url, kill,
                                                 max_tokens=max_tokens, within_s=within_s,
-                                                hold=hold, hold_when=hold_when)
-        except TurnsOverBeforeTheKill:
+                                                hold=hold)
+        except TurnsOverBeforeTheKill as e:
+            print(f"\nset-up {attempt + 1} did not hold: {e}")
             if attempt + 1 == attempts:
                 raise
     raise AssertionError("unreachable")
@@ -142,9 +193,7 @@ def killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
 
 def _killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
                                  kill: Callable[[], None], *, max_tokens: int,
-                                 within_s: float,
-                                 hold: Callable[[], Callable[[], None]] | None,
-                                 hold_when: str) -> dict[str, Any]:
+                                 within_s: float, hold: Hold | None) -> dict[str, Any]:
     victim = recording(kind, victim_url, "victim")
     other = recording(kind, other_url, "other")
     gw = start_gateway([victim, other], policy="eager+hinted")
@@ -152,29 +201,30 @@ def _killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
     first_token = {name: threading.Event() for name, _, _ in TURNS}
     release: Callable[[], None] | None = None
     try:
+        if hold is not None:
+            hold.before()
         threads = {}
         for name, streamed, queued in TURNS:
-            if queued and name == TURNS[4][0]:  # once the four others run at the engine
+            if queued and name == TURNS[4][0]:  # once the four others are at the engine
                 for running in ("s1", "s2"):
                     assert first_token[running].wait(90), f"{running} never streamed"
-                time.sleep(0.3)
-                if hold is not None and hold_when == "running":
-                    release = hold()
+                _forwarded(victim, 4, other)  # (not a fixed sleep: 100 tokens end in 0.3 s)
+                if hold is not None and hold.when == "running":
+                    release = hold.freeze()
             threads[name] = threading.Thread(
                 target=_turn, args=(gw.url, name, streamed, max_tokens, out,
                                     first_token[name]))
             threads[name].start()
-        deadline = time.monotonic() + 20
-        while len(victim.calls) < len(TURNS):  # all forwarded (a busy host is slow at it)
-            if time.monotonic() > deadline:
-                raise TurnsOverBeforeTheKill(
-                    f"not all turns forwarded to the victim in 20 s: victim {victim.calls}, "
-                    f"other {other.calls}, engines up {gw.gateway.engine_up}")
-            time.sleep(0.01)
-        if hold is None or hold_when != "queued":
+        _forwarded(victim, len(TURNS), other, gw.gateway.engine_up)
+        if hold is None or hold.when != "queued":
             time.sleep(0.3)  # the last two reach the engine's queue (a queued hold waits on it)
-        if release is None:  # hold_when == "queued", or no hold
-            release = hold() if hold is not None else (lambda: None)
+        if release is None:  # a "queued" hold, or none
+            try:
+                release = hold.freeze() if hold is not None else (lambda: None)
+            except TurnsOverBeforeTheKill as e:
+                raise TurnsOverBeforeTheKill(
+                    f"{e}; turns ended: {({k: o.brief() for k, o in out.items()})}; forwarded "
+                    f"to the victim {victim.calls}, the other {other.calls}") from e
         assert len(victim.calls) == len(TURNS) and not other.calls, (victim.calls, other.calls)
         if out:
             raise TurnsOverBeforeTheKill(
@@ -191,6 +241,8 @@ def _killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
     finally:
         if release is not None:
             release()
+        if hold is not None:
+            hold.undo()
         gw.stop()
 
     after = {k: round(o.ended_s - killed, 2) for k, o in out.items()}

@@ -144,7 +144,7 @@ def engine_counts(server: VllmServerProcess) -> tuple[float, float]:
     return m.get("vllm:num_requests_running", -1.0), m.get("vllm:num_requests_waiting", -1.0)
 
 
-def _wait_for(what: str, cond: Callable[[], bool], timeout_s: float = 60.0) -> None:
+def wait_for(what: str, cond: Callable[[], bool], timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
         assert time.monotonic() < deadline, f"not in {timeout_s:.0f} s: {what}"
@@ -208,7 +208,7 @@ def first_admitted_once(server: VllmServerProcess, monkeypatch: pytest.MonkeyPat
     paused = False
     go_on: Callable[[], None] | None = None  # continues the stopped engine core
     try:
-        _wait_for("an idle engine", lambda: engine_counts(server) == (0, 0))
+        wait_for("an idle engine", lambda: engine_counts(server) == (0, 0))
         control.pause()
         paused = True
         for f in fillers:
@@ -217,7 +217,7 @@ def first_admitted_once(server: VllmServerProcess, monkeypatch: pytest.MonkeyPat
         for name, prompt in TURNS:
             threads.append(threading.Thread(target=turn, args=(name, prompt)))
             threads[-1].start()
-            _wait_for(f"the gateway forwarding {name}", lambda name=name: name in forwarded)
+            wait_for(f"the gateway forwarding {name}", lambda name=name: name in forwarded)
             time.sleep(ARRIVE_S)  # in the engine's queue before the next one is sent
         assert not first and not any(f.ended for f in fillers), first  # nothing ran
         resume = threading.Thread(target=control.resume)  # answered once the core runs
@@ -229,7 +229,7 @@ def first_admitted_once(server: VllmServerProcess, monkeypatch: pytest.MonkeyPat
         for _ in range(8):  # run the core a few steps at a time, until a turn has tokens
             _run_for(core, run_s)
             with contextlib.suppress(AssertionError):
-                _wait_for("a turn's first token", lambda: bool(first), ARRIVE_S)
+                wait_for("a turn's first token", lambda: bool(first), ARRIVE_S)
                 break
             run_s = min(2 * run_s, 0.2)
         time.sleep(ARRIVE_S)  # stopped: every token made so far reaches its client

@@ -14,9 +14,8 @@ import pytest
 
 from turnstile.engines.llama_server import LlamaServerProcess
 from turnstile.engines.tiny_model import write_tiny_gguf
-from turnstile.testing.freeze import frozen
 
-from .death import killed_with_turns_in_flight
+from .death import Frozen, killed_with_turns_in_flight
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -34,5 +33,5 @@ def test_llama_cpp_engine_killed_with_turns_in_flight(
         proc = victim.process
         timings = killed_with_turns_in_flight("llama.cpp", victim.base_url, other.base_url,
                                               lambda: proc.send_signal(sig), max_tokens=1500,
-                                              hold=lambda: frozen(proc.pid))
+                                              hold=Frozen(proc.pid))
     print(f"\n{signal.Signals(sig).name}: {timings}")

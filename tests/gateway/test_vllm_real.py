@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
@@ -23,11 +23,11 @@ import pytest
 from turnstile.engines.vllm_server import VllmServerProcess
 from turnstile.gateway.adapters import VllmAdapter, make_adapter, parse_prometheus
 from turnstile.gateway.embedded import GatewayServer, start_gateway
-from turnstile.testing.freeze import frozen
+from turnstile.testing.freeze import Throttle, frozen_group
 
 from .conftest import VllmEngines
 from .death import killed_with_turns_in_flight
-from .overtaking import engine_core_pid, engine_counts, first_admitted
+from .overtaking import engine_core_pid, engine_counts, first_admitted, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -248,15 +248,37 @@ def test_config_check_finds_the_engines_features(vllm_engines: VllmEngines) -> N
 VLLM_DEATH_TOKENS = 1900
 
 
-def _frozen(server: VllmServerProcess) -> Callable[[], None]:
-    """Stop ``server``'s engine core, once the six turns are in its queue (with the core stopped
-    earlier, a connect to its API server went unanswered for 2 s once); return what continues
-    it. On a fast host turns were over before the kill (CI: 1,900 tokens in 5 s); frozen, they
-    are in flight at the kill at any speed."""
-    deadline = time.monotonic() + 5
-    while engine_counts(server) != (4.0, 2.0) and time.monotonic() < deadline:
-        time.sleep(0.01)  # four running, two waiting (a 0.3 s sleep let 300 tokens end)
-    return frozen(engine_core_pid(server))
+class _ServerFrozen:
+    """The victim's engine core run a tenth of the time from before the first turn, and its
+    whole server (API server, engine core, worker: one process group) stopped once its first
+    four turns stream, as llama.cpp's is (:class:`~.death.Hold`): the last two then wait in its
+    socket's backlog. vLLM's API server lags its engine core on these hosts (outputs of 1,900
+    tokens for six turns came out in one burst 10 s after they were made, and ``/metrics`` went
+    unanswered as long): neither stopping the core alone nor waiting on its metrics held on a
+    host 4x faster (a CI run: every turn over first, 3 set-ups of 3), and unslowed, a reply of
+    100 tokens was made, and sent, before its stream's first token reached the client."""
+
+    when: Literal["running", "queued"] = "running"
+
+    def __init__(self, server: VllmServerProcess) -> None:
+        self.server = server
+        self.throttle: Throttle | None = None
+
+    def before(self) -> None:
+        # an earlier set-up's turns are cancelled as its gateway stops: wait for their end
+        wait_for("the victim idle", lambda: engine_counts(self.server) == (0.0, 0.0), 60)
+        self.throttle = Throttle(engine_core_pid(self.server))
+
+    def freeze(self) -> Callable[[], None]:
+        assert self.server.process is not None and self.throttle is not None
+        self.throttle.freeze()
+        self.throttle = None
+        return frozen_group(self.server.process.pid)
+
+    def undo(self) -> None:
+        if self.throttle is not None:  # never frozen
+            self.throttle.close()
+            self.throttle = None
 
 
 def test_vllm_engine_sigterm_with_turns_in_flight(vllm_engines: VllmEngines) -> None:
@@ -264,7 +286,7 @@ def test_vllm_engine_sigterm_with_turns_in_flight(vllm_engines: VllmEngines) -> 
     timings = killed_with_turns_in_flight("vllm", victim.base_url, other.base_url,
                                           lambda: victim.kill(signal.SIGTERM),
                                           max_tokens=VLLM_DEATH_TOKENS,
-                                          hold=lambda: _frozen(victim), hold_when="queued")
+                                          hold=_ServerFrozen(victim))
     print(f"\nSIGTERM: {timings}")
 
 
@@ -305,5 +327,5 @@ def test_vllm_engine_sigkill_with_turns_in_flight(vllm_engines: VllmEngines) -> 
     timings = killed_with_turns_in_flight("vllm", victim.base_url, other.base_url,
                                           lambda: victim.kill(signal.SIGKILL),
                                           max_tokens=VLLM_DEATH_TOKENS,
-                                          hold=lambda: _frozen(victim), hold_when="queued")
+                                          hold=_ServerFrozen(victim))
     print(f"\nSIGKILL: {timings}")
