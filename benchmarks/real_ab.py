@@ -125,15 +125,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--engine-slowdown", type=float, default=None,
                     help="serving term: how much slower the engines compute while serving "
                          "than the profile measured (same)")
-    ap.add_argument("--serving-probe", action=argparse.BooleanOptionalAction, default=None,
+    ap.add_argument("--serving-probe", action=argparse.BooleanOptionalAction, default=True,
                     help="before the cells, serve one probe cell and measure the serving terms "
-                         "from its turns (calibrate.ab_real.measure_serving; default on with "
-                         "llama.cpp, off with vLLM: it reads llama.cpp's per-request timings)")
+                         "from its turns (calibrate.ab_real.measure_serving: against llama.cpp's "
+                         "per-request timings, or vLLM's per-request time histograms on /metrics "
+                         "read before and after; default on)")
     args = ap.parse_args(argv)
     if args.kv_model is None and args.from_dir is None:  # --from: the stored run's engine
         args.kv_model = "paged" if args.engine == "vllm" else "slots"
-    if args.serving_probe is None:
-        args.serving_probe = args.engine != "vllm"
     if args.engine != "vllm" and args.kv_sessions not in (None, args.n_parallel):
         ap.error("--kv-sessions is for vLLM engines (llama.cpp keeps one session per slot)")
     if args.pool_sessions is not None and (

@@ -118,3 +118,12 @@ def test_pool_sessions_flag(argv: list[str], ok: bool) -> None:
     else:
         with pytest.raises(SystemExit):
             mod.parse_args(argv)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "llamacpp"])
+def test_serving_probe_is_on_by_default_on_both_engines(engine: str) -> None:
+    """vLLM's probe reads its /metrics histograms, llama.cpp's its replies' timings: both probe
+    unless told not to."""
+    mod = _load_benchmark()
+    assert mod.parse_args(["--engine", engine]).serving_probe is True
+    assert mod.parse_args(["--engine", engine, "--no-serving-probe"]).serving_probe is False

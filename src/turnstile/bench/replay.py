@@ -261,6 +261,8 @@ class Replayer:
         #: (session, turn index) -> the engine's own per-request timings, when it reports them
         #: (llama.cpp: ``prompt_n``, ``cache_n``, ``prompt_ms``, ``predicted_n``, ``predicted_ms``)
         self.engine_timings: dict[tuple[str, int], dict[str, Any]] = {}
+        #: (session, turn index) -> (prompt tokens, of them cached), from each reply's usage
+        self.turn_usage: dict[tuple[str, int], tuple[int, int]] = {}
 
     async def agent(self, wf: Workflow) -> None:
         await play_workflow(wf, lambda w: _ChatSession(self, w), self.clock, self.records)
@@ -320,9 +322,12 @@ class Replayer:
             rec.first_token_s = rec.finished_s
         rec.output_tokens = int(usage.get("completion_tokens", len(reply)))
         rec.state = TurnState.DONE
-        self.prompt_tokens += int(usage.get("prompt_tokens", 0))
+        prompt = int(usage.get("prompt_tokens", 0))
         details = usage.get("prompt_tokens_details") or {}
-        self.cached_tokens += int(details.get("cached_tokens") or 0)
+        cached = int(details.get("cached_tokens") or 0)
+        self.prompt_tokens += prompt
+        self.cached_tokens += cached
+        self.turn_usage[(session, rec.index)] = (prompt, cached)
         return True, "".join(reply), usage
 
     def _released(self, rec: TurnRecord, headers: Mapping[str, str]) -> None:

@@ -10,7 +10,9 @@
   is ``n_parallel`` and ``--max-model-len`` one session. Between cells the prefix cache is
   emptied (``POST /reset_prefix_cache``, a development endpoint the engines serve with
   ``VLLM_SERVER_DEV_MODE=1``); the counters are ``vllm:prefix_cache_queries_total`` (prompt
-  tokens looked up) and ``vllm:prefix_cache_hits_total`` (found).
+  tokens looked up) and ``vllm:prefix_cache_hits_total`` (found). vLLM reports no per-request
+  timings in its replies; its per-request time histograms on ``/metrics`` (``_sum``, ``_count``)
+  give the serving probe the engines' time per request (:func:`request_times_from_metrics`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from turnstile.calibrate.serving_probe import RequestTimes
 from turnstile.gateway.adapters import parse_prometheus
 from turnstile.transport.blocking import post_json
 
@@ -30,6 +33,7 @@ __all__ = [
     "counters_from_metrics",
     "engine_table",
     "gateway_kind",
+    "request_times_from_metrics",
     "start_servers",
     "vllm_blocks",
 ]
@@ -73,6 +77,32 @@ def counters_from_metrics(engine: str, text: str) -> dict[str, float]:
     queries = m.get("vllm:prefix_cache_queries_total", 0.0)
     hits = m.get("vllm:prefix_cache_hits_total", 0.0)
     return {"processed": queries - hits, "cached": hits}
+
+
+#: vLLM's per-request time histograms (vLLM 0.32, ``vllm/v1/metrics/loggers.py``): queued →
+#: scheduled, scheduled → first token, first → last token (engine-core timestamps), and the
+#: server front's arrival → last token processed
+VLLM_REQUEST_TIMES = {"queue_s": "vllm:request_queue_time_seconds",
+                      "prefill_s": "vllm:request_prefill_time_seconds",
+                      "decode_s": "vllm:request_decode_time_seconds",
+                      "e2e_s": "vllm:e2e_request_latency_seconds"}
+
+
+def request_times_from_metrics(engine: str, text: str) -> RequestTimes | None:
+    """One engine's per-request times, summed over the requests it finished so far, from its
+    ``/metrics`` (vLLM's histograms); None for llama.cpp, whose replies carry each request's
+    own timings instead."""
+    _check(engine)
+    if engine == "llamacpp":
+        return None
+    m = parse_prometheus(text)
+    missing = [n for n in VLLM_REQUEST_TIMES.values()
+               if n + "_count" not in m or n + "_sum" not in m]
+    if missing:
+        raise ValueError(f"the engine's /metrics has no {', '.join(missing)}")
+    # all four are observed in one place when a request finishes: one count
+    return RequestTimes(requests=m[VLLM_REQUEST_TIMES["e2e_s"] + "_count"],
+                        **{k: m[name + "_sum"] for k, name in VLLM_REQUEST_TIMES.items()})
 
 
 def vllm_blocks(kv_tokens: int, max_model_len: int, block: int = VLLM_CPU_BLOCK) -> int:

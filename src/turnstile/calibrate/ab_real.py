@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-import numpy as np
 
 from turnstile.bench.replay import (
     Replayer,
@@ -58,10 +57,16 @@ from turnstile.calibrate.ab import (
 from turnstile.calibrate.ab_engines import (
     counters_from_metrics,
     engine_table,
+    request_times_from_metrics,
     reset_kv,
     start_servers,
 )
 from turnstile.calibrate.profile import profile_engine, write_profile
+from turnstile.calibrate.serving_probe import (
+    RequestTimes,
+    serving_terms,
+    serving_terms_from_totals,
+)
 from turnstile.engines.llama_server import free_port, pin_engines
 from turnstile.gateway.process import GatewayProcess, config_toml
 from turnstile.sim.fitted_perf import FittedPerf
@@ -223,63 +228,34 @@ def turn_template_tokens(engine_url: str, chars: float, model: str = "tiny") -> 
     return max(0, grown - text_tokens - int(first["usage"]["completion_tokens"]))
 
 
-def serving_terms(replayer: Replayer, perf: FittedPerf, *, full_cached_frac: float = 0.25,
-                  full_min_tokens: int = 128) -> tuple[ServingTerms, dict[str, Any]]:
-    """The serving terms from a served cell's turns, as the engines report them (llama.cpp's
-    per-request ``timings``): ``turn_overhead_s`` is the mean, over turns, of the client's time
-    from release to reply minus the engine's ``prompt_ms + predicted_ms``; ``engine_slowdown``
-    the median, over full prefills (at least ``full_min_tokens`` computed, under
-    ``full_cached_frac`` of them cached) that no other full prefill on the same engine
-    overlapped (each placed back from its reply by the engine's ``predicted_ms`` and
-    ``prompt_ms``), of ``prompt_ms`` against the fitted model's time for that prompt alone (a
-    prefill batched with another's reports the whole step's time; with fewer than three
-    isolated ones, the lower quartile of all). Measured on a policy whose turns seldom wait for
-    a slot (cvar), so the first is not the engine queue the simulator models. Returns the terms
-    and what they came from."""
-    over: list[float] = []
-    full: list[tuple[str, float, float, float]] = []  # engine, start, end, real/model
-    for wf in replayer.records:
-        for t in wf.turns:
-            tm = replayer.engine_timings.get((wf.id, t.index))
-            if not tm or t.finished_s < 0 or t.released_s < 0:
-                continue
-            compute = (float(tm.get("prompt_ms", 0.0)) + float(tm.get("predicted_ms", 0.0))) / 1e3
-            over.append(t.finished_s - t.released_s - compute)
-            n, cached = int(tm.get("prompt_n", 0)), int(tm.get("cache_n", 0))
-            if n >= full_min_tokens and cached < full_cached_frac * (n + cached):
-                alone = perf.step_time(n, 0, 0, n * (n + 1) / 2)
-                if alone > 0:  # when it prefilled: back from the reply by the engine's times
-                    end = t.finished_s - float(tm.get("predicted_ms", 0.0)) / 1e3
-                    full.append((t.engine or "", end - float(tm["prompt_ms"]) / 1e3, end,
-                                 float(tm["prompt_ms"]) / 1e3 / alone))
-    if not over:
-        raise RuntimeError("the serving probe got no engine timings (not a llama.cpp engine?)")
-    isolated = [r for e, a, b, r in full
-                if not any(e2 == e and a2 < b and a < b2 and (a2, b2) != (a, b)
-                           for e2, a2, b2, _ in full)]
-    ratios = [r for *_, r in full]
-    if len(isolated) >= 3:
-        slowdown = float(np.median(isolated))
-    elif ratios:
-        slowdown = float(np.quantile(ratios, 0.25))
-    else:
-        slowdown = 1.0
-    terms = ServingTerms(turn_overhead_s=max(0.0, float(np.mean(over))),
-                         engine_slowdown=slowdown)
-    info = {"turns": len(over), "overhead_median_s": float(np.median(over)),
-            "full_prefills": len(full), "isolated_prefills": len(isolated),
-            "slowdown_quartiles": [float(q) for q in np.quantile(ratios, [0.25, 0.75])]
-            if ratios else None}
-    return terms, info
+def engine_request_times(urls: Sequence[str], engine: str) -> RequestTimes | None:
+    """The engines' per-request times from their ``/metrics``, summed over engines; None for
+    engines that report them per reply instead (llama.cpp)."""
+    total: RequestTimes | None = None
+    for u in urls:
+        text = http_get(u + "/metrics", timeout=30.0)
+        if text is None:
+            raise OSError(f"{u}/metrics did not answer")
+        got = request_times_from_metrics(engine, text.decode())
+        if got is None:
+            return None
+        total = got if total is None else total + got
+    return total
 
 
 def measure_serving(gateway: str, workflows: list[Workflow], run: AbRun, chars: float,
-                    perf: FittedPerf) -> tuple[ServingTerms, dict[str, Any]]:
+                    perf: FittedPerf, urls: Sequence[str] = ()
+                    ) -> tuple[ServingTerms, dict[str, Any]]:
     """Serve ``workflows`` through ``gateway`` (a probe cell, not reported) and measure the
-    serving terms from its turns (:func:`serving_terms`)."""
+    serving terms from its turns: against each reply's own engine timings
+    (:func:`~turnstile.calibrate.serving_probe.serving_terms`, llama.cpp), or, for engines
+    without them, against the engines' per-request time histograms read from ``urls`` before
+    and after the cell (:func:`~turnstile.calibrate.serving_probe.serving_terms_from_totals`,
+    vLLM)."""
     # not streamed: llama.cpp's timings come in the reply's body
     spec = _cell_spec(gateway, workflows, run, "serving-probe", run.probe_seed, chars,
                       stream=False)
+    before = engine_request_times(urls, run.engine) if urls else None
 
     async def play() -> Replayer:
         transport = target_transport(gateway, timeout_s=run.request_timeout_s)
@@ -290,7 +266,12 @@ def measure_serving(gateway: str, workflows: list[Workflow], run: AbRun, chars: 
         finally:
             await transport.aclose()
 
-    return serving_terms(asyncio.run(play()), perf)
+    rep = asyncio.run(play())
+    if before is None:
+        return serving_terms(rep, perf)
+    after = engine_request_times(urls, run.engine)
+    assert after is not None
+    return serving_terms_from_totals(rep, after - before, perf)
 
 
 def _cell_spec(gateway: str, workflows: list[Workflow], run: AbRun, label: str, seed: int,
@@ -435,17 +416,24 @@ def run_ab(
                 try:
                     return measure_serving(
                         gw.url, cell_workload(sessions, rates[top], run.probe_seed + i), run,
-                        chars, perf)
+                        chars, perf, urls)
                 finally:
                     gw.stop()
 
             serving, probe = best_of(probe_once, lambda got: got[0].engine_slowdown,
                                      run.max_engine_slowdown, run.measure_attempts,
                                      "serving probe's engine slowdown", log)
+            how = (f"{probe['isolated_prefills']} of {probe['full_prefills']} full prefills ran "
+                   "alone" if "isolated_prefills" in probe else
+                   f"{probe['engine_requests']} engine requests; client "
+                   f"{probe['client_mean_s']:.3f} s, engine queue+prefill+decode "
+                   f"{probe['engine_queue_mean_s'] + probe['engine_prefill_mean_s']:.3f}+"
+                   f"{probe['engine_decode_mean_s']:.3f} s, engine front "
+                   f"{probe['engine_front_mean_s']:.3f} s per turn; summed prefill "
+                   f"{probe['prefill_vs_alone'] or 0:.2f}x the model's alone, an upper bound")
             log(f"serving probe ({run.probe_policy}, load {top:g}, {probe['turns']} turns): "
                 f"{1e3 * serving.turn_overhead_s:.0f} ms per turn outside the engine, engines "
-                f"{serving.engine_slowdown:.2f}x the profile ({probe['isolated_prefills']} of "
-                f"{probe['full_prefills']} full prefills ran alone)")
+                f"{serving.engine_slowdown:.2f}x the profile ({how})")
         serving = serving or ServingTerms()
         groups = [(load, seed) for load in run.loads for seed in run.seeds]
         for group, (load, seed) in enumerate(groups):
