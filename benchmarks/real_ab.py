@@ -278,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"load {c['load']:g} seed {c['seed']} {c['policy']:>20}: P95 "
               f"{r['flow_p95_s']:.2f} s (sim {c['pred']['flow_p95_s']:.2f} s), hit "
               f"{100 * c['engine_hit_rate']:.0f}%, {c['wall_s']:.0f} s, load avg "
-              f"{c['loadavg'][0]:.1f}", flush=True)
+              f"{c['loadavg'][0]:.1f}"
+              + (f", {1e3 * c['engine_outside_s']:.0f} ms per turn outside the engines"
+                 if c.get("engine_outside_s") is not None else ""), flush=True)
 
     with tempfile.TemporaryDirectory(prefix="turnstile-ab-") as work:
         doc = run_ab(run, sessions, Path(work), on_cell=on_cell)

@@ -156,3 +156,14 @@ def test_measure_serving_reads_the_engines_metrics_around_the_probe_cell(
     assert info["engine_requests"] == 8  # the cell's, not the engines' lifetime's
     assert terms.turn_overhead_s == pytest.approx(1.5 - 1.0)
     assert info["engine_front_mean_s"] == pytest.approx(0.1)
+
+
+def test_every_vllm_cell_reports_its_own_time_outside_the_engine() -> None:
+    """A cell's turn time (the replay's e2e less the gateway's hold) beyond the engines' mean
+    queue + prefill + decode per request; none where the engines gave no histograms."""
+    metrics = {"e2e_s": {"mean": 2.5}, "hold_s": {"mean": 0.5}}
+    cell = ab_real.Cell({"metrics": metrics}, 10.0, 100.0, 50.0, [0.0, 0.0],
+                        RequestTimes(4, 1.0, 1.0, 2.0, 5.0))
+    assert cell.outside_engine_s == pytest.approx(2.5 - 0.5 - 1.0)
+    assert ab_real.Cell({"metrics": metrics}, 10.0, 100.0, 50.0, [0.0, 0.0]).outside_engine_s \
+        is None

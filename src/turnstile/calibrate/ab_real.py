@@ -304,10 +304,24 @@ class Cell:
     processed: float
     cached: float
     loadavg: list[float]
+    #: the engines' per-request times over the cell, where they report them only on /metrics
+    #: (vLLM; :func:`engine_request_times`)
+    request_times: RequestTimes | None = None
 
     @property
     def hit_rate(self) -> float:
         return self.cached / max(self.processed + self.cached, 1.0)
+
+    @property
+    def outside_engine_s(self) -> float | None:
+        """Mean time per turn outside the engines' queue, prefill and decode: the client's
+        release → reply (the replay's turn time less the gateway's hold) minus the engines'
+        mean per request; what the serving probe measures, here for this cell (vLLM only)."""
+        rt, m = self.request_times, self.real["metrics"]
+        e2e, hold = (m.get("e2e_s") or {}).get("mean"), (m.get("hold_s") or {}).get("mean")
+        if rt is None or rt.requests < 1 or e2e is None:
+            return None
+        return float(e2e - (hold or 0.0) - rt.engine_s / rt.requests)
 
 
 def measure_cell(start: Callable[[], Any], urls: Sequence[str], workflows: list[Workflow],
@@ -315,6 +329,7 @@ def measure_cell(start: Callable[[], Any], urls: Sequence[str], workflows: list[
     """Start a front (``start()``: an object with ``url`` and ``stop()``), replay ``workflows``
     through it, stop it; the engines' counters and the host's load are read before and after."""
     before = engine_counters(urls, run.engine)
+    times_before = engine_request_times(urls, run.engine)
     load_before = os.getloadavg()[0]
     front = start()
     try:
@@ -324,9 +339,12 @@ def measure_cell(start: Callable[[], Any], urls: Sequence[str], workflows: list[
     finally:
         front.stop()
     after = engine_counters(urls, run.engine)
+    times_after = engine_request_times(urls, run.engine)
+    times = (times_after - times_before
+             if times_after is not None and times_before is not None else None)
     return Cell(real, wall, after["processed"] - before["processed"],
                 after["cached"] - before["cached"],
-                [round(load_before, 2), round(os.getloadavg()[0], 2)])
+                [round(load_before, 2), round(os.getloadavg()[0], 2)], times)
 
 
 T = TypeVar("T")
@@ -454,6 +472,9 @@ def run_ab(
                     "wall_s": round(c.wall_s, 2),
                     "loadavg": c.loadavg,
                 }
+                if c.request_times is not None:  # vLLM: the cell's own serving overhead
+                    cell["request_times"] = asdict(c.request_times)
+                    cell["engine_outside_s"] = c.outside_engine_s
                 # the prefix hit rate reported is the engines' own counter
                 cell["real"]["prefix_hit_rate"] = cell["engine_hit_rate"]
                 cells.append(cell)
