@@ -5,6 +5,7 @@ written in vLLM 0.32's format (its names, labels, buckets and ``_created`` sampl
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +21,8 @@ from turnstile.core.state import TurnRecord, WorkflowRecord
 from turnstile.sim.fitted_perf import FittedPerf
 from turnstile.workload.model import Turn
 
+#: a real engine's /metrics, trimmed to the histograms read and two counters
+RECORDED = Path(__file__).parents[1] / "fixtures" / "vllm" / "metrics_0.32.txt"
 LABELS = 'engine="0",model_name="tiny"'
 BUCKETS = (0.3, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -52,6 +55,15 @@ def vllm_metrics(requests: list[tuple[float, float, float, float]]) -> str:
     for key, values in (("e2e_s", e2e), ("queue_s", q), ("prefill_s", p), ("decode_s", d)):
         text += histogram(VLLM_REQUEST_TIMES[key], values)
     return text
+
+
+def test_recorded_vllm_metrics_give_request_times_that_add_up() -> None:
+    """vLLM 0.32's own text (three requests): the names exist, one count, and the engine core's
+    queue + prefill + decode fit inside the server front's end-to-end time."""
+    got = request_times_from_metrics("vllm", RECORDED.read_text())
+    assert got is not None and got.requests == 3
+    assert 0 < got.engine_s <= got.e2e_s
+    assert min(got.queue_s, got.prefill_s, got.decode_s) >= 0
 
 
 def test_vllm_request_times_are_the_histograms_sums_and_one_count() -> None:
