@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from turnstile.calibrate import ab_real
+from turnstile.calibrate import ab_engines, ab_real, serving_probe
 from turnstile.calibrate.ab_engines import VLLM_REQUEST_TIMES, request_times_from_metrics
 from turnstile.calibrate.serving_probe import (
     RequestTimes,
@@ -145,16 +145,22 @@ def test_measure_serving_reads_the_engines_metrics_around_the_probe_cell(
     phase = {"now": "before"}
     gets: list[str] = []
 
+    gateway = ("# TYPE turnstile_gateway_turn_seconds histogram\n"
+               "turnstile_gateway_turn_seconds_count 8.0\nturnstile_gateway_turn_seconds_sum 12.0\n"
+               "# TYPE turnstile_gateway_hold_seconds histogram\n"
+               "turnstile_gateway_hold_seconds_count 8.0\nturnstile_gateway_hold_seconds_sum 2.0\n")
+
     def fake_get(url: str, timeout: float = 0.0) -> bytes:
         gets.append(url)
-        return pages[phase["now"]].encode()
+        return (gateway if url.startswith("http://gw") else pages[phase["now"]]).encode()
 
     cell = _cell([(0.0, 1.5, 50, 0)] * 8)
 
     async def fake_agent(self: object, wf: object) -> None:
         phase["now"] = "after"
 
-    monkeypatch.setattr(ab_real, "http_get", fake_get)
+    monkeypatch.setattr(ab_engines, "http_get", fake_get)
+    monkeypatch.setattr(serving_probe, "http_get", fake_get)
     monkeypatch.setattr(ab_real, "Replayer", lambda *a: SimpleNamespace(
         agent=lambda wf: fake_agent(None, wf), records=cell.records, engine_timings={},
         turn_usage=cell.turn_usage))
@@ -164,18 +170,32 @@ def test_measure_serving_reads_the_engines_metrics_around_the_probe_cell(
     terms, info = ab_real.measure_serving("http://gw", wfs, run, 3.5,  # type: ignore[arg-type]
                                           FittedPerf(0.0, 1e-4, engine="test"),
                                           ["http://e0", "http://e1"])
-    assert gets == ["http://e0/metrics", "http://e1/metrics"] * 2
+    assert gets == ["http://e0/metrics", "http://e1/metrics"] * 2 + ["http://gw/metrics"]
     assert info["engine_requests"] == 8  # the cell's, not the engines' lifetime's
     assert terms.turn_overhead_s == pytest.approx(1.5 - 1.0)
     assert info["engine_front_mean_s"] == pytest.approx(0.1)
+    # the gateway saw each turn running 1.25 s (turn 1.5 less hold 0.25 on average): 0.25 s
+    # beyond the engines' 1.0, and 0.25 s of the client's 1.5 outside its window
+    assert info["gateway_running_outside_engine_s"] == pytest.approx(0.25)
+    assert info["outside_gateway_mean_s"] == pytest.approx(0.25)
+    assert "engine front 0.100 s" in serving_probe.describe_probe(info)
 
 
-def test_every_vllm_cell_reports_its_own_time_outside_the_engine() -> None:
-    """A cell's turn time (the replay's e2e less the gateway's hold) beyond the engines' mean
-    queue + prefill + decode per request; none where the engines gave no histograms."""
-    metrics = {"e2e_s": {"mean": 2.5}, "hold_s": {"mean": 0.5}}
-    cell = ab_real.Cell({"metrics": metrics}, 10.0, 100.0, 50.0, [0.0, 0.0],
-                        RequestTimes(4, 1.0, 1.0, 2.0, 5.0))
-    assert cell.outside_engine_s == pytest.approx(2.5 - 0.5 - 1.0)
-    assert ab_real.Cell({"metrics": metrics}, 10.0, 100.0, 50.0, [0.0, 0.0]).outside_engine_s \
-        is None
+def test_slowdown_is_where_the_simulated_cells_line_meets_the_engines_time() -> None:
+    """Engines 1.3x the profile; the simulated cell's engine time grows with the slowdown but
+    jitters (events reorder): the line through the grid finds the measured time's slowdown."""
+    jitter = iter([0.01, -0.01, 0.012, -0.008, 0.0, 0.005])
+
+    def simulate(s: float) -> float:
+        return 0.1 + 0.4 * s + next(jitter)
+
+    slowdown, tried = serving_probe.slowdown_by_simulation(0.1 + 0.4 * 1.3, simulate)
+    assert slowdown == pytest.approx(1.3, abs=0.05)
+    assert [g for g, _ in tried] == [1.0, 1.1, 1.2, 1.3, 1.4, 1.5]
+    # faster than the profile: below 1, within the bounds
+    assert serving_probe.slowdown_by_simulation(0.3, lambda s: 0.4 * s)[0] == pytest.approx(0.75)
+    assert serving_probe.slowdown_by_simulation(9.0, lambda s: 0.4 * s)[0] == 3.0
+    with pytest.raises(ValueError):
+        serving_probe.slowdown_by_simulation(0.0, simulate)
+    with pytest.raises(RuntimeError, match="does not grow"):
+        serving_probe.slowdown_by_simulation(0.5, lambda s: 0.4)

@@ -25,12 +25,14 @@ from typing import Any
 
 from turnstile.calibrate.serving_probe import RequestTimes
 from turnstile.gateway.adapters import parse_prometheus
+from turnstile.transport.blocking import get as http_get
 from turnstile.transport.blocking import post_json
 
 __all__ = [
     "ENGINES",
     "VLLM_CPU_BLOCK",
     "counters_from_metrics",
+    "engine_request_times",
     "engine_table",
     "gateway_kind",
     "request_times_from_metrics",
@@ -103,6 +105,21 @@ def request_times_from_metrics(engine: str, text: str) -> RequestTimes | None:
     # all four are observed in one place when a request finishes: one count
     return RequestTimes(requests=m[VLLM_REQUEST_TIMES["e2e_s"] + "_count"],
                         **{k: m[name + "_sum"] for k, name in VLLM_REQUEST_TIMES.items()})
+
+
+def engine_request_times(urls: Sequence[str], engine: str) -> RequestTimes | None:
+    """The engines' per-request times from their ``/metrics``, summed over engines; None for
+    engines that report them per reply instead (llama.cpp)."""
+    total: RequestTimes | None = None
+    for u in urls:
+        text = http_get(u + "/metrics", timeout=30.0)
+        if text is None:
+            raise OSError(f"{u}/metrics did not answer")
+        got = request_times_from_metrics(engine, text.decode())
+        if got is None:
+            return None
+        total = got if total is None else total + got
+    return total
 
 
 def vllm_blocks(kv_tokens: int, max_model_len: int, block: int = VLLM_CPU_BLOCK) -> int:

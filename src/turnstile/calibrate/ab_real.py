@@ -56,16 +56,20 @@ from turnstile.calibrate.ab import (
 )
 from turnstile.calibrate.ab_engines import (
     counters_from_metrics,
+    engine_request_times,
     engine_table,
-    request_times_from_metrics,
     reset_kv,
     start_servers,
 )
 from turnstile.calibrate.profile import profile_engine, write_profile
 from turnstile.calibrate.serving_probe import (
     RequestTimes,
+    describe_probe,
+    engine_time_per_turn,
+    gateway_running_s,
     serving_terms,
     serving_terms_from_totals,
+    slowdown_by_simulation,
 )
 from turnstile.engines.llama_server import free_port, pin_engines
 from turnstile.gateway.process import GatewayProcess, config_toml
@@ -228,21 +232,6 @@ def turn_template_tokens(engine_url: str, chars: float, model: str = "tiny") -> 
     return max(0, grown - text_tokens - int(first["usage"]["completion_tokens"]))
 
 
-def engine_request_times(urls: Sequence[str], engine: str) -> RequestTimes | None:
-    """The engines' per-request times from their ``/metrics``, summed over engines; None for
-    engines that report them per reply instead (llama.cpp)."""
-    total: RequestTimes | None = None
-    for u in urls:
-        text = http_get(u + "/metrics", timeout=30.0)
-        if text is None:
-            raise OSError(f"{u}/metrics did not answer")
-        got = request_times_from_metrics(engine, text.decode())
-        if got is None:
-            return None
-        total = got if total is None else total + got
-    return total
-
-
 def measure_serving(gateway: str, workflows: list[Workflow], run: AbRun, chars: float,
                     perf: FittedPerf, urls: Sequence[str] = ()
                     ) -> tuple[ServingTerms, dict[str, Any]]:
@@ -271,7 +260,8 @@ def measure_serving(gateway: str, workflows: list[Workflow], run: AbRun, chars: 
         return serving_terms(rep, perf)
     after = engine_request_times(urls, run.engine)
     assert after is not None
-    return serving_terms_from_totals(rep, after - before, perf)
+    return serving_terms_from_totals(rep, after - before, perf,
+                                     gateway_running_s=gateway_running_s(gateway))
 
 
 def _cell_spec(gateway: str, workflows: list[Workflow], run: AbRun, label: str, seed: int,
@@ -430,28 +420,32 @@ def run_ab(
             top = max(run.loads)
 
             def probe_once(i: int) -> tuple[ServingTerms, dict[str, Any]]:
+                wfs = cell_workload(sessions, rates[top], run.probe_seed + i)
                 gw = _fresh_gateway(run.probe_policy, urls, eng, run, tmp)
                 try:
-                    return measure_serving(
-                        gw.url, cell_workload(sessions, rates[top], run.probe_seed + i), run,
-                        chars, perf, urls)
+                    terms, info = measure_serving(gw.url, wfs, run, chars, perf, urls)
                 finally:
                     gw.stop()
+                if "engine_requests" not in info:  # per-request timings: slowdown measured
+                    return terms, info
+
+                def simulate(slowdown: float) -> float:
+                    got = predict(wfs, [run.probe_policy], eng, perf, run.session_idle_s,
+                                  replace(terms, engine_slowdown=slowdown))
+                    return engine_time_per_turn(got[run.probe_policy])
+
+                real = (info["engine_queue_mean_s"] + info["engine_prefill_mean_s"]
+                        + info["engine_decode_mean_s"])
+                slowdown, tried = slowdown_by_simulation(real, simulate)
+                info["slowdown_by_simulation"] = [[round(a, 4), round(b, 4)] for a, b in tried]
+                return replace(terms, engine_slowdown=slowdown), info
 
             serving, probe = best_of(probe_once, lambda got: got[0].engine_slowdown,
                                      run.max_engine_slowdown, run.measure_attempts,
                                      "serving probe's engine slowdown", log)
-            how = (f"{probe['isolated_prefills']} of {probe['full_prefills']} full prefills ran "
-                   "alone" if "isolated_prefills" in probe else
-                   f"{probe['engine_requests']} engine requests; client "
-                   f"{probe['client_mean_s']:.3f} s, engine queue+prefill+decode "
-                   f"{probe['engine_queue_mean_s'] + probe['engine_prefill_mean_s']:.3f}+"
-                   f"{probe['engine_decode_mean_s']:.3f} s, engine front "
-                   f"{probe['engine_front_mean_s']:.3f} s per turn; summed prefill "
-                   f"{probe['prefill_vs_alone'] or 0:.2f}x the model's alone, an upper bound")
             log(f"serving probe ({run.probe_policy}, load {top:g}, {probe['turns']} turns): "
                 f"{1e3 * serving.turn_overhead_s:.0f} ms per turn outside the engine, engines "
-                f"{serving.engine_slowdown:.2f}x the profile ({how})")
+                f"{serving.engine_slowdown:.2f}x the profile ({describe_probe(probe)})")
         serving = serving or ServingTerms()
         groups = [(load, seed) for load in run.loads for seed in run.seeds]
         for group, (load, seed) in enumerate(groups):

@@ -19,7 +19,7 @@ front, chat template, the hand-over between the server's front and its compute) 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
@@ -27,9 +27,13 @@ import numpy as np
 
 from turnstile.calibrate.ab import ServingTerms
 from turnstile.core.state import WorkflowRecord
+from turnstile.gateway.adapters import parse_prometheus
 from turnstile.sim.perf import PerfModel
+from turnstile.transport.blocking import get as http_get
 
-__all__ = ["RequestTimes", "ServedCell", "serving_terms", "serving_terms_from_totals"]
+__all__ = ["RequestTimes", "ServedCell", "describe_probe", "engine_time_per_turn",
+           "gateway_running_s", "serving_terms",
+           "serving_terms_from_totals", "slowdown_by_simulation"]
 
 
 class ServedCell(Protocol):
@@ -139,7 +143,8 @@ def prefill_alone_s(perf: PerfModel, usage: Sequence[tuple[int, int]]) -> float:
     return total
 
 
-def serving_terms_from_totals(cell: ServedCell, times: RequestTimes, perf: PerfModel,
+def serving_terms_from_totals(cell: ServedCell, times: RequestTimes, perf: PerfModel, *,
+                              gateway_running_s: float | None = None,
                               ) -> tuple[ServingTerms, dict[str, Any]]:
     """The serving terms from a served cell's turns and the engines' per-request times summed
     over the same cell (``times``: the engines' histograms after the cell minus before, all
@@ -150,9 +155,13 @@ def serving_terms_from_totals(cell: ServedCell, times: RequestTimes, perf: PerfM
     prefill time of a request is the whole of the steps it was scheduled in, which also carry
     the other running sequences' decodes and prefills, so the summed prefill seconds against
     the fitted model's time for the same prompts computed alone (``prefill_vs_alone`` in the
-    returned info) is an *upper bound* on the slowdown, reported, not used. Returns the terms
-    and what they came from: the client's and the engines' means, and the engine front's own
-    share (``e2e`` minus queue + prefill + decode), which is part of the overhead."""
+    returned info) is an *upper bound* on the slowdown, reported, not used
+    (:func:`slowdown_by_simulation` measures it against the simulated cell instead). Returns
+    the terms and what they came from: the client's and the engines' means, and the engine
+    front's own share (``e2e`` minus queue + prefill + decode), which is part of the overhead.
+    ``gateway_running_s``: the gateway's own mean time per turn from release to finish; given,
+    the overhead is split into what the gateway sees as the turn running (beyond the engine's
+    time) and what lies outside its window (client, hops to and from it)."""
     turns = _client_turns(cell)
     if not turns:
         raise RuntimeError("the serving probe got no answered turns")
@@ -183,5 +192,65 @@ def serving_terms_from_totals(cell: ServedCell, times: RequestTimes, perf: PerfM
                              if alone > 0 and len(usage) == len(turns) else None),
         "usage_turns": len(usage),
     }
+    if gateway_running_s is not None:
+        info["gateway_running_mean_s"] = gateway_running_s
+        info["gateway_running_outside_engine_s"] = gateway_running_s - engine_mean
+        info["outside_gateway_mean_s"] = client_mean - gateway_running_s
     return terms, info
 
+
+def engine_time_per_turn(metrics: Mapping[str, Any]) -> float:
+    """A simulated cell's mean time per turn from release to finish (``e2e`` less ``hold``):
+    the engine's queue, prefill and decode, the simulator having nothing else inside a turn."""
+    return float(metrics["e2e_s"]["mean"] - ((metrics.get("hold_s") or {}).get("mean") or 0.0))
+
+
+def slowdown_by_simulation(real_engine_s: float, simulate: Callable[[float], float], *,
+                           grid: Sequence[float] = (1.0, 1.1, 1.2, 1.3, 1.4, 1.5),
+                           bounds: tuple[float, float] = (0.5, 3.0),
+                           ) -> tuple[float, list[tuple[float, float]]]:
+    """``engine_slowdown`` as the engines' measured mean time per request in queue, prefill
+    and decode (``real_engine_s``) against the simulator's for the same cell
+    (``simulate(slowdown)``): both include batching with the other sequences and the engine
+    queue, so the comparison is like for like where the step-time model alone is not. The
+    simulated time is not smooth in the slowdown (a cell's events reorder), so it is simulated
+    at every slowdown of ``grid``, a line fitted, and the slowdown where the line meets the
+    measured time returned (within ``bounds``), with every (slowdown, simulated seconds)."""
+    if real_engine_s <= 0:
+        raise ValueError("real_engine_s must be > 0")
+    tried = [(float(g), simulate(float(g))) for g in grid]
+    slope, icpt = np.polyfit([g for g, _ in tried], [t for _, t in tried], 1)
+    if slope <= 1e-9:  # flat (or falling): no slowdown to read off it
+        raise RuntimeError(f"the simulated engine time does not grow with the slowdown: {tried}")
+    return float(min(max((real_engine_s - icpt) / slope, bounds[0]), bounds[1])), tried
+
+
+def gateway_running_s(gateway: str) -> float | None:
+    """The gateway's mean time per turn from release to finish (its ``turn`` less its ``hold``
+    histogram), over the turns it has served; None where its ``/metrics`` does not say."""
+    text = http_get(gateway + "/metrics", timeout=30.0)
+    m = parse_prometheus(text.decode()) if text is not None else {}
+    n = m.get("turnstile_gateway_turn_seconds_count")
+    if not n or "turnstile_gateway_hold_seconds_sum" not in m:
+        return None
+    return (m["turnstile_gateway_turn_seconds_sum"] - m["turnstile_gateway_hold_seconds_sum"]) / n
+
+
+def describe_probe(info: Mapping[str, Any]) -> str:
+    """One line of what the serving probe measured its terms from (the run's log)."""
+    if "isolated_prefills" in info:
+        return f"{info['isolated_prefills']} of {info['full_prefills']} full prefills ran alone"
+    q, p, d = (info[f"engine_{k}_mean_s"] for k in ("queue", "prefill", "decode"))
+    line = (f"{info['engine_requests']} engine requests; per turn: client "
+            f"{info['client_mean_s']:.3f} s, "
+            f"engine queue {q:.3f} + prefill {p:.3f} + decode {d:.3f} s, engine front "
+            f"{info['engine_front_mean_s']:.3f} s")
+    if info.get("gateway_running_outside_engine_s") is not None:
+        line += (f", the gateway's running time beyond the engines' "
+                 f"{info['gateway_running_outside_engine_s']:.3f} s")
+    if info.get("slowdown_by_simulation"):
+        line += f"; (slowdown, simulated engine s) tried {info['slowdown_by_simulation']}"
+    if info.get("prefill_vs_alone"):
+        line += (f"; summed prefill {info['prefill_vs_alone']:.2f}x the model's alone (an upper "
+                 "bound)")
+    return line
