@@ -82,7 +82,7 @@ class AbEngines:
     slot_tokens: int | None = None
     #: prompt tokens a turn after the first adds beyond its text and the previous reply (the
     #: chat template around both messages), as measured on the engine
-    #: (:func:`turnstile.calibrate.ab_real.turn_template_tokens`)
+    #: (:func:`turnstile.calibrate.ab_engines.turn_template_tokens`)
     turn_template_tokens: int = CHAT_TOKENS_PER_MESSAGE
     #: the paged engines' KV block, their prefix cache's granularity (vLLM on a CPU: 128)
     block_size: int = 16

@@ -17,12 +17,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
+import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
+
+from turnstile.bench.replay import calibrate, synth_text, target_transport
 from turnstile.calibrate.serving_probe import RequestTimes
 from turnstile.gateway.adapters import parse_prometheus
 from turnstile.transport.blocking import get as http_get
@@ -31,12 +36,14 @@ from turnstile.transport.blocking import post_json
 __all__ = [
     "ENGINES",
     "VLLM_CPU_BLOCK",
+    "chars_per_token",
     "counters_from_metrics",
     "engine_request_times",
     "engine_table",
     "gateway_kind",
     "request_times_from_metrics",
     "start_servers",
+    "turn_template_tokens",
     "vllm_blocks",
 ]
 
@@ -169,3 +176,49 @@ def start_servers(engine: str, tmp: Path, *, count: int, hidden: int, layers: in
                               log_path=tmp / f"vllm{i}.log", cpus=str(cpus[i % len(cpus)]),
                               extra_args=["--num-gpu-blocks-override", str(blocks)])
             for i in range(count)]
+
+
+def chars_per_token(engine_url: str, model: str = "tiny") -> float:
+    """The engines' tokenizer's characters per token, measured on one engine directly, so that
+    the replay through the gateway sends only the sessions (no calibration session that the
+    policies would route and retain KV for)."""
+
+    async def measure() -> float:
+        transport = target_transport(engine_url, timeout_s=30.0)
+        try:
+            return await calibrate(transport, model)
+        finally:
+            await transport.aclose()
+
+    return asyncio.run(measure())
+
+
+def turn_template_tokens(engine_url: str, chars: float, model: str = "tiny") -> int:
+    """Prompt tokens a later turn adds beyond its new text and the previous reply (the chat
+    template around the two messages), measured on one engine with a two-turn conversation
+    (the engine's ``/tokenize`` counts the text alone)."""
+    rng = random.Random(0)
+    with httpx.Client(base_url=engine_url, timeout=60.0) as client:
+        def chat(messages: list[dict[str, str]]) -> dict[str, Any]:
+            r = client.post("/v1/chat/completions",
+                            json={"model": model, "messages": messages, "max_tokens": 8})
+            r.raise_for_status()
+            return dict(r.json())
+
+        def tokens(text: str) -> int:
+            r = client.post("/tokenize", json={"content": text})  # llama.cpp
+            if r.status_code >= 400:  # vLLM
+                r = client.post("/tokenize", json={"model": model, "prompt": text,
+                                                   "add_special_tokens": False})
+            r.raise_for_status()
+            return len(r.json()["tokens"])
+
+        messages = [{"role": "user", "content": "session probe\n" + synth_text(60, chars, rng)}]
+        first = chat(messages)
+        text = synth_text(20, chars, rng)
+        messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": text}]
+        second = chat(messages)
+        text_tokens = tokens(text)
+    grown = second["usage"]["prompt_tokens"] - first["usage"]["prompt_tokens"]
+    return max(0, grown - text_tokens - int(first["usage"]["completion_tokens"]))

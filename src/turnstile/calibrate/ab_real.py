@@ -25,7 +25,6 @@ import asyncio
 import json
 import math
 import os
-import random
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -33,14 +32,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
-
 from turnstile.bench.replay import (
     Replayer,
     ReplaySpec,
-    calibrate,
     run_replay,
-    synth_text,
     target_transport,
 )
 from turnstile.calibrate.ab import (
@@ -55,11 +50,13 @@ from turnstile.calibrate.ab import (
     with_profile_slots,
 )
 from turnstile.calibrate.ab_engines import (
+    chars_per_token,
     counters_from_metrics,
     engine_request_times,
     engine_table,
     reset_kv,
     start_servers,
+    turn_template_tokens,
 )
 from turnstile.calibrate.profile import profile_engine, write_profile
 from turnstile.calibrate.serving_probe import (
@@ -184,52 +181,6 @@ def _fresh_gateway(policy: str, urls: Sequence[str], engines: AbEngines, run: Ab
                                 session_idle_s=run.session_idle_s, params=run.policy_params,
                                 engine=run.engine))
     return GatewayProcess(cfg, port=port, log=work / "gateway.log").start(timeout_s=60)
-
-
-def chars_per_token(engine_url: str, model: str = "tiny") -> float:
-    """The engines' tokenizer's characters per token, measured on one engine directly, so that
-    the replay through the gateway sends only the sessions (no calibration session that the
-    policies would route and retain KV for)."""
-
-    async def measure() -> float:
-        transport = target_transport(engine_url, timeout_s=30.0)
-        try:
-            return await calibrate(transport, model)
-        finally:
-            await transport.aclose()
-
-    return asyncio.run(measure())
-
-
-def turn_template_tokens(engine_url: str, chars: float, model: str = "tiny") -> int:
-    """Prompt tokens a later turn adds beyond its new text and the previous reply (the chat
-    template around the two messages), measured on one engine with a two-turn conversation
-    (the engine's ``/tokenize`` counts the text alone)."""
-    rng = random.Random(0)
-    with httpx.Client(base_url=engine_url, timeout=60.0) as client:
-        def chat(messages: list[dict[str, str]]) -> dict[str, Any]:
-            r = client.post("/v1/chat/completions",
-                            json={"model": model, "messages": messages, "max_tokens": 8})
-            r.raise_for_status()
-            return dict(r.json())
-
-        def tokens(text: str) -> int:
-            r = client.post("/tokenize", json={"content": text})  # llama.cpp
-            if r.status_code >= 400:  # vLLM
-                r = client.post("/tokenize", json={"model": model, "prompt": text,
-                                                   "add_special_tokens": False})
-            r.raise_for_status()
-            return len(r.json()["tokens"])
-
-        messages = [{"role": "user", "content": "session probe\n" + synth_text(60, chars, rng)}]
-        first = chat(messages)
-        text = synth_text(20, chars, rng)
-        messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-                     {"role": "user", "content": text}]
-        second = chat(messages)
-        text_tokens = tokens(text)
-    grown = second["usage"]["prompt_tokens"] - first["usage"]["prompt_tokens"]
-    return max(0, grown - text_tokens - int(first["usage"]["completion_tokens"]))
 
 
 def measure_serving(gateway: str, workflows: list[Workflow], run: AbRun, chars: float,
