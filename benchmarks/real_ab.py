@@ -130,6 +130,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "from its turns (calibrate.ab_real.measure_serving: against llama.cpp's "
                          "per-request timings, or vLLM's per-request time histograms on /metrics "
                          "read before and after; default on)")
+    ap.add_argument("--probe-each-policy", action="store_true",
+                    help="serving-probe every policy, not only cvar, and predict each with its "
+                         "own terms (a turn's time outside the engines depends on how many "
+                         "requests a policy sends at once)")
     args = ap.parse_args(argv)
     if args.kv_model is None and args.from_dir is None:  # --from: the stored run's engine
         args.kv_model = "paged" if args.engine == "vllm" else "slots"
@@ -164,12 +168,24 @@ def _serving(args: argparse.Namespace, stored: dict | None = None) -> ServingTer
 
 
 def _serving_note(serving: dict | None, source: str | None = None) -> str:
+    by_policy = (serving or {}).get("by_policy")
+    if by_policy:
+        return ", serving terms measured by the serving probe, per policy: " + "; ".join(
+            f"{p} {1e3 * t['turn_overhead_s']:.0f} ms per turn outside the engine, engines "
+            f"{t['engine_slowdown']:.2f}x" for p, t in by_policy.items())
     t = ServingTerms(**serving) if serving else ServingTerms()
     if t == ServingTerms():
         return ""
     how = {"probe": "measured by the serving probe", "flags": "given"}.get(source or "", "")
     return (f", serving terms{' ' + how if how else ''}: {1e3 * t.turn_overhead_s:.0f} ms per "
             f"turn outside the engine, engines {t.engine_slowdown:.2f}x the profile's step times")
+
+
+def _with_by_policy(setup: dict) -> dict | None:
+    """The run's serving terms, with each policy's own where the probe measured them."""
+    if "serving_by_policy" in setup:
+        return {"by_policy": setup["serving_by_policy"]}
+    return setup.get("serving")
 
 
 def _write(doc: dict, out: Path, title: str) -> None:
@@ -184,7 +200,7 @@ def _write(doc: dict, out: Path, title: str) -> None:
     note = (f"\nHost load average (1 min) during the cells: {min(loads):.1f}–{max(loads):.1f} "
             f"on {doc['setup']['cpus']} CPUs; wall time {doc['setup']['wall_s']:.0f} s; "
             f"predictions: {doc['setup'].get('kv_model', 'paged')} KV model"
-            f"{_serving_note(doc['setup'].get('serving'), doc['setup'].get('serving_source'))}"
+            f"{_serving_note(_with_by_policy(doc['setup']), doc['setup'].get('serving_source'))}"
             ".\n")
     (out / "real_ab.md").write_text(table + note + "\n```json\n"
                                     + json.dumps(goals, indent=1) + "\n```\n")
@@ -211,10 +227,16 @@ def repredict_main(args: argparse.Namespace) -> int:
     rates = {float(k): v for k, v in doc["rates"].items()}
     t0 = time.time()
     serving = _serving(args, setup.get("serving") or {}) or ServingTerms()
+    by_policy = setup.get("serving_by_policy")
+    flags = args.turn_overhead_s is not None or args.engine_slowdown is not None
+    pred_serving = ({p: ServingTerms(**t) for p, t in by_policy.items()}
+                    if by_policy and not flags else serving)  # flags: one set for all
     doc["cells"] = repredict(doc["cells"], sessions, rates, engines, perf,
-                             run.get("session_idle_s"), serving)
+                             run.get("session_idle_s"), pred_serving)
     setup["kv_model"] = args.kv_model
     setup["serving"] = asdict(serving)
+    if flags:
+        setup.pop("serving_by_policy", None)
     if args.turn_overhead_s is not None or args.engine_slowdown is not None:
         setup["serving_source"] = "flags"
     setup["repredicted"] = {"from": str(src), "wall_s": round(time.time() - t0, 1),
@@ -265,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                 pool_kv_tokens=slot_kv_tokens(sessions, args.pool_sessions)
                 if args.pool_sessions else None,
                 serving=_serving(args), serving_probe=args.serving_probe,
+                probe_each_policy=args.probe_each_policy,
                 # longer than any tool call: the gateway must not close a session mid-task
                 session_idle_s=args.max_tool_s + 0.3)
     out: Path = args.out
@@ -292,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         "pool_sessions": args.pool_sessions or args.kv_sessions or args.n_parallel,
         "seed": args.seed, "kv_model": args.kv_model, "engine": args.engine,
         "serving": doc["serving"],
+        **({"serving_by_policy": doc["serving_by_policy"]} if "serving_by_policy" in doc else {}),
         "serving_source": "flags" if run.serving is not None
         else "probe" if doc.get("serving_probe") else "none",
         "scale": vars(scale) if hasattr(scale, "__dict__") else str(scale),

@@ -116,6 +116,23 @@ def test_serving_terms_lengthen_pauses_slow_the_engine_and_add_the_last_round_tr
     assert only_last["flow_p95_s"] == pytest.approx(base["flow_p95_s"] + 0.5)
 
 
+def test_each_policy_can_be_predicted_with_its_own_serving_terms() -> None:
+    """A mapping of terms by policy: each policy (and its rerun) as if predicted alone with its
+    own; a policy the mapping lacks with none."""
+    sessions = build_sessions([], 0, 6, SCALE, seed=2)
+    wfs = cell_workload(sessions, 0.5, 0)
+    slow, fast = ServingTerms(turn_overhead_s=0.2), ServingTerms(turn_overhead_s=0.01)
+    got = predict(wfs, ["eager", "cvar", "eager@rerun", "plas"], ENGINES, PERF, 0.8,
+                  {"eager": slow, "cvar": fast})
+    assert list(got) == ["eager", "cvar", "eager@rerun", "plas"]
+    assert got["eager"] == predict(wfs, ["eager"], ENGINES, PERF, 0.8, slow)["eager"]
+    assert got["cvar"] == predict(wfs, ["cvar"], ENGINES, PERF, 0.8, fast)["cvar"]
+    assert got["eager@rerun"] == got["eager"]
+    assert got["plas"] == predict(wfs, ["plas"], ENGINES, PERF, 0.8)["plas"]
+    assert cell_row(got["eager"])["flow_p50_s"] > cell_row(
+        predict(wfs, ["eager"], ENGINES, PERF, 0.8, fast)["eager"])["flow_p50_s"]
+
+
 def test_gateway_view_retains_a_finished_sessions_slot_until_closed() -> None:
     sessions = build_sessions([], 0, 10, SCALE, seed=0)
     wfs = cell_workload(sessions, 20.0, 0)

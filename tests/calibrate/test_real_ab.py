@@ -127,3 +127,5 @@ def test_serving_probe_is_on_by_default_on_both_engines(engine: str) -> None:
     mod = _load_benchmark()
     assert mod.parse_args(["--engine", engine]).serving_probe is True
     assert mod.parse_args(["--engine", engine, "--no-serving-probe"]).serving_probe is False
+    assert mod.parse_args(["--engine", engine]).probe_each_policy is False
+    assert mod.parse_args(["--engine", engine, "--probe-each-policy"]).probe_each_policy is True

@@ -260,10 +260,20 @@ class ServingTerms:
 
 def predict(workflows: Sequence[Workflow], policies: Sequence[str], engines: AbEngines,
             perf: PerfModel, session_idle_s: float | None = None,
-            serving: ServingTerms | None = None) -> dict[str, dict[str, Any]]:
+            serving: ServingTerms | Mapping[str, ServingTerms] | None = None,
+            ) -> dict[str, dict[str, Any]]:
     """Simulated metrics of each policy on ``workflows`` (``turnstile bench``'s runner); with
     ``session_idle_s``, as the gateway sees the sessions (:func:`sim_workflows`); with
-    ``serving``, as served on a host shared with the serving stack (:class:`ServingTerms`)."""
+    ``serving``, as served on a host shared with the serving stack (:class:`ServingTerms`;
+    a mapping: each policy's own terms, by policy spec, none for a policy it lacks)."""
+    if isinstance(serving, Mapping):
+        by_terms: dict[ServingTerms, list[str]] = {}
+        for p in policies:
+            by_terms.setdefault(serving.get(policy_spec(p), ServingTerms()), []).append(p)
+        out: dict[str, dict[str, Any]] = {}
+        for terms, group in by_terms.items():
+            out.update(predict(workflows, group, engines, perf, session_idle_s, terms))
+        return {p: out[p] for p in policies}
     serving = serving or ServingTerms()
     wfs = sim_workflows(workflows, session_idle_s=session_idle_s,
                         turn_template_tokens=engines.turn_template_tokens,
@@ -278,7 +288,8 @@ def predict(workflows: Sequence[Workflow], policies: Sequence[str], engines: AbE
 def repredict(cells: Sequence[Mapping[str, Any]], sessions: Sequence[Workflow],
               rates: Mapping[float, float], engines: AbEngines, perf: PerfModel,
               session_idle_s: float | None = None,
-              serving: ServingTerms | None = None) -> list[dict[str, Any]]:
+              serving: ServingTerms | Mapping[str, ServingTerms] | None = None,
+              ) -> list[dict[str, Any]]:
     """The cells of a finished A/B with their predictions made again (``engines``' KV model,
     ``perf``, ``session_idle_s`` as in :func:`predict`), each on its own workload (``sessions``
     at ``rates[load]``, the cell's seed); the measured figures are kept, the previous

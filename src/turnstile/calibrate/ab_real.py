@@ -110,6 +110,9 @@ class AbRun:
     #: the table) and measure the serving terms from its turns (:func:`measure_serving`)
     serving_probe: bool = True
     probe_policy: str = "cvar"
+    #: probe every policy, not only ``probe_policy``, and predict each with its own terms (the
+    #: time a turn spends outside the engines depends on how many a policy sends at once)
+    probe_each_policy: bool = False
     probe_seed: int = 1000
     #: a profile whose own fit error exceeds this, or a serving probe measuring engines slower
     #: than ``max_engine_slowdown`` × the profile, was taken while the host was busy: measured
@@ -367,12 +370,13 @@ def run_ab(
         log(f"tokenizer: {chars:.2f} characters per token; a later turn's chat template adds "
             f"{eng.turn_template_tokens} tokens")
         serving, probe = run.serving, None
+        probes: dict[str, tuple[ServingTerms, dict[str, Any]]] = {}
         if serving is None and run.serving_probe:
             top = max(run.loads)
 
-            def probe_once(i: int) -> tuple[ServingTerms, dict[str, Any]]:
+            def probe_once(policy: str, i: int) -> tuple[ServingTerms, dict[str, Any]]:
                 wfs = cell_workload(sessions, rates[top], run.probe_seed + i)
-                gw = _fresh_gateway(run.probe_policy, urls, eng, run, tmp)
+                gw = _fresh_gateway(policy, urls, eng, run, tmp)
                 try:
                     terms, info = measure_serving(gw.url, wfs, run, chars, perf, urls)
                 finally:
@@ -381,9 +385,9 @@ def run_ab(
                     return terms, info
 
                 def simulate(slowdown: float) -> float:
-                    got = predict(wfs, [run.probe_policy], eng, perf, run.session_idle_s,
+                    got = predict(wfs, [policy], eng, perf, run.session_idle_s,
                                   replace(terms, engine_slowdown=slowdown))
-                    return engine_time_per_turn(got[run.probe_policy])
+                    return engine_time_per_turn(got[policy])
 
                 real = (info["engine_queue_mean_s"] + info["engine_prefill_mean_s"]
                         + info["engine_decode_mean_s"])
@@ -391,17 +395,26 @@ def run_ab(
                 info["slowdown_by_simulation"] = [[round(a, 4), round(b, 4)] for a, b in tried]
                 return replace(terms, engine_slowdown=slowdown), info
 
-            serving, probe = best_of(probe_once, lambda got: got[0].engine_slowdown,
-                                     run.max_engine_slowdown, run.measure_attempts,
-                                     "serving probe's engine slowdown", log)
-            log(f"serving probe ({run.probe_policy}, load {top:g}, {probe['turns']} turns): "
-                f"{1e3 * serving.turn_overhead_s:.0f} ms per turn outside the engine, engines "
-                f"{serving.engine_slowdown:.2f}x the profile ({describe_probe(probe)})")
+            probed = [run.probe_policy] + (run.policies if run.probe_each_policy else [])
+            for pol in dict.fromkeys(policy_spec(p) for p in probed):
+                terms, info = best_of(lambda i, pol=pol: probe_once(pol, i),
+                                      lambda got: got[0].engine_slowdown,
+                                      run.max_engine_slowdown, run.measure_attempts,
+                                      f"serving probe's ({pol}) engine slowdown", log)
+                probes[pol] = (terms, info)
+                log(f"serving probe ({pol}, load {top:g}, {info['turns']} turns): "
+                    f"{1e3 * terms.turn_overhead_s:.0f} ms per turn outside the engine, engines "
+                    f"{terms.engine_slowdown:.2f}x the profile ({describe_probe(info)})")
+            serving, probe = probes[policy_spec(run.probe_policy)]
         serving = serving or ServingTerms()
+        # each policy predicted with its own probe's terms, or all with the one probe's
+        pred_serving: ServingTerms | dict[str, ServingTerms] = (
+            {p: t for p, (t, _) in probes.items()} if run.probe_each_policy and probes
+            else serving)
         groups = [(load, seed) for load in run.loads for seed in run.seeds]
         for group, (load, seed) in enumerate(groups):
             wfs = cell_workload(sessions, rates[load], seed)
-            pred = predict(wfs, run.cell_policies, eng, perf, run.session_idle_s, serving)
+            pred = predict(wfs, run.cell_policies, eng, perf, run.session_idle_s, pred_serving)
             for policy in run.cell_order(group):
                 def start(policy: str = policy) -> GatewayProcess:
                     return _fresh_gateway(policy, urls, eng, run, tmp)
@@ -436,6 +449,9 @@ def run_ab(
         "run": {**asdict(run), "engines": asdict(eng)},
         "serving": asdict(serving),
         "serving_probe": probe,
+        **({"serving_by_policy": {p: asdict(t) for p, t in pred_serving.items()},
+            "serving_probes": {p: info for p, (_, info) in probes.items()}}
+           if isinstance(pred_serving, dict) else {}),
         "pinned_cpus": pinned,
         "wall_s": round(time.time() - t0, 1),
     }
