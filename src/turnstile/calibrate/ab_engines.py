@@ -117,6 +117,9 @@ def request_times_from_metrics(engine: str, text: str) -> RequestTimes | None:
 def engine_request_times(urls: Sequence[str], engine: str) -> RequestTimes | None:
     """The engines' per-request times from their ``/metrics``, summed over engines; None for
     engines that report them per reply instead (llama.cpp)."""
+    _check(engine)
+    if engine == "llamacpp":  # its replies carry them: nothing to read
+        return None
     total: RequestTimes | None = None
     for u in urls:
         text = http_get(u + "/metrics", timeout=30.0)
