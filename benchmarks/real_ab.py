@@ -15,7 +15,8 @@ cell. See :mod:`turnstile.calibrate.ab_real` for the protocol.
 ``--max-model-len``, and the KV contention a pool of as many 128-token blocks as the KV of
 ``--kv-sessions`` (default ``--n-parallel``) average sessions (``--num-gpu-blocks-override``),
 the gateway's KV gate told as much; predicted with the paged KV
-model (:mod:`turnstile.calibrate.ab_engines`).
+model (:mod:`turnstile.calibrate.ab_engines`). Its serving probe reads vLLM's per-request
+queue/prefill/decode histograms on ``/metrics`` (:mod:`turnstile.calibrate.serving_probe`).
 
 Writes ``real_ab.json`` (every cell, the aggregated rows, the goals, the host load),
 ``real_ab.md`` (the table) and ``real_ab.png`` (the plot) to ``--out``.

@@ -11,7 +11,8 @@ The real side is put together from the project's own commands, nothing re-implem
   step-time model the simulator uses;
 * a serving probe (:func:`measure_serving`): one cell served before the table's, whose turns
   give what serving adds to that model on this host
-  (:class:`~turnstile.calibrate.ab.ServingTerms`);
+  (:class:`~turnstile.calibrate.ab.ServingTerms`; against llama.cpp's per-reply timings, or
+  vLLM's per-request histograms on ``/metrics``: :mod:`turnstile.calibrate.serving_probe`);
 * per cell, a fresh gateway process (``python -m turnstile.gateway serve --config``, the policy
   and each engine's KV capacity in its TOML) in front of the engines, whose slots are erased
   first so no cell inherits another's cache;
