@@ -10,11 +10,9 @@ How long a turn runs depends on the host: on a fast one, 1,900 tokens of vLLM's 
 before the kill (a CI run). ``hold`` (a :class:`Hold`) freezes the victim's generation, and the
 engine goes on as it is killed: the turns are in flight at any speed. ``Hold.when``:
 ``"running"``, once the first four turns stream (llama.cpp: the whole server stopped; the last
-two wait in its socket backlog), or ``"queued"``, once all six are forwarded (vLLM: its engine
-core, slowed to a tenth from the start so that the set-up takes as long on any host, stopped
-once its metrics show four running and two waiting; a connect to its API server with the core
-stopped went unanswered for 2 s once, and unslowed, a CI host ran a turn to its end while its
-metrics were read).
+two wait in its socket backlog; vLLM: its engine core, stopped from the start and run in short
+slices until the first two streams have a token, stays stopped), or ``"queued"``, once all six
+are forwarded.
 llama.cpp's ``llama-server`` is one process, its HTTP front stopped with it: the last two wait
 in its socket's backlog (connected, the request sent, no byte back: to the gateway, a turn
 queued at the engine), and a SIGTERM reaches it as it goes on, with its four slots still busy.
@@ -64,6 +62,10 @@ class Hold(Protocol):
     def before(self) -> None:
         """Called before the first turn is sent (an idle engine; a throttle)."""
 
+    def step(self) -> None:
+        """Called while the first two streams wait for a token: let a victim held from
+        :meth:`before` make a little progress (nothing where it runs free until frozen)."""
+
     def freeze(self) -> Callable[[], None]:
         """Stop the victim's generation; return what lets it go on (called right after the
         kill, or when the set-up failed). Raise :class:`TurnsOverBeforeTheKill` where the
@@ -82,6 +84,9 @@ class Frozen:
     when: Literal["running", "queued"] = "running"
 
     def before(self) -> None:
+        pass
+
+    def step(self) -> None:
         pass
 
     def freeze(self) -> Callable[[], None]:
@@ -206,8 +211,12 @@ def _killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
         threads = {}
         for name, streamed, queued in TURNS:
             if queued and name == TURNS[4][0]:  # once the four others are at the engine
+                deadline = time.monotonic() + 90
                 for running in ("s1", "s2"):
-                    assert first_token[running].wait(90), f"{running} never streamed"
+                    while not first_token[running].wait(0.2):
+                        assert time.monotonic() < deadline, f"{running} never streamed"
+                        if hold is not None:
+                            hold.step()
                 _forwarded(victim, 4, other)  # (not a fixed sleep: 100 tokens end in 0.3 s)
                 if hold is not None and hold.when == "running":
                     release = hold.freeze()

@@ -131,7 +131,7 @@ def engine_core_pid(server: VllmServerProcess) -> int:
     raise AssertionError(f"no engine-core process under the API server {api}")
 
 
-def _run_for(pid: int, run_s: float) -> None:
+def run_for(pid: int, run_s: float) -> None:
     """Continue the stopped process ``pid`` for ``run_s`` and stop it again, timed by a shell of
     its own: this process, streaming through its gateway's threads, may wait for its GIL far
     longer than ``run_s`` (a stop 2 s late let the engine run 1,500 steps)."""
@@ -227,7 +227,7 @@ def first_admitted_once(server: VllmServerProcess, monkeypatch: pytest.MonkeyPat
         time.sleep(ARRIVE_S)  # the resume waits at the stopped core
         run_s = 0.02
         for _ in range(8):  # run the core a few steps at a time, until a turn has tokens
-            _run_for(core, run_s)
+            run_for(core, run_s)
             with contextlib.suppress(AssertionError):
                 wait_for("a turn's first token", lambda: bool(first), ARRIVE_S)
                 break

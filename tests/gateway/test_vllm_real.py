@@ -23,11 +23,11 @@ import pytest
 from turnstile.engines.vllm_server import VllmServerProcess
 from turnstile.gateway.adapters import VllmAdapter, make_adapter, parse_prometheus
 from turnstile.gateway.embedded import GatewayServer, start_gateway
-from turnstile.testing.freeze import Throttle, frozen_group
+from turnstile.testing.freeze import frozen
 
 from .conftest import VllmEngines
 from .death import killed_with_turns_in_flight
-from .overtaking import engine_core_pid, engine_counts, first_admitted, wait_for
+from .overtaking import engine_core_pid, engine_counts, first_admitted, run_for, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -248,37 +248,43 @@ def test_config_check_finds_the_engines_features(vllm_engines: VllmEngines) -> N
 VLLM_DEATH_TOKENS = 1900
 
 
-class _ServerFrozen:
-    """The victim's engine core run a tenth of the time from before the first turn, and its
-    whole server (API server, engine core, worker: one process group) stopped once its first
-    four turns stream, as llama.cpp's is (:class:`~.death.Hold`): the last two then wait in its
-    socket's backlog. vLLM's API server lags its engine core on these hosts (outputs of 1,900
-    tokens for six turns came out in one burst 10 s after they were made, and ``/metrics`` went
-    unanswered as long): neither stopping the core alone nor waiting on its metrics held on a
-    host 4x faster (a CI run: every turn over first, 3 set-ups of 3), and unslowed, a reply of
-    100 tokens was made, and sent, before its stream's first token reached the client."""
+class _CoreStepped:
+    """The victim's engine core stopped from before the first turn and run in 20 ms slices
+    (each followed by 0.2 s for its API server to pass the output on) only until the first two
+    streams have a token; it stays stopped until the kill (:class:`~.death.Hold`). Whatever the
+    host's speed, the core makes a few dozen tokens per slice, so no turn can end before the
+    kill. Earlier holds failed on CI: none (stop 35); the core stopped once ``/metrics`` showed
+    four running and two waiting (stop 36: vLLM's API server lags its core here, six 1,900-token
+    replies left it in one burst 10 s after they were made and ``/metrics`` went unanswered as
+    long); the core throttled to a tenth and the whole server stopped once four streamed (a
+    stream was over before the four were forwarded; and continued after a SIGTERM, an API
+    server behind on its output kept the queued turns 6-8 s)."""
 
     when: Literal["running", "queued"] = "running"
 
     def __init__(self, server: VllmServerProcess) -> None:
         self.server = server
-        self.throttle: Throttle | None = None
+        self.core = 0
+        self.go_on: Callable[[], None] | None = None
 
     def before(self) -> None:
         # an earlier set-up's turns are cancelled as its gateway stops: wait for their end
         wait_for("the victim idle", lambda: engine_counts(self.server) == (0.0, 0.0), 60)
-        self.throttle = Throttle(engine_core_pid(self.server))
+        self.core = engine_core_pid(self.server)
+        self.go_on = frozen(self.core)
+
+    def step(self) -> None:
+        run_for(self.core, 0.02)
 
     def freeze(self) -> Callable[[], None]:
-        assert self.server.process is not None and self.throttle is not None
-        self.throttle.freeze()
-        self.throttle = None
-        return frozen_group(self.server.process.pid)
+        assert self.go_on is not None
+        go_on, self.go_on = self.go_on, None
+        return go_on
 
     def undo(self) -> None:
-        if self.throttle is not None:  # never frozen
-            self.throttle.close()
-            self.throttle = None
+        if self.go_on is not None:  # never handed to the scenario
+            self.go_on()
+            self.go_on = None
 
 
 def test_vllm_engine_sigterm_with_turns_in_flight(vllm_engines: VllmEngines) -> None:
@@ -286,7 +292,7 @@ def test_vllm_engine_sigterm_with_turns_in_flight(vllm_engines: VllmEngines) -> 
     timings = killed_with_turns_in_flight("vllm", victim.base_url, other.base_url,
                                           lambda: victim.kill(signal.SIGTERM),
                                           max_tokens=VLLM_DEATH_TOKENS,
-                                          hold=_ServerFrozen(victim))
+                                          hold=_CoreStepped(victim))
     print(f"\nSIGTERM: {timings}")
 
 
@@ -327,5 +333,5 @@ def test_vllm_engine_sigkill_with_turns_in_flight(vllm_engines: VllmEngines) -> 
     timings = killed_with_turns_in_flight("vllm", victim.base_url, other.base_url,
                                           lambda: victim.kill(signal.SIGKILL),
                                           max_tokens=VLLM_DEATH_TOKENS,
-                                          hold=_ServerFrozen(victim))
+                                          hold=_CoreStepped(victim))
     print(f"\nSIGKILL: {timings}")

@@ -12,10 +12,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
 from collections.abc import Callable, Iterator
 
-__all__ = ["Throttle", "freezing", "frozen", "frozen_group"]
+__all__ = ["freezing", "frozen"]
 
 
 def frozen(pid: int) -> Callable[[], None]:
@@ -25,18 +24,6 @@ def frozen(pid: int) -> Callable[[], None]:
     def go_on() -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
-    return go_on
-
-
-def frozen_group(pid: int) -> Callable[[], None]:
-    """Stop every process in the process group of ``pid`` (a server and the processes it
-    started, where it leads a session of its own); return what continues them."""
-    pgid = os.getpgid(pid)
-    os.killpg(pgid, signal.SIGSTOP)
-
-    def go_on() -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGCONT)
     return go_on
 
 
@@ -52,38 +39,3 @@ def freezing(*pids: int) -> Iterator[None]:
         for g in go_on:
             g()
 
-
-class Throttle:
-    """Let the process ``pid`` run ``run_s`` of every ``every_s`` (10% by default), so that a
-    scenario's set-up takes as long on a fast host as on a slow one, and is then frozen.
-
-    The stops and continues are sent by a shell loop of its own: this process, busy with its
-    gateway's threads, may wait for its GIL far longer than ``run_s`` (a stop sent 2 s late let
-    an engine run 1,500 steps)."""
-
-    def __init__(self, pid: int, run_s: float = 0.02, every_s: float = 0.2) -> None:
-        self.pid = pid
-        self._loop: subprocess.Popen[bytes] | None = subprocess.Popen(
-            ["sh", "-c", f"while kill -CONT {pid} 2>/dev/null; do sleep {run_s}; "
-                         f"kill -STOP {pid}; sleep {every_s - run_s:.3f}; done"],
-            start_new_session=True)
-
-    def _end_loop(self) -> None:
-        if self._loop is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._loop.pid, signal.SIGKILL)  # the shell and its sleep
-            self._loop.wait()
-            self._loop = None
-
-    def freeze(self) -> Callable[[], None]:
-        """End the throttle with the process stopped; return what continues it."""
-        self._end_loop()
-        with contextlib.suppress(ProcessLookupError):
-            return frozen(self.pid)
-        return lambda: None
-
-    def close(self) -> None:
-        """End the throttle with the process running."""
-        self._end_loop()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGCONT)
