@@ -36,6 +36,13 @@ class TurnLog:
     attempts: list[Attempt] = field(default_factory=list)
     statuses: list[int] = field(default_factory=list)
 
+    def ended(self, a: Attempt) -> bool:
+        """Stamp the end of attempt ``a``; True (the turn is done) where it succeeded."""
+        a.end_s = time.monotonic()
+        if a.outcome == "ok":
+            self.done_s = a.end_s
+        return a.outcome == "ok"
+
 
 class Clients:
     """Retrying OpenAI clients over one or more gateway replicas."""
@@ -83,9 +90,7 @@ class Clients:
                             wait = float(r.headers.get("retry-after", "1"))
             except (httpx.HTTPError, OSError) as e:
                 a.outcome = type(e).__name__
-            a.end_s = time.monotonic()
-            if a.outcome == "ok":
-                log.done_s = a.end_s
+            if log.ended(a):
                 return log
             await asyncio.sleep(wait)
         return log
@@ -143,9 +148,7 @@ async def raw_stream(targets: list[str], rid: str, body: bytes, deadline_s: floa
         finally:
             if w is not None:
                 w.close()
-        a.end_s = time.monotonic()
-        if a.outcome == "ok":
-            log.done_s = a.end_s
+        if log.ended(a):
             return log
         await asyncio.sleep(wait)
     return log

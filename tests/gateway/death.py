@@ -7,12 +7,11 @@ gateway must then, within 2 s, end each stream that had tokens with an error eve
 every other turn to the other engine, where it runs to the end — once.
 
 How long a turn runs depends on the host: on a fast one, 1,900 tokens of vLLM's were over
-before the kill (a CI run). ``hold`` (a :class:`Hold`) freezes the victim's generation, and the
-engine goes on as it is killed: the turns are in flight at any speed. ``Hold.when``:
-``"running"``, once the first four turns stream (llama.cpp: the whole server stopped; the last
-two wait in its socket backlog; vLLM: its engine core, stopped from the start and run in short
-slices until the first two streams have a token, stays stopped), or ``"queued"``, once all six
-are forwarded.
+before the kill (a CI run). ``hold`` (a :class:`Hold`) freezes the victim's generation once the
+first four turns stream, and the engine goes on as it is killed: the turns are in flight at any
+speed (llama.cpp: the whole server stopped, the last two wait in its socket backlog; vLLM: its
+engine core, stopped from the start and run in short slices until the first two streams have a
+token, stays stopped).
 llama.cpp's ``llama-server`` is one process, its HTTP front stopped with it: the last two wait
 in its socket's backlog (connected, the request sent, no byte back: to the gateway, a turn
 queued at the engine), and a SIGTERM reaches it as it goes on, with its four slots still busy.
@@ -25,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import httpx
 
@@ -55,21 +54,16 @@ def recording(kind: str, url: str, engine_id: str) -> EngineAdapter:
 class Hold(Protocol):
     """How the victim is held so that the scenario holds at any host speed."""
 
-    #: when :meth:`freeze` is called: once the first four turns stream (``"running"``), or once
-    #: all six are forwarded (``"queued"``)
-    when: Literal["running", "queued"]
-
     def before(self) -> None:
-        """Called before the first turn is sent (an idle engine; a throttle)."""
+        """Called before the first turn is sent (an idle engine; a core stopped)."""
 
     def step(self) -> None:
         """Called while the first two streams wait for a token: let a victim held from
         :meth:`before` make a little progress (nothing where it runs free until frozen)."""
 
     def freeze(self) -> Callable[[], None]:
-        """Stop the victim's generation; return what lets it go on (called right after the
-        kill, or when the set-up failed). Raise :class:`TurnsOverBeforeTheKill` where the
-        engine is not as the scenario needs."""
+        """Stop the victim's generation once the first four turns stream; return what lets it
+        go on (called right after the kill, or when the set-up failed)."""
         ...
 
     def undo(self) -> None:
@@ -81,7 +75,6 @@ class Frozen:
     """The whole process ``pid`` frozen once the first four turns stream (llama.cpp)."""
 
     pid: int
-    when: Literal["running", "queued"] = "running"
 
     def before(self) -> None:
         pass
@@ -176,10 +169,10 @@ def _forwarded(victim: EngineAdapter, n: int, other: EngineAdapter,
 
 def killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
                                 kill: Callable[[], None], *, max_tokens: int,
-                                within_s: float = 2.0, attempts: int = 3,
-                                hold: Hold | None = None) -> dict[str, Any]:
+                                hold: Hold, within_s: float = 2.0, attempts: int = 3
+                                ) -> dict[str, Any]:
     """Run the scenario; assert its contract; return the timings (seconds after the kill).
-    ``hold`` (optional) keeps the turns in flight until the kill (:class:`Hold`).
+    ``hold`` keeps the turns in flight until the kill (:class:`Hold`).
 
     Where turns end, or are not all forwarded, before the kill (the set-up, not the contract,
     failed: a host's speed varies), the scenario is set up again on a fresh gateway,
@@ -198,7 +191,7 @@ def killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
 
 def _killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
                                  kill: Callable[[], None], *, max_tokens: int,
-                                 within_s: float, hold: Hold | None) -> dict[str, Any]:
+                                 within_s: float, hold: Hold) -> dict[str, Any]:
     victim = recording(kind, victim_url, "victim")
     other = recording(kind, other_url, "other")
     gw = start_gateway([victim, other], policy="eager+hinted")
@@ -206,8 +199,7 @@ def _killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
     first_token = {name: threading.Event() for name, _, _ in TURNS}
     release: Callable[[], None] | None = None
     try:
-        if hold is not None:
-            hold.before()
+        hold.before()
         threads = {}
         for name, streamed, queued in TURNS:
             if queued and name == TURNS[4][0]:  # once the four others are at the engine
@@ -215,25 +207,15 @@ def _killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
                 for running in ("s1", "s2"):
                     while not first_token[running].wait(0.2):
                         assert time.monotonic() < deadline, f"{running} never streamed"
-                        if hold is not None:
-                            hold.step()
+                        hold.step()
                 _forwarded(victim, 4, other)  # (not a fixed sleep: 100 tokens end in 0.3 s)
-                if hold is not None and hold.when == "running":
-                    release = hold.freeze()
+                release = hold.freeze()
             threads[name] = threading.Thread(
                 target=_turn, args=(gw.url, name, streamed, max_tokens, out,
                                     first_token[name]))
             threads[name].start()
         _forwarded(victim, len(TURNS), other, gw.gateway.engine_up)
-        if hold is None or hold.when != "queued":
-            time.sleep(0.3)  # the last two reach the engine's queue (a queued hold waits on it)
-        if release is None:  # a "queued" hold, or none
-            try:
-                release = hold.freeze() if hold is not None else (lambda: None)
-            except TurnsOverBeforeTheKill as e:
-                raise TurnsOverBeforeTheKill(
-                    f"{e}; turns ended: {({k: o.brief() for k, o in out.items()})}; forwarded "
-                    f"to the victim {victim.calls}, the other {other.calls}") from e
+        time.sleep(0.3)  # the last two reach the engine's queue
         assert len(victim.calls) == len(TURNS) and not other.calls, (victim.calls, other.calls)
         if out:
             raise TurnsOverBeforeTheKill(
@@ -250,8 +232,7 @@ def _killed_with_turns_in_flight(kind: str, victim_url: str, other_url: str,
     finally:
         if release is not None:
             release()
-        if hold is not None:
-            hold.undo()
+        hold.undo()
         gw.stop()
 
     after = {k: round(o.ended_s - killed, 2) for k, o in out.items()}

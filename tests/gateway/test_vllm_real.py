@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 import openai
@@ -259,8 +259,6 @@ class _CoreStepped:
     long); the core throttled to a tenth and the whole server stopped once four streamed (a
     stream was over before the four were forwarded; and continued after a SIGTERM, an API
     server behind on its output kept the queued turns 6-8 s)."""
-
-    when: Literal["running", "queued"] = "running"
 
     def __init__(self, server: VllmServerProcess) -> None:
         self.server = server

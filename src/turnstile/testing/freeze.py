@@ -38,4 +38,3 @@ def freezing(*pids: int) -> Iterator[None]:
     finally:
         for g in go_on:
             g()
-
