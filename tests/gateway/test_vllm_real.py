@@ -246,6 +246,10 @@ def test_config_check_finds_the_engines_features(vllm_engines: VllmEngines) -> N
 # ------------------------------------------------------------------ engine death (kills engines)
 #: long turns (the context is 2,048): the engine goes on for a moment after a SIGTERM
 VLLM_DEATH_TOKENS = 1900
+#: set-ups tried before the scenario is called failed: at times a reply ends while the core is
+#: stepped towards the streams' first token (vLLM's API server passes tokens on late; 2 of 3
+#: set-ups did not hold once on this host), which the check before the kill catches
+VLLM_DEATH_SETUPS = 5
 
 
 class _CoreStepped:
@@ -290,7 +294,7 @@ def test_vllm_engine_sigterm_with_turns_in_flight(vllm_engines: VllmEngines) -> 
     timings = killed_with_turns_in_flight("vllm", victim.base_url, other.base_url,
                                           lambda: victim.kill(signal.SIGTERM),
                                           max_tokens=VLLM_DEATH_TOKENS,
-                                          hold=_CoreStepped(victim))
+                                          hold=_CoreStepped(victim), attempts=VLLM_DEATH_SETUPS)
     print(f"\nSIGTERM: {timings}")
 
 
@@ -331,5 +335,5 @@ def test_vllm_engine_sigkill_with_turns_in_flight(vllm_engines: VllmEngines) -> 
     timings = killed_with_turns_in_flight("vllm", victim.base_url, other.base_url,
                                           lambda: victim.kill(signal.SIGKILL),
                                           max_tokens=VLLM_DEATH_TOKENS,
-                                          hold=_CoreStepped(victim))
+                                          hold=_CoreStepped(victim), attempts=VLLM_DEATH_SETUPS)
     print(f"\nSIGKILL: {timings}")
