@@ -53,6 +53,9 @@ _MAX_DEPTH = 64
 #: a session id taken from the body's ``user`` is echoed in a response header: anything but
 #: printable ASCII (control characters would break the response) is replaced by its hash
 _HEADER_SAFE = re.compile(r"[\x21-\x7e]{1,256}")
+#: a ``\u`` escape of a UTF-16 surrogate (D800-DFFF): only such a body may hold a string that
+#: is not valid Unicode (one whose surrogate has no pair), so only such a body is walked
+_MAY_HOLD_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 _GET_ROUTES = frozenset(("/health", "/ready", "/metrics", "/v1/models"))
 
 Scope = MutableMapping[str, Any]
@@ -70,6 +73,7 @@ class GatewayApp:
         self._auth = f"Bearer {cfg.auth_token}".encode() if cfg.auth_token else None
         self._max_body = cfg.max_body_bytes
         self._max_header = cfg.max_header_bytes
+        self._body_timeout_s = cfg.client_body_timeout_s
         self._auth_admin = cfg.auth_admin and self._auth is not None
         self._count_children: dict[tuple[str, int], Any] = {}
 
@@ -250,20 +254,7 @@ class GatewayApp:
         length = ident.content_length
         if length > self._max_body:
             raise _too_large(length, self._max_body)
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                raise GatewayError(499, "client disconnected")
-            chunk = msg.get("body", b"")
-            size += len(chunk)
-            if size > self._max_body:
-                raise _too_large(size, self._max_body)
-            chunks.append(chunk)
-            if not msg.get("more_body", False):
-                break
-        raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        raw = await self._read_body(receive)
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
@@ -274,6 +265,8 @@ class GatewayApp:
                                code="invalid_json") from None
         if not isinstance(body, dict):
             raise GatewayError(400, "request body must be a JSON object", code="invalid_json")
+        if _MAY_HOLD_SURROGATE.search(raw):
+            _check_encodable(body)
         if raw.count(b"[") + raw.count(b"{") > _MAX_DEPTH and _depth(body) > _MAX_DEPTH:
             raise GatewayError(400, f"request body is nested deeper than {_MAX_DEPTH}",
                                code="invalid_json")
@@ -296,6 +289,59 @@ class GatewayApp:
                 recorder.note_end(session_id)
         return TurnRequest(path, body, stream, session_id, ident.request_id, ident.tenant,
                            ident.engine_hint)
+
+
+    async def _read_body(self, receive: Receive) -> bytes:
+        """The whole body, within ``client_body_timeout_s`` (408 and the connection closed
+        past it) and ``max_body_bytes`` (413)."""
+        chunks: list[bytes] = []
+        size = 0
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout_at(loop.time() + self._body_timeout_s):
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        raise GatewayError(499, "client disconnected")
+                    chunk = msg.get("body", b"")
+                    size += len(chunk)
+                    if size > self._max_body:
+                        raise _too_large(size, self._max_body)
+                    chunks.append(chunk)
+                    if not msg.get("more_body", False):
+                        break
+        except TimeoutError:
+            raise GatewayError(408, f"request body not received within "
+                               f"{self._body_timeout_s:g} s ({size} bytes arrived)",
+                               code="request_timeout",
+                               headers=[(b"connection", b"close")]) from None
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _check_encodable(doc: Any) -> None:
+    """400 when a string of the parsed body (a key or a value) is not valid Unicode: JSON lets
+    ``\\ud800`` stand alone, but no engine can encode a lone UTF-16 surrogate."""
+    stack: list[tuple[Any, str]] = [(doc, "")]
+    while stack:
+        x, where = stack.pop()
+        if isinstance(x, dict):
+            for k, v in x.items():
+                _encodable(k, f"{where}.{k}" if where else str(k))
+                stack.append((v, f"{where}.{k}" if where else str(k)))
+        elif isinstance(x, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(x))
+        elif isinstance(x, str):
+            _encodable(x, where)
+
+
+def _encodable(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        name = where[:200].encode("ascii", "backslashreplace").decode() or "a key"
+        raise GatewayError(400, f"request body: {name} holds a lone UTF-16 surrogate "
+                           f"(\\u{ord(text[e.start]):04x}), which is not valid Unicode",
+                           code="invalid_unicode") from None
 
 
 def _validate(path: str, body: dict[str, Any]) -> None:

@@ -151,6 +151,12 @@ def serve(
                               ] = None,
     max_header_bytes: Annotated[int | None, typer.Option(
         min=1, help="Request line + headers limit (431)")] = None,
+    client_header_timeout_s: Annotated[float | None, typer.Option(
+        min=0.001, help="408 when a request's line and headers take longer (default 10)")
+    ] = None,
+    client_body_timeout_s: Annotated[float | None, typer.Option(
+        min=0.001, help="408 when a request's body takes longer after its headers "
+        "(default 30)")] = None,
     ready_max_hold_s: Annotated[float | None, typer.Option(
         help="/ready is 503 while a turn has been held longer than this")] = None,
     auth_token: Annotated[
@@ -179,6 +185,7 @@ def serve(
 
     from turnstile.gateway.app import create_app
     from turnstile.gateway.config import GatewayConfig, load_config, parse_engine_flag
+    from turnstile.gateway.server import uvicorn_options
 
     try:
         if config is not None and not config.is_file():
@@ -193,6 +200,8 @@ def serve(
                   auth_token=auth_token or None, max_inflight=max_inflight,
                   auth_admin=auth_admin, max_body_bytes=max_body_bytes,
                   max_header_bytes=max_header_bytes, ready_max_hold_s=ready_max_hold_s,
+                  client_header_timeout_s=client_header_timeout_s,
+                  client_body_timeout_s=client_body_timeout_s,
                   db=None if db is None else str(db), state=state, replica_id=replica_id,
                   record=None if record is None else str(record), log_level=log_level)
         if cfg.auth_admin and not cfg.auth_token:
@@ -211,7 +220,7 @@ def serve(
     # uvicorn's "auto" would pick up (serve was measured on asyncio)
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=log_level, loop="asyncio",
                 access_log=False, lifespan="on", timeout_graceful_shutdown=5,
-                h11_max_incomplete_event_size=cfg.max_header_bytes)
+                **uvicorn_options(cfg))
 
 
 def replay(

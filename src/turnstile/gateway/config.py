@@ -11,6 +11,8 @@ auth_token = ""             # or auth_token_env = "TURNSTILE_TOKEN"
 auth_admin = false          # /metrics and admin endpoints need the token too
 max_body_bytes = 8388608    # 413 past it
 max_header_bytes = 65536    # 431 past it (request line and headers)
+client_header_timeout_s = 10.0  # 408 when a request's line and headers take longer
+client_body_timeout_s = 30.0    # 408 when its body takes longer (from its headers' end)
 ready_max_hold_s = 60.0     # /ready is 503 while a turn has been held longer
 db = "gateway.sqlite3"      # persist sessions and held turns (omit: in memory only)
 record = "sessions.jsonl"   # append every finished session as a workload (omit: no recording)
@@ -33,6 +35,7 @@ bucket = "tp1"
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -84,6 +87,12 @@ class GatewayConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     #: request line and headers, in bytes (431 past it)
     max_header_bytes: int = 64 * 1024
+    #: a request's line and headers must arrive within this (from the connection's opening, or
+    #: a kept-alive connection's first byte of it), else 408 and the connection is closed
+    client_header_timeout_s: float = 10.0
+    #: its whole body must arrive within this of its headers, else 408 and the connection is
+    #: closed
+    client_body_timeout_s: float = 30.0
     #: ``/ready`` answers 503 while the oldest held turn has waited longer than this
     ready_max_hold_s: float = 60.0
     #: ... or while the state backend does not answer a ping within this
@@ -140,6 +149,10 @@ class GatewayConfig:
             raise ValueError("max_inflight must be >= 0 (0: no bound)")
         if self.max_body_bytes < 1 or self.max_header_bytes < 1:
             raise ValueError("max_body_bytes and max_header_bytes must be >= 1")
+        for key in ("client_header_timeout_s", "client_body_timeout_s"):
+            v = getattr(self, key)
+            if not isinstance(v, int | float) or not 0 < v < math.inf:
+                raise ValueError(f"{key} must be a number of seconds > 0, got {v!r}")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
         PolicySet.from_spec(self.policy, self.policy_params)

@@ -25,7 +25,7 @@ class ServerThread:
 
     def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0,
                  lifespan: Literal["auto", "on", "off"] = "auto",
-                 log_level: str = "warning") -> None:
+                 log_level: str = "warning", options: dict[str, Any] | None = None) -> None:
         self.app = app
         # proto=IPPROTO_TCP: asyncio sets TCP_NODELAY only on such sockets (else Nagle and
         # delayed ACKs add ~40 ms to every response written in two parts)
@@ -34,9 +34,10 @@ class ServerThread:
         self.sock.bind((host, port))
         self.host = host
         self.port = int(self.sock.getsockname()[1])
-        config = uvicorn.Config(app, host=host, port=self.port, loop="asyncio", http="h11",
+        kw: dict[str, Any] = {"http": "h11", **(options or {})}
+        config = uvicorn.Config(app, host=host, port=self.port, loop="asyncio",
                                 lifespan=lifespan, access_log=False, log_level=log_level,
-                                timeout_graceful_shutdown=2)
+                                timeout_graceful_shutdown=2, **kw)
         self.server = uvicorn.Server(config)
         self.thread: threading.Thread | None = None
 
@@ -110,4 +111,7 @@ def start_gateway(engines: list[Any], *, policy: str = "eager", policies: Any = 
     gw = Gateway(config, adapters=adapters, backend=backend,
                  policies=policies or PolicySet.from_spec(policy, config.policy_params))
     app = GatewayApp(gw)
-    return GatewayServer(app, ServerThread(app, port=port).start())
+    from turnstile.gateway.server import uvicorn_options
+
+    return GatewayServer(app, ServerThread(app, port=port, options=uvicorn_options(config))
+                         .start())
