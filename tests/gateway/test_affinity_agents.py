@@ -152,3 +152,31 @@ def test_the_recorder_writes_the_sessions_the_clients_had(
     assert sorted(len(w.turns) for w in wfs) == [5, 5, 5, 5]  # not twenty one-turn sessions
     # the time between turns is the client's: each turn but the last has its gap
     assert all(len(t.tools) == 1 for w in wfs for t in w.turns[:-1])
+
+
+def test_a_task_run_again_is_a_fork_whatever_the_timing(
+        fake_engines: Callable[..., FakeServer], gateways: Callable[..., GatewayServer]) -> None:
+    """Two runs of one task: started together, or the second once the first has its reply
+    (its first user message is then the first run's last, remembered for sub-agents) — the
+    same situation, the same class: a fork near the first run, never its sub-agent."""
+    eng = fake_engines(ttft_s=0.3)
+    gw = gateways([eng.url], policy="eager")
+    msgs = [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Please solve this issue: the same task, run twice"}]
+    first = _post(gw, msgs).headers["x-session-id"]
+    later = _post(gw, msgs).headers["x-session-id"]  # after the first run's reply
+    assert later != first
+    assert _derived(gw) == {"new": 1.0, "forked": 1.0}
+    together = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "Please solve this issue: started side by side"}]
+    out: list[httpx.Response] = []
+    threads = [threading.Thread(target=lambda: out.append(_post(gw, together)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({r.headers["x-session-id"] for r in out}) == 2
+    assert _derived(gw) == {"new": 2.0, "forked": 2.0}
+    sessions = gw.gateway.sessions
+    assert later in sessions and all(s.parent is None for s in sessions.values())

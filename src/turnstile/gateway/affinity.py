@@ -22,7 +22,9 @@ hashes of its messages:
 * **sub-agents**: strings the reply produced (its content, each tool-call argument string such
   as a ``Task`` prompt) and the turn's own last user message are remembered too. A new
   conversation whose first user message is one of them is a sub-agent of that session and
-  starts near its parent (on the parent's engine).
+  starts near its parent (on the parent's engine) — unless its first messages (the root) are
+  a known session's: that is the same task run again, a fork (``forked``) near that session,
+  whether the two started together or seconds apart.
 
 Keys live in a :class:`KeyStore`: a bounded dict in one process, Redis across replicas
 (:mod:`.shared`). A key's value carries, besides the session, the engine that produced the reply
@@ -256,11 +258,15 @@ class ConversationKeys:
             res.choose(res.candidates[0])
             return res
         near, parent = await self.store.get_many([root, _h("s", first_user)])
-        related = parent or near
-        if related is not None:
-            res.near, res.engine, _ = _parse(related)
-        if parent is not None:
-            res.parent = _parse(parent)[0]
+        if near is not None:
+            # it starts as a known session did (the same task again): a fork of it, whether
+            # that session is still running or not, and never its sub-agent (a run's first
+            # user message is its own turn's last, remembered for sub-agents)
+            res.near, res.engine, _ = _parse(near)
+            res.how = "forked"
+        elif parent is not None:
+            res.near, res.engine, _ = _parse(parent)
+            res.parent = res.near
             res.how = "subagent"
         return res
 

@@ -149,7 +149,7 @@ class GatewayMetrics:
         self.derived_sessions = Counter(
             "turnstile_gateway_derived_sessions",
             "Requests naming no session, by how their session was derived from the conversation "
-            "(new, continued, forked: an identical conversation already running, subagent)",
+            "(new, continued, forked: it starts as a known session did, subagent)",
             ["how"], registry=r)
         self.output_tokens = Counter("turnstile_gateway_output_tokens",
                                      "Output tokens reported by engines", ["engine"], registry=r)
