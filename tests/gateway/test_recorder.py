@@ -277,3 +277,31 @@ def test_the_header_ratio_rests_on_every_recorded_turn(tmp_path: Path) -> None:
     meta = read_header(path)["meta"]
     assert meta["sample_tokens"] == 9000 and len(read_workload(path)) == 3
     assert load_trace(path).hash_block_tokens == meta["hash_block_tokens"]
+
+
+def test_context_counts_only_the_replies_the_client_sent_back(tmp_path: Path) -> None:
+    """mini-swe-agent drops a malformed reply and sends only a format error: the next turn
+    re-sends the previous prompt, not its output, so its context is that prompt alone; a reply
+    sent back (kept, or edited) counts with the prompt."""
+    path = tmp_path / "rec.jsonl"
+    rec = SessionRecorder(path)
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
+                                  {"role": "user", "content": "task"}]
+    prompts = [800, 830, 900, 960]
+    for k, prompt in enumerate(prompts):
+        rec.turn_finished("s", "t", _body(msgs), 10.0 * k, 10.0 * k + 1, _usage(prompt, 50),
+                          None)
+        if k == 0:  # a malformed reply: dropped, only the format error goes back
+            msgs = [*msgs, {"role": "user", "content": "Format error: one action please"}]
+        else:
+            msgs = [*msgs, {"role": "assistant", "content": f"step {k}"},
+                    {"role": "user", "content": "output"}]
+    rec.session_closed("s")
+    rec.close()
+    (wf,) = read_workload(path)
+    t0, t1, t2, t3 = wf.turns
+    assert t1.context_tokens == 800  # turn 0's prompt; its 50-token reply was never re-sent
+    assert t1.input_tokens == 30
+    assert t0.tools[0].result_tokens == 30
+    assert t2.context_tokens == 830 + 50  # turn 1's reply went back
+    assert t3.context_tokens == 900 + 50

@@ -136,8 +136,9 @@ def test_a_serve_recording_exports_to_mooncake(tmp_path: Path) -> None:
     rec.turn_finished("sub", "t", body("explore the repository " * 30), 1.2, 2.0,
                       usage(180, 5), None)
     rec.session_closed("sub")
-    rec.turn_finished("main", "t", body(system, "task", "tool output " * 100), 2.5, 3.0,
-                      usage(800, 10), None)
+    second = body(system, "task", "tool output " * 100)
+    second["messages"].insert(2, {"role": "assistant", "content": "run the tool"})  # re-sent
+    rec.turn_finished("main", "t", second, 2.5, 3.0, usage(800, 10), None)
     rec.turn_finished("solo", "t", body("another agent"), 5.0, 5.5, usage(40, 4), None)
     rec.close()
     out = tmp_path / "agents.mooncake.jsonl"

@@ -85,11 +85,19 @@ class _Open:
     calls: list[ObservedCall] = field(default_factory=list)
     #: (characters, digest) of the last call's prompt text: does the next one extend it?
     last_text: tuple[int, bytes] | None = None
+    #: messages in the last call's request (its next message, if sent, is the reply to it)
+    last_messages: int = 0
     closed: bool = False
     #: the client marked a turn as the session's last: write the session when it finishes
     ending: bool = False
     #: finished sub-agents folded into this session: (their calls, their own sub-agents)
     children: list[_Open] = field(default_factory=list)
+
+
+def _is_reply(messages: list[Any], k: int) -> bool:
+    """Is message ``k`` (the first after the previous request's) the reply to that request?"""
+    return k < len(messages) and isinstance(messages[k], dict) \
+        and messages[k].get("role") == "assistant"
 
 
 class SessionRecorder:
@@ -345,11 +353,15 @@ class SessionRecorder:
         if s is None:
             s = self._open[session_id] = _Open(session_id, tenant)
         s.tenant = tenant
-        extends = None
+        extends = resends = None
+        messages = body.get("messages")
         if s.last_text is not None:
             n, digest = s.last_text
             extends = len(text) >= n and text_digest(text[:n]) == digest
+            if extends and isinstance(messages, list):
+                resends = _is_reply(messages, s.last_messages)
         s.last_text = (len(text), text_digest(text))
+        s.last_messages = len(messages) if isinstance(messages, list) else 0
         start = ready_s + self._to_unix
         if text:
             self._tokens += prompt
@@ -358,7 +370,7 @@ class SessionRecorder:
             start_s=start, end_s=max(finished_s + self._to_unix, start), prompt_tokens=prompt,
             output_tokens=max(1, out), cached_tokens=cached,
             block_hashes=chain_hashes(text, self.block_chars), prompt_chars=len(text),
-            extends_previous=extends))
+            extends_previous=extends, resends_reply=resends))
         if s.ending:
             self._session_closed(session_id)
 

@@ -9,8 +9,10 @@ thread may name a parent thread (a sub-agent). :func:`build_workflow` turns them
 * **Tokens.** ``prompt`` = the engine's prompt tokens, ``output`` = its completion tokens (≥ 1).
   ``context_tokens`` = what the call reuses of the previous call of its thread: when its prompt
   text starts with the whole previous prompt text (``extends_previous``), the previous prompt +
-  output (capped at prompt − 1); otherwise the leading hash blocks both share, converted to
-  tokens with the call's own tokens per character. The first call of a thread has context 0.
+  output (capped at prompt − 1) — the previous prompt alone when the client did not send that
+  output back (``resends_reply`` False: an agent that drops a malformed reply); otherwise the
+  leading hash blocks both share, converted to tokens with the call's own tokens per
+  character. The first call of a thread has context 0.
 * **Tool time.** The gap between a call's end and the start of the earliest call that waits for
   it, recorded as one ``ToolCall("gap", status="unknown")`` whose ``result_tokens`` is the next
   call's new input when that call extends this one. The gap holds tool time and the client's own
@@ -47,6 +49,9 @@ class ObservedCall:
     prompt_chars: int = 0
     #: this prompt's text starts with the previous call's whole prompt text (None: unknown)
     extends_previous: bool | None = None
+    #: with ``extends_previous``: the message after the previous prompt is the reply to it
+    #: (False: the client dropped that reply; None: unknown, taken as sent back)
+    resends_reply: bool | None = None
     #: tool calls known from the source (trajectories); None: derived from the gap
     tools: tuple[ToolCall, ...] | None = None
 
@@ -58,12 +63,20 @@ class ObservedThread:
     parent: int | None = None
 
 
+def _grown(prev: ObservedCall, call: ObservedCall) -> int:
+    """The previous call's context as ``call`` re-sends it: its prompt, and its output unless
+    the client dropped it."""
+    if call.resends_reply is False:
+        return prev.prompt_tokens
+    return prev.prompt_tokens + prev.output_tokens
+
+
 def _context(prev: ObservedCall | None, call: ObservedCall, block_chars: int) -> int:
     p = call.prompt_tokens
     if prev is None or p <= 1:
         return 0
     if call.extends_previous:
-        return min(prev.prompt_tokens + prev.output_tokens, p - 1)
+        return min(_grown(prev, call), p - 1)
     if call.extends_previous is None and not call.block_hashes:
         # nothing tells what is shared: assume the transcript grew (the common agent loop)
         grown = prev.prompt_tokens + prev.output_tokens
@@ -138,7 +151,7 @@ def build_workflow(
             nxt = [items[j][3] for j in children[i] if items[j][1] == ti]
             result = None
             if nxt and nxt[0].extends_previous:
-                result = max(0, nxt[0].prompt_tokens - min(c.prompt_tokens + c.output_tokens,
+                result = max(0, nxt[0].prompt_tokens - min(_grown(c, nxt[0]),
                                                            nxt[0].prompt_tokens - 1))
             tools = (ToolCall(GAP_TOOL, round(gaps[i] or 0.0, 6), "unknown", result),)
         think = 0.0
