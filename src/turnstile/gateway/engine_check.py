@@ -9,19 +9,27 @@ need, logs one warning per engine and feature that is missing (or, for priority,
 confirmed), and keeps the verdicts for ``/metrics``
 (``turnstile_engine_config_warning{engine,feature}``).
 
+An engine declared with the wrong kind (``--engine URL,vllm`` in front of a llama.cpp server)
+is told by the endpoints only one kind answers (:attr:`EngineAdapter.signature`: llama.cpp's
+``/props`` and ``/slots``, vLLM's ``/version``, SGLang's ``/get_model_info``): one warning
+names the kind it answers as and the flag that declares it (:func:`check_kinds`).
+
 Retention on an engine that cannot pin (vLLM) is not an error: its decisions become no-ops there
 (the driver sends them only to adapters that act on them), and the log says so once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 
 from turnstile.gateway.adapters import EngineAdapter
+from turnstile.gateway.adapters.kinds import ADAPTERS, answers_as
 from turnstile.policies import PolicySet
 
-__all__ = ["check_engines", "context_limits", "max_model_lens", "policy_needs"]
+__all__ = ["check_engines", "check_kinds", "context_limits", "kind_warning", "max_model_lens",
+           "policy_needs"]
 
 log = logging.getLogger("turnstile.gateway")
 
@@ -117,3 +125,29 @@ def context_limits(policies: PolicySet, adapters: Mapping[str, EngineAdapter]
              f"context passes {n} tokens. Give the engines one limit (vLLM: --max-model-len; "
              "llama.cpp: -c / -np per slot).")
             for eid, n in limits.items()}
+
+
+def kind_warning(eid: str, adapter: EngineAdapter, found: str | None) -> str | None:
+    """The warning for an engine declared as ``adapter.kind`` that answers as ``found`` (None:
+    no warning — the kinds agree, or nothing told; the generic ``openai`` kind is never
+    wrong)."""
+    if found is None or adapter.kind in (found, "openai"):
+        return None
+    cls = ADAPTERS[found]
+    paths = " and ".join(f"GET {p}" for p, _ in cls.signature)
+    return (f"engine {eid} is declared as {adapter.kind} but answers as {found} ({paths}): "
+            f"its {adapter.kind} requests and checks do not fit it; declare it as "
+            f"--engine {adapter.base_url},{found} (kind = \"{found}\" in the config)")
+
+
+async def check_kinds(adapters: Mapping[str, EngineAdapter]) -> dict[str, str | None]:
+    """Engine → the warning logged when it answers as another kind than declared (None: no
+    warning). Logs each warning once, as one line."""
+    eids = list(adapters)
+    found = await asyncio.gather(*(answers_as(adapters[e]) for e in eids))
+    out = {}
+    for eid, kind in zip(eids, found, strict=True):
+        msg = out[eid] = kind_warning(eid, adapters[eid], kind)
+        if msg is not None:
+            log.warning("%s", msg)
+    return out

@@ -105,7 +105,8 @@ class _StateCollector(Collector):
         warning = GaugeMetricFamily(
             "turnstile_engine_config_warning",
             "1 when a chosen policy relies on an engine feature the engine ignores (or, for "
-            "priority, that cannot be confirmed); the gateway's log says which and why",
+            "priority, that cannot be confirmed), or (feature kind) when the engine answers "
+            "as another kind than declared; the gateway's log says which and why",
             labels=["engine", "feature"])
         for eid, verdicts in gw.engine_config.items():
             for feature, msg in verdicts.items():

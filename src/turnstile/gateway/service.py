@@ -41,7 +41,7 @@ from turnstile.gateway.affinity import (
 from turnstile.gateway.config import GatewayConfig
 from turnstile.gateway.driving import ReleaseDriver
 from turnstile.gateway.durability import Durability, OffsetClock
-from turnstile.gateway.engine_check import check_engines, max_model_lens
+from turnstile.gateway.engine_check import check_engines, check_kinds, max_model_lens
 from turnstile.gateway.estimate import TokenEstimator
 from turnstile.gateway.health import HealthMonitor
 from turnstile.gateway.logs import quiet_probe_logs
@@ -173,6 +173,8 @@ class Gateway(TurnLifecycle):
         await asyncio.gather(*(a.check_config() for a in self.adapters.values()),
                              return_exceptions=True)
         self.engine_config = check_engines(self.policies, self.adapters)
+        for eid, warning in (await check_kinds(self.adapters)).items():
+            self.engine_config[eid]["kind"] = warning
         self.engine_max_model_len = max_model_lens(self.adapters)
         for a in self.adapters.values():
             slots = getattr(a, "slots", None)  # llama.cpp: the slots the server reported

@@ -157,6 +157,9 @@ class EngineAdapter:
     """One engine behind the gateway. Subclasses override the engine-specific hooks only."""
 
     kind: ClassVar[str] = "openai"
+    #: what only this kind of engine answers (200): (path, a key of its JSON object, or
+    #: ``"[]"`` for a JSON array) — how the start-up check tells a wrongly declared kind
+    signature: ClassVar[tuple[tuple[str, str], ...]] = ()
     #: ``/metrics`` names for the scheduler's engine stats (first match wins)
     running_metrics: ClassVar[tuple[str, ...]] = ()
     waiting_metrics: ClassVar[tuple[str, ...]] = ()

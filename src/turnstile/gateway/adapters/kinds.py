@@ -20,7 +20,7 @@ from turnstile.gateway.adapters.base import (
 )
 
 __all__ = ["ADAPTERS", "LlamaCppAdapter", "OpenAIAdapter", "SglangAdapter", "VllmAdapter",
-           "make_adapter"]
+           "answers_as", "make_adapter"]
 
 
 # --------------------------------------------------------------------------- llama.cpp
@@ -49,6 +49,7 @@ class LlamaCppAdapter(EngineAdapter):
     """
 
     kind = "llama.cpp"
+    signature = (("/props", "total_slots"), ("/slots", "[]"))
     running_metrics = ("llamacpp:requests_processing",)
     waiting_metrics = ("llamacpp:requests_deferred",)
     counter_metrics: ClassVar[Mapping[str, str]] = {
@@ -183,6 +184,7 @@ class VllmAdapter(EngineAdapter):
     """
 
     kind = "vllm"
+    signature = (("/version", "version"),)
     running_metrics = ("vllm:num_requests_running",)
     waiting_metrics = ("vllm:num_requests_waiting",)
     kv_metrics = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
@@ -302,6 +304,7 @@ class SglangAdapter(EngineAdapter):
     """
 
     kind = "sglang"
+    signature = (("/get_model_info", "model_path"),)
     running_metrics = ("sglang:num_running_reqs",)
     waiting_metrics = ("sglang:num_queue_reqs",)
     kv_metrics = ("sglang:token_usage",)
@@ -348,6 +351,23 @@ ADAPTERS: dict[str, type[EngineAdapter]] = {
     "sglang": SglangAdapter,
     "openai": OpenAIAdapter,
 }
+
+
+async def answers_as(adapter: EngineAdapter) -> str | None:
+    """The kind of engine ``adapter``'s server answers as — the first kind (SGLang, llama.cpp,
+    vLLM) one of whose :attr:`~EngineAdapter.signature` endpoints it answers — or None (no
+    kind's: a generic OpenAI server, or nothing answered)."""
+    for cls in (SglangAdapter, LlamaCppAdapter, VllmAdapter):
+        for path, key in cls.signature:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                resp = await adapter.transport.get(path, timeout=5.0)
+                if resp.status_code != 200:
+                    continue
+                doc = resp.json()
+                if (isinstance(doc, list) if key == "[]" else
+                        isinstance(doc, dict) and key in doc):
+                    return cls.kind
+    return None
 
 
 def make_adapter(url: str, kind: str = "llama.cpp", **kw: Any) -> EngineAdapter:
