@@ -38,6 +38,7 @@ import numpy as np
 
 from turnstile.core.clock import Clock, WallClock
 from turnstile.core.state import TurnRecord, TurnState, WorkflowRecord
+from turnstile.transport import PROBE_HEADER
 from turnstile.transport.client import HttpTransport
 from turnstile.workload.model import Turn, Workflow
 
@@ -363,7 +364,8 @@ async def calibrate(transport: HttpTransport, model: str) -> float:
     counts = []
     for text in texts:
         r = await transport.post_json("/v1/chat/completions", {
-            "model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1})
+            "model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1},
+            headers={PROBE_HEADER: "1"})
         r.raise_for_status()
         counts.append(int(r.json()["usage"]["prompt_tokens"]))
     # the difference removes the chat template's fixed tokens

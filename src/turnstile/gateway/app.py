@@ -288,7 +288,7 @@ class GatewayApp:
             if session_end:
                 recorder.note_end(session_id)
         return TurnRequest(path, body, stream, session_id, ident.request_id, ident.tenant,
-                           ident.engine_hint)
+                           ident.engine_hint, ident.probe)
 
 
     async def _read_body(self, receive: Receive) -> bytes:

@@ -41,6 +41,8 @@ class Identity:
     engine_hint: str | None = None
     parent_session: str | None = None
     session_end: bool = False
+    #: ``x-turnstile-probe: 1``: a request that learns about the server (served, not recorded)
+    probe: bool = False
     content_length: int = -1
     #: where the session id came from (a header name, ``prompt_cache_key``, ``user``) or None
     session_source: str | None = None
@@ -79,6 +81,8 @@ def request_identity(headers: Iterable[tuple[bytes, bytes]], body: dict[str, Any
                 ident.parent_session = _str(v)
         elif k == b"x-turnstile-session-end":
             ident.session_end = v.strip().lower() in (b"1", b"true", b"yes")
+        elif k == b"x-turnstile-probe":
+            ident.probe = v.strip().lower() in (b"1", b"true", b"yes")
     for h in SESSION_HEADERS:
         if h in named:
             ident.session_id = named[h]

@@ -63,6 +63,8 @@ class TurnRequest:
     #: ``x-turnstile-engine``: the engine the client asks for (only the ``hinted`` routing
     #: policy acts on it)
     engine_hint: str | None = None
+    #: ``x-turnstile-probe``: served, never recorded (:mod:`.recorder`)
+    probe: bool = False
 
 
 @dataclass(slots=True)

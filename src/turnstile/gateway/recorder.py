@@ -33,7 +33,9 @@ torn last line can only come from a machine crash mid-write; the next ``--record
 same file cuts it off). Restarting on an existing file appends, keeping its header (origin
 time, hash block size).
 
-Turns that failed or whose client went away are not recorded. Times are the gateway's: a turn's
+Turns that failed or whose client went away are not recorded, nor probes: requests marked
+``x-turnstile-probe: 1`` (replay's tokenizer calibration, the gateway's own start-up check
+through another gateway), which only learn about the server. Times are the gateway's: a turn's
 start is when it became ready at the gateway (its arrival, or the end of the session's previous
 turn if the client sent it early), its end is when the engine's answer was complete.
 """

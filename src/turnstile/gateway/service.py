@@ -293,6 +293,7 @@ class Gateway(TurnLifecycle):
             # session itself stays, so a follow-up found through its keys continues it
             session.ephemeral = derived.new and one_turn(body)
         p.engine_hint = req.engine_hint
+        p.probe = req.probe
         if req.stream:
             opts = body.get("stream_options")
             p.client_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))

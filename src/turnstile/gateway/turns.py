@@ -172,7 +172,7 @@ class TurnLifecycle:
         else:
             s.context_tokens = rec.prompt_tokens + out
         s.attained_tokens += rec.prompt_tokens + out
-        if self.recorder is not None and not cancelled:
+        if self.recorder is not None and not cancelled and not p.probe:
             self.recorder.turn_finished(s.id, s.tenant, p.body, rec.ready_s, now, usage, out)
         if p.reply_text is not None and self.keys is not None and not cancelled:
             self.keys.reply(s.id, p.conversation[0], p.conversation[1], "".join(p.reply_text),

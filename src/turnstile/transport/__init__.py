@@ -13,4 +13,8 @@ It imports nothing of turnstile: every layer may use it.
 
 from turnstile.transport.retry import RetryRule, retry_async, retry_sync
 
-__all__ = ["RetryRule", "retry_async", "retry_sync"]
+__all__ = ["PROBE_HEADER", "RetryRule", "retry_async", "retry_sync"]
+
+#: marks a request turnstile sends to learn about a server (replay's tokenizer calibration, the
+#: gateway's start-up check), not to serve work: a gateway serves it and does not record it
+PROBE_HEADER = "x-turnstile-probe"

@@ -153,7 +153,9 @@ class HttpTransport:
                                 timeout=timeout if timeout is not None else self.control_timeout)
 
     async def post_json(self, path: str, body: Any, *,
-                        timeout: httpx.Timeout | float | None = None) -> httpx.Response:
-        return await self.client.post(self.base_url + path, json=body, headers=self.headers,
+                        timeout: httpx.Timeout | float | None = None,
+                        headers: Mapping[str, str] | None = None) -> httpx.Response:
+        hdrs = {**self.headers, **headers} if headers else self.headers
+        return await self.client.post(self.base_url + path, json=body, headers=hdrs,
                                       timeout=timeout if timeout is not None
                                       else self.control_timeout)

@@ -18,6 +18,7 @@ from turnstile.gateway.adapters.base import (
     EngineAdapter,
     ForwardHints,
 )
+from turnstile.transport import PROBE_HEADER
 
 __all__ = ["ADAPTERS", "LlamaCppAdapter", "OpenAIAdapter", "SglangAdapter", "VllmAdapter",
            "answers_as", "make_adapter"]
@@ -242,8 +243,9 @@ class VllmAdapter(EngineAdapter):
             notes["priority"] = f"engine option priority = {f['priority']}"
         if model is not None:
             with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError, TypeError):
-                resp = await self._post_json("/v1/completions", {
-                    "model": model, "prompt": "turnstile probe", "max_tokens": 1})
+                resp = await self.transport.post_json("/v1/completions", {
+                    "model": model, "prompt": "turnstile probe", "max_tokens": 1},
+                    headers={PROBE_HEADER: "1"})
                 if resp.status_code == 200:
                     usage = resp.json().get("usage") or {}
                     f["cached_tokens"] = isinstance(usage.get("prompt_tokens_details"), dict)
