@@ -215,7 +215,7 @@ def test_bench_suite_cli_writes_the_report(tmp_path: Path, monkeypatch: pytest.M
 
     seen: dict = {}
 
-    def tiny(name: str, policies=None, families=None, seed: int = 0) -> S.SuiteConfig:
+    def tiny(name: str, policies=None, families=None, seed: int = 0, **_ends) -> S.SuiteConfig:
         seen.update(name=name, policies=policies)
         return _tiny(["eager", *(policies or [])])
 
