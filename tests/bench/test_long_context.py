@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from turnstile.bench.families import get_family
@@ -39,7 +41,7 @@ def test_prompts_are_long_grow_by_small_inputs_and_stay_in_range():
     w = wfs[0]
     lead = _lead(w)
     assert len(lead) >= 6
-    for a, b in zip(lead, lead[1:], strict=False):
+    for a, b in itertools.pairwise(lead):
         ta, tb = w.turns[a], w.turns[b]
         assert tb.context_tokens in (ta.prompt_tokens + ta.output_tokens, 0)
 

@@ -10,8 +10,9 @@ distributions, one dimension moved away from the AgentCgroup fit at a time: turn
 (3–150), context growth per turn (100–5,000 tokens), starting context (1k–100k), tool-time tails
 (10 ms to minutes, heavy-tailed), long reasoning outputs; plus sub-agent fan-out (a DAG) and a
 closed-loop worker pool, and long-context coding-agent sessions
-(:mod:`turnstile.bench.long_context`). Real families need the shared traces (``$TURNSTILE_TRACES`` or
-``shared/traces`` beside the repository); where absent they are skipped and say so.
+(:mod:`turnstile.bench.long_context`). Real families need the shared traces
+(``$TURNSTILE_TRACES`` or ``shared/traces`` beside the repository); where absent they are
+skipped and say so.
 """
 
 from __future__ import annotations
