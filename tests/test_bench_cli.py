@@ -67,3 +67,16 @@ def test_load_levels():
     for bad in ("-1", "0", "heavy-ish"):
         with pytest.raises(ValueError):
             parse_load(bad)
+
+
+def test_bench_unannounced_ends_is_recorded_and_a_bad_idle_time_exits_2(tmp_path):
+    res = runner.invoke(app, ["bench", "--policies", "eager", "--workflows", "6", "--engines",
+                              "1", "--load", "0.3", "--unannounced-ends", "--session-idle-s",
+                              "60", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    d = json.loads((tmp_path / "results.json").read_text())
+    assert d["config"]["session_ends"] == "idle 60 s"
+    assert d["policies"][0]["metrics"]["workflows"] == 6
+    bad = runner.invoke(app, ["bench", "--workflows", "6", "--session-idle-s", "0"])
+    assert bad.exit_code == 2
+    assert "--session-idle-s must be > 0" in bad.output

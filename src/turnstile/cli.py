@@ -10,6 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from turnstile.core.session_idle import SESSION_IDLE_S
+
 app = typer.Typer(
     help="turnstile: a workflow-aware scheduler for agentic LLM workloads.",
     no_args_is_help=True,
@@ -291,8 +293,22 @@ def bench(
         bool, typer.Option("--save-detailed", help="Also write every workflow's and turn's "
                            "samples into results.json (to re-plot or recompute later)")
     ] = False,
+    unannounced_ends: Annotated[
+        bool | None, typer.Option("--unannounced-ends/--announced-ends",
+                                  help="Tell the policies nothing when a workflow ends: "
+                                  "sessions close by the gateway's idle rule "
+                                  "(--session-idle-s), as in production (default: announced "
+                                  "for a bench run; unannounced in the suite's gateway-facing "
+                                  "cells)")
+    ] = None,
+    session_idle_s: Annotated[
+        float, typer.Option(help="With --unannounced-ends: seconds idle after which a session "
+                            "closes (the gateway's session_idle_s)")
+    ] = SESSION_IDLE_S,
 ) -> None:
     """Simulate every policy on the same workload and compare them side by side (simulated)."""
+    if session_idle_s <= 0:
+        raise _fail(f"--session-idle-s must be > 0; got {session_idle_s:g}")
     if suite is not None:
         from turnstile.bench.suite import run_with_progress
 
@@ -317,7 +333,9 @@ def bench(
             raise _fail(str(e)) from None
         try:
             run_with_progress(suite, out or Path(f"robustness-{suite}"), policies=names,
-                              seed=seed, ray=ray, console=console)
+                              seed=seed, ray=ray, console=console,
+                              unannounced_ends=unannounced_ends is not False,
+                              session_idle_s=session_idle_s)
         except (RuntimeError, ValueError) as e:
             raise _fail(str(e)) from None
         return
@@ -368,6 +386,7 @@ def bench(
             check_out_dir(out)  # before the run (created last): a bad --out must not cost results
     except (ValueError, OSError) as e:
         raise _fail(str(e)) from None
+    idle = session_idle_s if unannounced_ends else None
     rate_txt = f"{trace_info['rate']:.3g}/s" if trace_info.get("rate") else "trace times"
     console.print(
         f"[bold]simulated[/] {len(wfs)} workflows from {trace_info['name']} "
@@ -388,12 +407,13 @@ def bench(
             wfs, specs, groups, on_policy_start=start,
             on_progress=lambda n: bar.update(task, completed=n),
             hash_block_tokens=trace_info.get("hash_block_tokens", 0),
-            detailed=save_detailed,
+            detailed=save_detailed, session_idle_s=idle,
         )
     render_table(results, console)
     if out is not None:
         config = runner.bench_config(
-            wspec, groups, specs, workload_sha256=runner.workload_digest(wfs)
+            wspec, groups, specs, workload_sha256=runner.workload_digest(wfs),
+            session_ends="announced" if idle is None else f"idle {idle:g} s",
         )
         path = write_results(out, results, config, trace_info)
         from turnstile.bench.html_report import write_html_report

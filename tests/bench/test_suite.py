@@ -179,7 +179,12 @@ def test_ray_backend_gives_the_local_results(tiny_doc: dict) -> None:
 # syn-tools-heavy at est x1.2 had TTFT P95 0.886x eager). A measured miss would be listed
 # here as (family, metric) -> its measured floor (the simulator is deterministic): held to
 # that level, not waived; a cell outside this list, or worse than its floor, fails.
-KNOWN_MISSES: dict[tuple[str, str], float] = {}
+# With the gateway-facing cells' ends unannounced (issue 36 item 2) the default misses three
+# cells (measured at f2c61ee, simulated); issue 36 item 1 (the stall fix) owns them.
+KNOWN_MISSES: dict[tuple[str, str], float] = {
+    ("aiperf-agentic-code", "mean"): 0.931, ("aiperf-agentic-code", "ttft_p95"): 0.895,
+    ("syn-closed-pool", "p95"): 0.930, ("syn-long-context", "p95"): 0.964,
+}
 
 
 @pytest.mark.slow
@@ -215,7 +220,7 @@ def test_bench_suite_cli_writes_the_report(tmp_path: Path, monkeypatch: pytest.M
 
     seen: dict = {}
 
-    def tiny(name: str, policies=None, families=None, seed: int = 0) -> S.SuiteConfig:
+    def tiny(name: str, policies=None, families=None, seed: int = 0, **_ends) -> S.SuiteConfig:
         seen.update(name=name, policies=policies)
         return _tiny(["eager", *(policies or [])])
 

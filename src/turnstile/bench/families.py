@@ -9,8 +9,10 @@ Synthetic families draw from a :class:`~turnstile.workload.synth_spec.SynthSpec`
 distributions, one dimension moved away from the AgentCgroup fit at a time: turns per session
 (3–150), context growth per turn (100–5,000 tokens), starting context (1k–100k), tool-time tails
 (10 ms to minutes, heavy-tailed), long reasoning outputs; plus sub-agent fan-out (a DAG) and a
-closed-loop worker pool. Real families need the shared traces (``$TURNSTILE_TRACES`` or
-``shared/traces`` beside the repository); where absent they are skipped and say so.
+closed-loop worker pool, and long-context coding-agent sessions
+(:mod:`turnstile.bench.long_context`). Real families need the shared traces
+(``$TURNSTILE_TRACES`` or ``shared/traces`` beside the repository); where absent they are
+skipped and say so.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from turnstile.bench.long_context import long_context_sessions
 from turnstile.workload import synth
 from turnstile.workload.model import ToolCall, Turn, Workflow
 from turnstile.workload.synth_spec import Dist, SynthSpec, ToolSpec
@@ -48,6 +51,10 @@ class Family:
     arrivals: str = "open"
     #: part of the ``--quick`` suite
     quick: bool = False
+    #: its sessions reach the gateway keyed (an agent's session id), which learns of their end
+    #: only by the idle rule: the suite's gateway-facing cells (ends unannounced). False for
+    #: request traces without session keys, whose one-turn sessions close at their answer
+    keyed: bool = True
 
     def sessions(self, n: int, seed: int) -> tuple[list[Workflow], dict[str, Any]]:
         """``n`` sessions (resampled with replacement from a trace when it has fewer), and
@@ -210,9 +217,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("tracelab", "real", "report", "TraceLab round_trace (2 sessions, resampled)",
            _trace("tracelab_example/round_trace.jsonl")),
     Family("mooncake-conv", "real", "tune", "Mooncake FAST'25 conversation trace (inferred "
-           "sessions, 1.5 turns each)", _trace("mooncake_fast25/conversation_trace.jsonl")),
+           "sessions, 1.5 turns each)", _trace("mooncake_fast25/conversation_trace.jsonl"),
+           keyed=False),
     Family("azure-conv", "real", "report", "Azure LLM 2023 conversation requests (single turns)",
-           _trace("azure_llm_2023_conv/AzureLLMInferenceTrace_conv.csv"), quick=True),
+           _trace("azure_llm_2023_conv/AzureLLMInferenceTrace_conv.csv"), quick=True,
+           keyed=False),
     # -- the importers' own formats (the repository's small fixtures)
     Family("mini-swe-agent", "importer", "report", "mini-swe-agent trajectories (test fixture, "
            "resampled)", _trace("tests/fixtures/traces/mini_swe_agent", root="repo")),
@@ -255,6 +264,10 @@ FAMILIES: tuple[Family, ...] = (
            _synth("reasoning", out=_ln(4_000, 0.8, 200, 32_000), turns=_ln(8, 0.4, 3, 30))),
     Family("syn-fanout", "synthetic", "report", "sub-agent fan-out: 2–8 sub-agents per "
            "session, joined", _fanout),
+    Family("syn-long-context", "synthetic", "report", "long-context coding agent: prompts "
+           "~100k tokens (median) growing towards 400k by hundreds of tokens a turn, short "
+           "outputs, think/tool gaps of seconds to minutes, sub-agents spawned mid-session",
+           long_context_sessions, quick=True),
     Family("syn-closed-pool", "synthetic", "report", "closed-loop worker pool running the "
            "AgentCgroup fit (load = workers)", _default_fit, arrivals="closed", quick=True),
 )

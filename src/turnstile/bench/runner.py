@@ -170,10 +170,13 @@ def run_bench(
     on_policy_start: Callable[[str], None] | None = None,
     on_progress: Callable[[int], None] | None = None,
     detailed: bool = False,
+    session_idle_s: float | None = None,
 ) -> list[dict[str, Any]]:
     """Run each policy spec on the same workflows; one result dict per policy.
 
     ``block_size``: the engines' KV block (their prefix cache reuses whole blocks).
+    ``session_idle_s``: workflow ends are not announced to the policies; sessions close by the
+    gateway's idle rule after this long (:class:`~turnstile.sim.cluster.ClusterSim`).
     ``detailed``: add every workflow's and turn's samples (``--save-detailed``,
     :mod:`turnstile.bench.detailed`)."""
     from turnstile.bench.detailed import DETAILED_KEY, TTFT_KEY, detailed_samples, ttft_samples
@@ -185,7 +188,8 @@ def run_bench(
         if on_policy_start is not None:
             on_policy_start(spec)
         res = run_sim(workflows, spec, groups, on_progress=on_progress,
-                      hash_block_tokens=hash_block_tokens, block_size=block_size)
+                      hash_block_tokens=hash_block_tokens, block_size=block_size,
+                      session_idle_s=session_idle_s)
         metrics = compute_metrics(
             res.workflows,
             engine_stats=res.engine_stats,

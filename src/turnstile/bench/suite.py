@@ -2,6 +2,13 @@
 loads, in one run (simulated). ``turnstile bench --suite quick|full`` and
 ``benchmarks/robustness.py`` run it; the report is :mod:`turnstile.bench.suite_report`.
 
+The gateway-facing cells — every family whose sessions reach the gateway keyed
+(:attr:`~turnstile.bench.families.Family.keyed`: agent sessions, the closed worker pool) — run
+with *unannounced ends* by default (``SuiteConfig.unannounced_ends``): the policies are not told
+when a workflow ends, and sessions close by the gateway's idle rule after ``session_idle_s``, as
+in production (:class:`~turnstile.sim.cluster.ClusterSim`). Request traces without session keys
+(the gateway closes a one-turn session at its answer) keep announced ends.
+
 A *cell* is (family, cluster, load); every policy runs on the cell's identical workload, and
 each is compared with ``eager`` on it (ratios eager / policy: > 1 is better than eager).
 
@@ -32,6 +39,7 @@ from typing import Any
 
 from turnstile.bench.families import FAMILIES, get_family
 from turnstile.bench.suite_backends import make_backend
+from turnstile.core.session_idle import SESSION_IDLE_S
 from turnstile.sim.engine_group import EngineGroup
 
 __all__ = [
@@ -115,11 +123,21 @@ class SuiteConfig:
     #: eager runs the saturation search may spend per (family, cluster)
     search_runs: int = 5
     seed: int = 0
+    #: the gateway-facing (keyed) families' workflow ends are not announced to the policies;
+    #: their sessions close after ``session_idle_s`` idle (the gateway's rule)
+    unannounced_ends: bool = True
+    session_idle_s: float = SESSION_IDLE_S
     extra: dict[str, Any] = field(default_factory=dict)
 
     def workflows_for(self, cluster: Cluster) -> int:
         n = self.workflows_per_engine * cluster.count
         return max(self.min_workflows, min(self.max_workflows, n))
+
+    def idle_for(self, family: str) -> float | None:
+        """The family's cells' ``session_idle_s`` (None: workflow ends are announced)."""
+        if self.unannounced_ends and get_family(family).keyed:
+            return self.session_idle_s
+        return None
 
 
 def _policies(policies: Iterable[str] | None) -> list[str]:
@@ -132,8 +150,19 @@ def _policies(policies: Iterable[str] | None) -> list[str]:
 
 
 def suite_config(name: str, policies: Iterable[str] | None = None,
-                 families: Iterable[str] | None = None, seed: int = 0) -> SuiteConfig:
-    """The ``quick`` (CI, ≤ 3 min on 2 cores) or ``full`` (≤ 20 min) suite."""
+                 families: Iterable[str] | None = None, seed: int = 0, *,
+                 unannounced_ends: bool = True,
+                 session_idle_s: float = SESSION_IDLE_S) -> SuiteConfig:
+    """The ``quick`` (CI, ≤ 3 min on 2 cores) or ``full`` (≤ 20 min) suite; ``unannounced_ends``
+    and ``session_idle_s`` as in :class:`SuiteConfig`."""
+    cfg = _suite_config(name, policies, families, seed)
+    cfg.unannounced_ends = unannounced_ends
+    cfg.session_idle_s = session_idle_s
+    return cfg
+
+
+def _suite_config(name: str, policies: Iterable[str] | None,
+                  families: Iterable[str] | None, seed: int) -> SuiteConfig:
     pols = _policies(policies)
     if name == "quick":
         fams = list(families) if families is not None else [f.name for f in FAMILIES if f.quick]
@@ -175,12 +204,13 @@ def _workload(family: str, cluster: Cluster, n: int, intensity: float, seed: int
 
 
 def _simulate(family: str, cluster: Cluster, n: int, intensity: float, policy: str,
-              seed: int) -> tuple[Any, dict[str, Any]]:
+              seed: int, session_idle_s: float | None = None) -> tuple[Any, dict[str, Any]]:
     from turnstile.sim.closed_loop import run_closed_loop
     from turnstile.sim.cluster import run_sim
 
     wfs, info = _workload(family, cluster, n, intensity, seed)
-    kw = {"hash_block_tokens": int(info.get("hash_block_tokens") or 0)}
+    kw: dict[str, Any] = {"hash_block_tokens": int(info.get("hash_block_tokens") or 0),
+                          "session_idle_s": session_idle_s}
     if get_family(family).arrivals == "closed":
         res = run_closed_loop(wfs, max(1, round(intensity)), policy, cluster.groups(), **kw)
     else:
@@ -214,8 +244,9 @@ def run_one(task: dict[str, Any]) -> dict[str, Any]:
 
     cluster = CLUSTERS[task["cluster"]]
     t0 = time.perf_counter()
+    idle = task.get("session_idle_s")
     res, _info = _simulate(task["family"], cluster, task["workflows"], task["intensity"],
-                           task["policy"], task["seed"])
+                           task["policy"], task["seed"], idle)
     gpu = load_gpu(cluster.gpu)
     m = compute_metrics(res.workflows, engine_stats=res.engine_stats, makespan_s=res.makespan_s,
                         gpu_price_per_h=gpu.price_per_hour, gpu_power_w=gpu.power_w,
@@ -236,6 +267,7 @@ def run_one(task: dict[str, Any]) -> dict[str, Any]:
         "queue_share": _queue_share(res.workflows),
         # recompute time (recomputed tokens at the engine's 8k-chunk prefill rate) / flow
         "recompute_share_est": recomputed * prefill_s_per_tok / flow_sum,
+        "session_ends": "announced" if idle is None else f"idle {idle:g} s",
         "sim_wall_s": time.perf_counter() - t0,
     }
 
@@ -262,6 +294,7 @@ def find_saturation(task: dict[str, Any]) -> dict[str, Any]:
     bisect (geometrically) with the runs left. Runs in a worker."""
     family, cluster = task["family"], CLUSTERS[task["cluster"]]
     n, seed, budget = task["workflows"], task["seed"], task["search_runs"]
+    idle = task.get("session_idle_s")
     closed = get_family(family).arrivals == "closed"
     est = _capacity(family, cluster, n, seed)
     t0 = time.perf_counter()
@@ -273,7 +306,7 @@ def find_saturation(task: dict[str, Any]) -> dict[str, Any]:
     def share(x: float) -> float:
         if closed:
             x = float(max(1, round(x)))
-        res, _ = _simulate(family, cluster, n, x, "eager", seed)
+        res, _ = _simulate(family, cluster, n, x, "eager", seed, idle)
         recomputed = sum(int(s.get("recomputed_tokens", 0)) for s in res.engine_stats.values())
         q = _queue_share(res.workflows) + _share_of_flow(res.workflows,
                                                           recomputed * prefill_s_per_tok)
@@ -327,7 +360,8 @@ def run_suite(config: SuiteConfig, *, ray: str | None = None, workers: int | Non
         for fam, cl in available:
             task = {"family": fam, "cluster": cl, "seed": config.seed,
                     "workflows": config.workflows_for(CLUSTERS[cl]),
-                    "search_runs": config.search_runs}
+                    "search_runs": config.search_runs,
+                    "session_idle_s": config.idle_for(fam)}
             h = backend.submit(find_saturation, task)
             kinds[h] = "search"
             pending.add(h)
@@ -361,7 +395,9 @@ def run_suite(config: SuiteConfig, *, ray: str | None = None, workers: int | Non
                    "default_policy": default_policy_spec()},
         "backend": backend.name, "wall_s": time.perf_counter() - t0,
         "families": [{"name": f.name, "kind": f.kind, "split": f.split, "describe": f.describe,
-                      "arrivals": f.arrivals} for f in FAMILIES
+                      "arrivals": f.arrivals,
+                      "session_ends": "announced" if config.idle_for(f.name) is None
+                      else "unannounced"} for f in FAMILIES
                      if f.name in {p[0] for p in config.pairs}],
         "skipped": skipped, "saturation": sorted(searches, key=lambda s: (s["family"],
                                                                           s["cluster"])),
@@ -381,7 +417,8 @@ def _cell_tasks(config: SuiteConfig, search: dict[str, Any]) -> list[dict[str, A
             tasks.append({"family": search["family"], "cluster": cluster.name,
                           "load": lp.label, "basis": lp.basis, "factor": lp.factor,
                           "intensity": intensity, "policy": pol, "seed": config.seed,
-                          "workflows": config.workflows_for(cluster)})
+                          "workflows": config.workflows_for(cluster),
+                          "session_idle_s": config.idle_for(search["family"])})
     return tasks
 
 
@@ -389,7 +426,8 @@ def run_with_progress(name: str, out_dir: str | os.PathLike[str], *,
                       policies: Iterable[str] | None = None,
                       families: Iterable[str] | None = None, seed: int = 0,
                       ray: str | None = None, workers: int | None = None,
-                      console: Any = None) -> dict[str, Any]:
+                      console: Any = None, unannounced_ends: bool = True,
+                      session_idle_s: float = SESSION_IDLE_S) -> dict[str, Any]:
     """Run a suite with a progress bar, write its report to ``out_dir`` and print the no-harm
     verdict per policy and half (what ``turnstile bench --suite`` and
     ``benchmarks/robustness.py`` call)."""
@@ -406,7 +444,8 @@ def run_with_progress(name: str, out_dir: str | os.PathLike[str], *,
     from turnstile.bench.suite_report import no_harm, write_suite
 
     con = console or Console(stderr=True)
-    config = suite_config(name, policies, families, seed)
+    config = suite_config(name, policies, families, seed, unannounced_ends=unannounced_ends,
+                          session_idle_s=session_idle_s)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=con, transient=True) as bar:
         task = bar.add_task(f"suite {name}", total=None)
@@ -417,7 +456,9 @@ def run_with_progress(name: str, out_dir: str | os.PathLike[str], *,
         doc = run_suite(config, ray=ray, workers=workers, on_progress=step)
     paths = write_suite(doc, out_dir)
     splits = {f["name"]: f["split"] for f in doc["families"]}
-    table = Table(title=f"robustness suite '{name}' (simulated): worst cell vs eager "
+    ends = (f"keyed sessions' ends unannounced, idle close {session_idle_s:g} s"
+            if unannounced_ends else "workflow ends announced")
+    table = Table(title=f"robustness suite '{name}' (simulated; {ends}): worst cell vs eager "
                   "(eager / policy; no harm: P95, mean ≥ 0.97, TTFT P95 ≥ 0.91)")
     for col in ("policy", "half", "worst P95", "worst mean", "worst TTFT P95", "misses"):
         table.add_column(col, justify="left" if col in ("policy", "half") else "right")

@@ -86,9 +86,16 @@ class Scheduler:
         self._ready: dict[TurnRecord, None] = {}
 
     # ------------------------------------------------------------------ events
-    def workflow_arrived(self, now: float, workflow: Workflow) -> list[Action]:
-        """A workflow whose turns are known (simulator, replay): its root turns become READY."""
+    def workflow_arrived(self, now: float, workflow: Workflow, *,
+                         announce_end: bool = True) -> list[Action]:
+        """A workflow whose turns are known (simulator, replay): its root turns become READY.
+
+        ``announce_end=False``: its end is learnt as a gateway learns a session's, only from
+        :meth:`close_session`: its last turn, once finished, stays paused (in ``TOOL``, its KV
+        retained) like any other, and the workflow finishes when the driver closes it."""
         wf = self._new_workflow(workflow.id, now, workflow.tenant, workflow)
+        if not announce_end:
+            wf.closed = False
         n = len(workflow.turns)
         wf.turns = [TurnRecord(wf, i, t) for i, t in enumerate(workflow.turns)]
         wf.remaining = n
@@ -229,8 +236,9 @@ class Scheduler:
         self._out_n += 1
         self.release.on_finished(rec, now)
         actions: list[Action] = []
-        if rec.turn.tools or wf.source is None:
-            # open sessions: the client may be running a tool; the next request tells
+        if rec.turn.tools or wf.source is None or (wf.remaining == 1 and not wf.closed):
+            # open sessions (and a last turn whose end is unannounced): the client may be
+            # running a tool; the next request tells
             rec.state = TurnState.TOOL
             if wf.paused_engine is not None:  # a DAG with several turns in tool calls
                 self._resume(wf)

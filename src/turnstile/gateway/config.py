@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from turnstile.core.session_idle import SESSION_IDLE_S
 from turnstile.policies import PolicySet
 
 __all__ = ["EngineConfig", "GatewayConfig", "load_config", "parse_engine_flag"]
@@ -98,7 +99,7 @@ class GatewayConfig:
     #: ... or while the state backend does not answer a ping within this
     ready_state_timeout_s: float = 1.0
     #: an idle session (no turn for this long) is closed: its flow time is recorded
-    session_idle_s: float = 300.0
+    session_idle_s: float = SESSION_IDLE_S
     #: forwarding attempts per turn (re-routes after an engine failure)
     max_attempts: int = 3
     connect_timeout_s: float = 2.0

@@ -31,6 +31,7 @@ from typing import Any
 
 from turnstile.core.actions import Action
 from turnstile.core.scheduler import Scheduler
+from turnstile.core.session_idle import idle_expired
 from turnstile.core.state import TurnState, set_kv_slots
 from turnstile.gateway.adapters import EngineAdapter, make_adapter
 from turnstile.gateway.affinity import (
@@ -392,7 +393,7 @@ class Gateway(TurnLifecycle):
         idle = self.config.session_idle_s
         actions: list[Action] = []
         for s in self.table.values():
-            if s.active is None and not s.waiters and now - s.last_active_s > idle:
+            if s.active is None and not s.waiters and idle_expired(now, s.last_active_s, idle):
                 actions.extend(self._close(s))
         if actions:
             self.apply(actions)

@@ -19,17 +19,12 @@ import contextlib
 from collections import deque
 from typing import Any
 
+from turnstile.core.session_idle import sweep_period_s
 from turnstile.core.state import TurnRecord, TurnState
 from turnstile.gateway.store import SessionRow
 from turnstile.workload.model import Turn
 
 __all__ = ["PendingTurn", "Session", "SessionTable", "sweep_period_s"]
-
-
-def sweep_period_s(session_idle_s: float) -> float:
-    """How often the gateway looks for sessions idle longer than ``session_idle_s`` (a closed
-    session is found up to one period late)."""
-    return min(1.0, max(session_idle_s / 4, 0.05))
 
 
 class Session:

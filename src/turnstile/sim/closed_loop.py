@@ -45,16 +45,15 @@ def run_closed_loop(
     first = [s.shifted(stagger_s * i / n0) for i, s in enumerate(sessions[:n0])]
     rest = iter(sessions[n0:])
     sim = ClusterSim(first, PolicySet.from_spec(spec), groups, **kw)
-    record = sim.scheduler.on_workflow_done
 
-    def next_session(wf: WorkflowRecord) -> None:
-        if record is not None:
-            record(wf)
+    def next_session(_wf: WorkflowRecord, end_s: float) -> None:
+        # from the moment the worker's session is over (what the worker knows), announced to
+        # the scheduler or not
         nxt = next(rest, None)
         if nxt is not None:
-            sim.submit([nxt.shifted(sim.now + think_s)])
+            sim.submit([nxt.shifted(end_s + think_s)])
 
-    sim.scheduler.on_workflow_done = next_session
+    sim.on_session_over = next_session
     res = sim.run()
     res.extra.update(closed_loop={"workers": workers, "think_s": think_s,
                                   "sessions": len(sessions)})

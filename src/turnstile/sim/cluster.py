@@ -3,6 +3,14 @@
 The driver feeds the core the same events the gateway does (arrivals, starts, first tokens,
 finishes, tool returns, engine stats) and carries out its actions (release to an engine with a
 priority, retain a session's KV during a tool call). It owns the only clock.
+
+By default the core is told the moment a workflow's last turn is over. The gateway is not: a
+real session ends silently, and the gateway closes it only once it has been idle for
+``session_idle_s`` (:mod:`turnstile.core.session_idle`). With ``session_idle_s`` set, the driver
+does the same: a workflow's last turn, once finished, stays paused (its KV retained, counted by
+the policies as any paused session) and the workflow is closed by the gateway's idle rule. The
+policies then see what the gateway would; the workflow's recorded finish (flow time, makespan)
+stays the moment its work really ended, as the gateway's own flow metric records it.
 """
 
 from __future__ import annotations
@@ -16,11 +24,21 @@ from typing import Any
 
 from turnstile.core.actions import Release
 from turnstile.core.scheduler import Scheduler
+from turnstile.core.session_idle import idle_close_s
 from turnstile.core.state import EngineLoad, TurnState, WorkflowRecord
 from turnstile.policies import PolicySet
 from turnstile.sim.engine import EngineModel, SimRequest, StepOutcome
 from turnstile.sim.engine_group import EngineGroup
-from turnstile.sim.event_loop import ARRIVE, KICK, POOL, STEP_END, TOOL_END, DriverEngine, EventLoop
+from turnstile.sim.event_loop import (
+    ARRIVE,
+    CLOSE,
+    KICK,
+    POOL,
+    STEP_END,
+    TOOL_END,
+    DriverEngine,
+    EventLoop,
+)
 from turnstile.sim.kernel import EventQueue
 from turnstile.sim.perf import PerfModel
 from turnstile.workload.model import Workflow
@@ -54,9 +72,23 @@ class ClusterSim(EventLoop):
         hash_block_tokens: int = 0,
         on_progress: Callable[[int], None] | None = None,
         fast_forward: bool = True,
+        session_idle_s: float | None = None,
     ) -> None:
         """``fast_forward`` lets an engine run the decode iterations in which nothing observable
-        happens as one event (:meth:`EngineModel.leap`); results are the same either way."""
+        happens as one event (:meth:`EngineModel.leap`); results are the same either way.
+
+        ``session_idle_s``: workflow ends are not announced; a workflow is closed by the
+        gateway's idle rule this long after its last turn (see the module docstring). None: the
+        core learns each end at once."""
+        if session_idle_s is not None and not session_idle_s > 0:
+            raise ValueError(f"session_idle_s must be > 0; got {session_idle_s}")
+        self._idle_s = session_idle_s
+        self._announce = session_idle_s is None
+        #: workflow id → when its work really ended (unannounced ends only)
+        self._true_end: dict[str, float] = {}
+        #: called with (workflow record, time) when a workflow's work ends — what its client
+        #: knows (the closed loop's next session starts from it), announced or not
+        self.on_session_over: Callable[[WorkflowRecord, float], Any] | None = None
         self.workflows = sorted(workflows, key=lambda w: w.arrival_s)
         self.policies = policies
         #: the engine models, in id order (``e0``, ``e1``...), and the driver's record of each
@@ -80,7 +112,7 @@ class ClusterSim(EventLoop):
                 loads.append(self._new_engine(g, perf))
         self.finished = []
         self.scheduler = Scheduler(
-            policies, loads, on_workflow_done=self.finished.append, forget_finished=True
+            policies, loads, on_workflow_done=self._workflow_done, forget_finished=True
         )
         self.queue = EventQueue()
         self._wake_at = -1.0
@@ -222,6 +254,25 @@ class ClusterSim(EventLoop):
         )
 
     # ------------------------------------------------------------ internals
+    def _workflow_done(self, wf: WorkflowRecord) -> None:
+        """The scheduler finished a workflow (announced, or closed by the idle rule)."""
+        end = self._true_end.pop(wf.id, None)
+        if end is not None:
+            wf.finished_s = end  # the policies saw the close; the record keeps the real end
+        elif self.on_session_over is not None:
+            self.on_session_over(wf, self.now)
+        self.finished.append(wf)
+
+    def _last_turn_over(self, now: float, rec: Any, end: float) -> None:
+        """Unannounced ends: the workflow's last turn finished at ``now`` and its work ends at
+        ``end`` (its last tool returned); the idle rule closes it later."""
+        wf = rec.workflow
+        self._true_end[wf.id] = end
+        assert self._idle_s is not None
+        self.queue.push(idle_close_s(now, self._idle_s), CLOSE, rec)
+        if self.on_session_over is not None:
+            self.on_session_over(wf, end)
+
     def _act(self, now: float, actions: list) -> None:
         for a in actions:
             e = self._by_id[a.engine]
@@ -312,6 +363,10 @@ class ClusterSim(EventLoop):
                                                 req.cached_tokens))
             if rec.state == TurnState.TOOL:
                 delay = rec.turn.tool_duration_s
+                if not self._announce and wf.remaining == 1 and wf.source is not None:
+                    # its last turn, and the end is not announced
+                    self._last_turn_over(now, rec, now + delay)
+                    continue
                 nxt = rec.index + 1
                 if wf.source is not None and nxt < len(wf.turns):
                     delay += wf.turns[nxt].turn.think_s

@@ -8,7 +8,8 @@ finishes (``_apply_outcome``). What the loop tracks of each engine is one
 
 Event kinds: an arrival (a workflow), a step end (an engine's step and its leap), a tool call's
 end (its turn record), a kick (an idle engine steps once every same-time release has landed), the
-scheduler's wakeup, and an engine joining the pool.
+scheduler's wakeup, an engine joining the pool, and a session closed by the gateway's idle rule
+(its last turn record; only where workflow ends are not announced).
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from turnstile.sim.engine import EngineModel, StepOutcome
 from turnstile.sim.kernel import EventQueue
 from turnstile.workload.model import Workflow
 
-__all__ = ["ARRIVE", "KICK", "POOL", "STEP_END", "TOOL_END", "WAKE", "DriverEngine", "EventLoop",
-           "StepEnd"]
+__all__ = ["ARRIVE", "CLOSE", "KICK", "POOL", "STEP_END", "TOOL_END", "WAKE", "DriverEngine",
+           "EventLoop", "StepEnd"]
 
 # event kinds (ints: cheap to compare)
-ARRIVE, STEP_END, TOOL_END, KICK, WAKE, POOL = range(6)
+ARRIVE, STEP_END, TOOL_END, KICK, WAKE, POOL, CLOSE = range(7)
 _NEVER = float("inf")
 
 
@@ -85,6 +86,8 @@ class EventLoop:
     _arr_t: float
     _on_progress: Callable[[int], None] | None
     _done_reported: int
+    #: whether the scheduler is told when a workflow's last turn is over (else: CLOSE events)
+    _announce: bool
 
     def _act(self, now: float, actions: list) -> None:
         raise NotImplementedError
@@ -174,6 +177,8 @@ class EventLoop:
             self._on_wake(now)
         elif kind == ARRIVE:
             self._on_arrive(now, payload)
+        elif kind == CLOSE:
+            self._on_close(now, payload)
         else:  # POOL: an engine joins
             self._on_pool(now, payload)
 
@@ -237,7 +242,13 @@ class EventLoop:
 
     def _on_arrive(self, now: float, wf: Workflow) -> None:
         """A workflow arrives: the scheduler readies its first turns."""
-        self._act(now, self.scheduler.workflow_arrived(now, wf))
+        self._act(now, self.scheduler.workflow_arrived(now, wf, announce_end=self._announce))
+        self._touched = True
+
+    def _on_close(self, now: float, rec: TurnRecord) -> None:
+        """The gateway's idle rule closes a session whose last turn is over (its end was not
+        announced): the scheduler and its policies learn of the end only now."""
+        self._act(now, self.scheduler.close_session(now, rec.workflow.id))
         self._touched = True
 
     def _on_tool_end(self, now: float, rec: TurnRecord) -> None:
