@@ -100,7 +100,8 @@ ProfileOpt = Annotated[Path | None, typer.Option(
     help="Fitted performance profile (default: roofline); a llama.cpp profile also "
     "simulates the engine's slots")]
 OutOpt = Annotated[Path | None, typer.Option("-o", "--out",
-                                             help="Write results.json and plots here")]
+                                             help="Write results.json, report.html and plots "
+                                             "here (tune: default tune-out)")]
 RayOpt = Annotated[str | None, typer.Option(
     help="--suite, tune: run cells on Ray (auto, local or an ADDRESS)")]
 
