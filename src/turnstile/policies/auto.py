@@ -59,6 +59,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Iterator
+from typing import ClassVar
 
 import numpy as np
 
@@ -71,6 +72,11 @@ from turnstile.policies.estimators import QuantileTracker, RecentWindow
 @RELEASE.register("auto")
 class AutoRelease(CvarRelease):
     name = "auto"
+    #: cvar's options that ``auto`` honours (the budget's are cvar's alone: auto has none)
+    inherited_options: ClassVar[tuple[str, ...]] = (
+        "alpha", "gamma", "kappa", "adapt_every", "kv_fill", "min_kv_fill", "max_kv_fill",
+        "target_context_miss", "gate", "done_pause_q", "min_pause_samples",
+    )
 
     def __init__(
         self,
