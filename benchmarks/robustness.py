@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 from turnstile.bench.suite import run_with_progress
+from turnstile.policies.spec import split_specs
 
 
 def _split(s: str | None) -> list[str] | None:
@@ -33,7 +34,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=None, help="local processes (default: cores)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    run_with_progress(a.suite, a.out, policies=_split(a.policies), families=_split(a.families),
+    pols = split_specs(a.policies) if a.policies else None
+    run_with_progress(a.suite, a.out, policies=pols, families=_split(a.families),
                       seed=a.seed, ray=a.ray, workers=a.workers)
 
 

@@ -337,13 +337,15 @@ def bench(
         # (compared by name: typer may ship its own click)
         source = ctx.get_parameter_source("policies")
         given = getattr(source, "name", "DEFAULT") != "DEFAULT"
-        names = [p for p in policies.split(",") if p.strip()] if given else None
+        from turnstile.policies.spec import split_specs
+
+        names = split_specs(policies) if given else None
         try:  # every flag before the suite's minutes of work
             from turnstile.bench.usage import check_out_dir
             from turnstile.policies import parse_policy_list
 
             if names is not None:
-                parse_policy_list(",".join(names))
+                parse_policy_list(policies)
             if ray is not None and ray not in ("auto", "local") and ":" not in ray:
                 raise ValueError(f"--ray {ray}: expected auto, local or a Ray cluster's "
                                  "ADDRESS (host:port)")
@@ -468,12 +470,29 @@ def tune(
 
 
 @app.command("policies")
-def list_policies() -> None:
-    """List the registered policies by kind."""
-    from turnstile.policies import DEFAULTS, all_policy_names
+def list_policies(
+    spec: Annotated[str | None, typer.Argument(
+        help="A policy spec (e.g. cvar:budget=fixed+ttl): show it resolved, every option")] = None,
+) -> None:
+    """List the registered policies by kind, or show one spec resolved: every policy with
+    every option's value (defaults included) and its declared type and range."""
+    from turnstile.policies import DEFAULTS, all_policy_names, resolved_spec
+    from turnstile.policies.spec import options_of
 
-    for kind, names in all_policy_names().items():
-        console.print(f"[bold]{kind}[/] (default {DEFAULTS[kind]}): {', '.join(names)}")
+    if spec is None:
+        for kind, names in all_policy_names().items():
+            console.print(f"[bold]{kind}[/] (default {DEFAULTS[kind]}): {', '.join(names)}")
+        return
+    try:
+        doc = resolved_spec(spec)
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    console.print(f"[bold]{spec}[/] = {doc['canonical']}", highlight=False)
+    for kind, pol in doc["policies"].items():
+        console.print(f"[bold]{kind}[/]: {pol['name']}", highlight=False)
+        for opt in options_of(kind, pol["name"]):
+            value = pol["options"][opt.name]
+            console.print(f"  {opt.name} = {value!r}    [dim]{opt.describe()}[/]", highlight=False)
 
 
 @app.command("version")

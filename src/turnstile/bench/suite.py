@@ -32,6 +32,7 @@ from typing import Any
 
 from turnstile.bench.families import FAMILIES, get_family
 from turnstile.bench.suite_backends import make_backend
+from turnstile.policies import resolved_spec
 from turnstile.sim.engine_group import EngineGroup
 
 __all__ = [
@@ -385,7 +386,8 @@ def run_suite(config: SuiteConfig, *, ray: str | None = None, workers: int | Non
         "simulated": True, "suite": config.name,
         "config": {**asdict(config), "pairs": [list(p) for p in config.pairs],
                    "saturation_queue_share": SATURATION_QUEUE_SHARE,
-                   "default_policy": default_policy_spec()},
+                   "default_policy": default_policy_spec(),
+                   "resolved_policies": {p: resolved_spec(p) for p in config.policies}},
         "backend": backend.name, "wall_s": time.perf_counter() - t0,
         "families": [{"name": f.name, "kind": f.kind, "split": f.split, "describe": f.describe,
                       "arrivals": f.arrivals} for f in FAMILIES
