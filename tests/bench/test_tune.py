@@ -187,3 +187,11 @@ def test_tune_writes_its_report_and_serve_accepts_the_chosen_spec(tmp_path, monk
     res = runner.invoke(app, [*argv, "--port", "0"])
     assert res.exit_code == 0, res.output
     assert f"policy={doc['chosen']}" in res.output and "app" in served
+
+
+def test_candidates_keep_a_spec_with_options_whole():
+    res = runner.invoke(app, ["tune", "--list", "--candidates",
+                              "cvar:budget=fixed,kv_fill=0.6,plas"])
+    assert res.exit_code == 0, res.output
+    specs = [ln.split()[0] for ln in res.output.splitlines()[1:] if ln.strip()]
+    assert specs == [BASELINE, "cvar:budget=fixed,kv_fill=0.6", "plas"]

@@ -22,8 +22,9 @@ def resolve_space(space: str, candidates: str | None) -> list[Candidate]:
     """``--candidates`` when given, else the named ``--space``; every spec checked with the
     policies' own parser. ValueError names the bad one."""
     from turnstile.policies import parse_policy_list
+    from turnstile.policies.spec import split_specs
 
-    cands = (custom_space(candidates.split(",")) if candidates is not None
+    cands = (custom_space(split_specs(candidates)) if candidates is not None
              else get_space(space))
     parse_policy_list(",".join(c.spec for c in cands))
     return cands

@@ -6,9 +6,10 @@ the first candidate: it is the baseline every other one must not harm.
 
 ``default``: each named release configuration on the default routing and retention, then the
 retention choices (``ttl``: Continuum's learned time-to-live; ``infercept``: keep, offload or
-drop by memory × time) and routing choices (``least-loaded``, ``composite``) on the release
-configurations they pair with. ``wide``: every release configuration × retention × routing
-(for the benchmark of how the search time grows with the space).
+drop by memory × time), a routing choice (``composite``) and a main option (``cvar-fixed``'s KV
+gate fill, ``name:key=value``) on the release configurations they pair with. ``wide``: every
+release configuration × retention × routing (for the benchmark of how the search time grows
+with the space).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def _default() -> list[Candidate]:
         Candidate("auto+ttl", "auto with learned TTL retention"),
         Candidate("cvar-fixed+ttl", "cvar-fixed with learned TTL retention"),
         Candidate("auto+infercept", "auto with keep / offload / drop retention"),
-        Candidate("auto+least-loaded", "auto with least-loaded routing"),
+        Candidate("cvar:budget=fixed,gate=fixed,kv_fill=0.65",
+                  "cvar-fixed with its KV gate at 65% fill (default 50%)"),
         Candidate("cvar-fixed+composite", "cvar-fixed with composite routing"),
     ]
     return out
