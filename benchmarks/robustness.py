@@ -17,6 +17,7 @@ import argparse
 
 from turnstile.bench.suite import run_with_progress
 from turnstile.core.session_idle import SESSION_IDLE_S
+from turnstile.policies.spec import split_specs
 
 
 def _split(s: str | None) -> list[str] | None:
@@ -42,7 +43,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.session_idle_s <= 0:
         ap.error("--session-idle-s must be > 0")
-    run_with_progress(a.suite, a.out, policies=_split(a.policies), families=_split(a.families),
+    pols = split_specs(a.policies) if a.policies else None
+    run_with_progress(a.suite, a.out, policies=pols, families=_split(a.families),
                       seed=a.seed, ray=a.ray, workers=a.workers,
                       unannounced_ends=not a.announced_ends, session_idle_s=a.session_idle_s)
 

@@ -89,6 +89,24 @@ def _load(path: Path, subset: str | None, progress: bool,
 #: more than this would not fit in a laptop's memory
 MAX_SYNTH_WORKFLOWS = 100_000
 
+# the workload and cluster flags bench and tune share (one definition each)
+EnginesOpt = Annotated[int, typer.Option(min=1, max=4096, help="Number of simulated engines")]
+GpuOpt = Annotated[str, typer.Option(help="GPU name (A100-80G, H100-SXM, H200, L40S)")]
+ModelOpt = Annotated[str, typer.Option(help="Model name, e.g. llama-3.1-8b")]
+TpOpt = Annotated[int, typer.Option(min=1, help="Tensor parallelism per engine")]
+WorkflowsOpt = Annotated[int, typer.Option(min=1, max=MAX_SYNTH_WORKFLOWS,
+                                           help="Workflows to simulate")]
+KvTokensOpt = Annotated[int | None, typer.Option(
+    min=1, help="KV capacity per engine in tokens (default: from GPU)")]
+ProfileOpt = Annotated[Path | None, typer.Option(
+    help="Fitted performance profile (default: roofline); a llama.cpp profile also "
+    "simulates the engine's slots")]
+OutOpt = Annotated[Path | None, typer.Option("-o", "--out",
+                                             help="Write results.json, report.html and plots "
+                                             "here (tune: default tune-out)")]
+RayOpt = Annotated[str | None, typer.Option(
+    help="--suite, tune: run cells on Ray (auto, local or an ADDRESS)")]
+
 _GROUP_BY_HELP = ("request logs: session field (dotted path), 'prefix' (shared message "
                   "prefixes) or 'auto'")
 
@@ -245,6 +263,33 @@ def traces_fit(
     console.print(f"wrote {out}: {spec.info}")
 
 
+def _engine_groups(gpu: str, model: str, tp: int, engines: int, kv_tokens: int | None,
+                   profile: Path | None):  # -> list[EngineGroup]
+    """The simulated cluster of ``bench``'s and ``tune``'s flags; a usage error exits 2."""
+    from turnstile.sim.cluster import EngineGroup
+
+    perf = None
+    slots: dict[str, int] = {}
+    if profile is not None:
+        from turnstile.sim.engine_profile import profile_for
+        from turnstile.sim.fitted_perf import FittedPerf
+
+        if not profile.is_file():
+            raise _fail(f"--profile {profile}: no such file")
+        try:
+            perf = FittedPerf.from_profile(profile)
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            why = str(e).replace(f"{profile}: ", "")
+            raise _fail(f"--profile {profile}: not a turnstile profile ({why})") from None
+        meta = perf.meta
+        n, per_slot = int(meta.get("n_parallel") or 0), int(meta.get("ctx_per_seq") or 0)
+        if profile_for(meta.get("engine_kind") or perf.engine).slot_limited and n and per_slot:
+            # the engine keeps one sequence per slot: simulate its slots, not paged KV
+            slots = {"kv_slots": n, "slot_tokens": per_slot, "max_num_seqs": n}
+    return [EngineGroup(gpu=gpu, model=model, tp=tp, count=engines, kv_tokens=kv_tokens,
+                        perf=perf, **slots)]
+
+
 @app.command("bench")
 def bench(
     ctx: typer.Context,
@@ -255,10 +300,10 @@ def bench(
         str, typer.Option(help="Comma-separated policy specs, e.g. eager,cvar+kv-affinity+ttl "
                           "(default: eager beside the default policy, auto)")
     ] = "eager,auto",
-    engines: Annotated[int, typer.Option(min=1, max=4096, help="Number of simulated engines")] = 2,
-    gpu: Annotated[str, typer.Option(help="GPU name (A100-80G, H100-SXM, H200, L40S)")] = "H100",
-    model: Annotated[str, typer.Option(help="Model name, e.g. llama-3.1-8b")] = "llama-3.1-8b",
-    tp: Annotated[int, typer.Option(min=1, help="Tensor parallelism per engine")] = 1,
+    engines: EnginesOpt = 2,
+    gpu: GpuOpt = "H100",
+    model: ModelOpt = "llama-3.1-8b",
+    tp: TpOpt = 1,
     load: Annotated[
         str, typer.Option(help="Offered load as a fraction of the estimated capacity: a number "
                           "or light (0.3), medium (0.7), high (1.2), overload (2.0); an "
@@ -267,28 +312,18 @@ def bench(
     rate: Annotated[
         float | None, typer.Option(help="Arrival rate in workflows/s (overrides --load)")
     ] = None,
-    workflows: Annotated[int, typer.Option(min=1, max=MAX_SYNTH_WORKFLOWS,
-                                           help="Workflows to simulate")] = 200,
+    workflows: WorkflowsOpt = 200,
     arrivals: Annotated[str, typer.Option(help="poisson or trace")] = "poisson",
-    kv_tokens: Annotated[
-        int | None, typer.Option(min=1, help="KV capacity per engine in tokens (default: "
-                                 "from GPU)")
-    ] = None,
-    profile: Annotated[
-        Path | None, typer.Option(help="Fitted performance profile (default: roofline); a "
-                                  "llama.cpp profile also simulates the engine's slots")
-    ] = None,
+    kv_tokens: KvTokensOpt = None,
+    profile: ProfileOpt = None,
     subset: Annotated[str | None, typer.Option(help="agentcgroup subset")] = None,
     seed: Annotated[int, typer.Option(min=0)] = 0,
-    out: Annotated[Path | None, typer.Option("-o", "--out",
-                                             help="Write results.json and plots here")] = None,
+    out: OutOpt = None,
     suite: Annotated[
         str | None, typer.Option(help="Run the robustness suite instead: quick (≤ 3 min) or "
                                  "full (every family, cluster and load; docs/robustness.md)")
     ] = None,
-    ray: Annotated[
-        str | None, typer.Option(help="--suite: run cells on Ray (auto, local or an ADDRESS)")
-    ] = None,
+    ray: RayOpt = None,
     save_detailed: Annotated[
         bool, typer.Option("--save-detailed", help="Also write every workflow's and turn's "
                            "samples into results.json (to re-plot or recompute later)")
@@ -318,13 +353,15 @@ def bench(
         # (compared by name: typer may ship its own click)
         source = ctx.get_parameter_source("policies")
         given = getattr(source, "name", "DEFAULT") != "DEFAULT"
-        names = [p for p in policies.split(",") if p.strip()] if given else None
+        from turnstile.policies.spec import split_specs
+
+        names = split_specs(policies) if given else None
         try:  # every flag before the suite's minutes of work
             from turnstile.bench.usage import check_out_dir
             from turnstile.policies import parse_policy_list
 
             if names is not None:
-                parse_policy_list(",".join(names))
+                parse_policy_list(policies)
             if ray is not None and ray not in ("auto", "local") and ":" not in ray:
                 raise ValueError(f"--ray {ray}: expected auto, local or a Ray cluster's "
                                  "ADDRESS (host:port)")
@@ -345,7 +382,6 @@ def bench(
     from turnstile.bench.report import render_table, write_results
     from turnstile.bench.usage import check_out_dir
     from turnstile.policies import parse_policy_list
-    from turnstile.sim.cluster import EngineGroup
 
     try:
         specs = parse_policy_list(policies)
@@ -357,26 +393,7 @@ def bench(
             raise ValueError(f"--subset {subset} needs --trace (an AgentCgroup trace)")
     except (ValueError, KeyError) as e:
         raise _fail(str(e)) from None
-    perf = None
-    slots: dict[str, int] = {}
-    if profile is not None:
-        from turnstile.sim.engine_profile import profile_for
-        from turnstile.sim.fitted_perf import FittedPerf
-
-        if not profile.is_file():
-            raise _fail(f"--profile {profile}: no such file")
-        try:
-            perf = FittedPerf.from_profile(profile)
-        except (ValueError, KeyError, TypeError, OSError) as e:
-            why = str(e).replace(f"{profile}: ", "")
-            raise _fail(f"--profile {profile}: not a turnstile profile ({why})") from None
-        meta = perf.meta
-        n, per_slot = int(meta.get("n_parallel") or 0), int(meta.get("ctx_per_seq") or 0)
-        if profile_for(meta.get("engine_kind") or perf.engine).slot_limited and n and per_slot:
-            # the engine keeps one sequence per slot: simulate its slots, not paged KV
-            slots = {"kv_slots": n, "slot_tokens": per_slot, "max_num_seqs": n}
-    groups = [EngineGroup(gpu=gpu, model=model, tp=tp, count=engines, kv_tokens=kv_tokens,
-                          perf=perf, **slots)]
+    groups = _engine_groups(gpu, model, tp, engines, kv_tokens, profile)
     wspec = runner.WorkloadSpec(trace=trace, workflows=workflows, rate=rate, load=load_frac,
                                 arrivals=arrivals, seed=seed, subset=subset)
     try:
@@ -434,13 +451,68 @@ def bench(
         console.print("wrote " + ", ".join(str(p) for p in wrote))
 
 
-@app.command("policies")
-def list_policies() -> None:
-    """List the registered policies by kind."""
-    from turnstile.policies import DEFAULTS, all_policy_names
+@app.command("tune")
+def tune(
+    trace: Annotated[str | None, typer.Option(
+        help="The workload to tune on: a serve --record recording, agent logs or a trace")]
+    = None,
+    engines: EnginesOpt = 2,
+    gpu: GpuOpt = "H100",
+    model: ModelOpt = "llama-3.1-8b",
+    tp: TpOpt = 1,
+    workflows: WorkflowsOpt = 300,
+    kv_tokens: KvTokensOpt = None,
+    profile: ProfileOpt = None,
+    out: OutOpt = None,
+    ray: RayOpt = None,
+    space: Annotated[str, typer.Option(help="Candidate space: default or wide (see --list)")]
+    = "default",
+    candidates: Annotated[str | None, typer.Option(
+        help="Comma-separated specs to search instead of --space (eager is always added)")]
+    = None,
+    seed: Annotated[int, typer.Option(min=0)] = 0,
+    list_: Annotated[bool, typer.Option("--list", help="List the candidate space and exit")]
+    = False,
+) -> None:
+    """Choose the policy for a workload by simulation: every candidate on the workload's
+    saturation ladder, no harm against eager in every cell, chosen on one half of the
+    sessions and reported on the other (simulated)."""
+    from turnstile.bench.tune_cli import list_space, tune_main
 
-    for kind, names in all_policy_names().items():
-        console.print(f"[bold]{kind}[/] (default {DEFAULTS[kind]}): {', '.join(names)}")
+    if list_:
+        list_space(space, candidates, console)
+        return
+    if trace is None:
+        raise _fail("tune needs --trace (a serve --record recording, agent logs or a trace)")
+    tune_main(trace=trace, groups=_engine_groups(gpu, model, tp, engines, kv_tokens, profile),
+              workflows=workflows, out=out, ray=ray, space=space, candidates=candidates,
+              seed=seed, console=console, err_console=err_console)
+
+
+@app.command("policies")
+def list_policies(
+    spec: Annotated[str | None, typer.Argument(
+        help="A policy spec (e.g. cvar:budget=fixed+ttl): show it resolved, every option")] = None,
+) -> None:
+    """List the registered policies by kind, or show one spec resolved: every policy with
+    every option's value (defaults included) and its declared type and range."""
+    from turnstile.policies import DEFAULTS, all_policy_names, resolved_spec
+    from turnstile.policies.spec import options_of
+
+    if spec is None:
+        for kind, names in all_policy_names().items():
+            console.print(f"[bold]{kind}[/] (default {DEFAULTS[kind]}): {', '.join(names)}")
+        return
+    try:
+        doc = resolved_spec(spec)
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    console.print(f"[bold]{spec}[/] = {doc['canonical']}", highlight=False)
+    for kind, pol in doc["policies"].items():
+        console.print(f"[bold]{kind}[/]: {pol['name']}", highlight=False)
+        for opt in options_of(kind, pol["name"]):
+            value = pol["options"][opt.name]
+            console.print(f"  {opt.name} = {value!r}    [dim]{opt.describe()}[/]", highlight=False)
 
 
 @app.command("version")

@@ -86,7 +86,7 @@ def test_policy_parameters_and_validation() -> None:
     ps = PolicySet.from_spec("fcfs-workflow", {"release": {"max_inflight_per_engine": 2}})
     assert ps.release.max_inflight_per_engine == 2  # type: ignore[attr-defined]
     assert ps.admission is ps.release  # fcfs-workflow still orders its own engine queues
-    with pytest.raises(ValueError, match="bad parameters for release policy 'eager'"):
+    with pytest.raises(ValueError, match="eager: unknown option 'nope'"):
         PolicySet.from_spec("eager", {"release": {"nope": 1}})
     with pytest.raises(ValueError, match="unknown policy kind"):
         PolicySet.from_spec("eager", {"planner": {}})

@@ -20,7 +20,8 @@ def released(actions) -> list[str]:
 
 def cvar_scheduler(budget_per_engine: float, engines: int = 1, **kw) -> Scheduler:
     ps = PolicySet.from_spec("cvar")
-    ps.release = CvarRelease(budget_per_engine=budget_per_engine, adapt=False, **kw)
+    ps.release = CvarRelease(budget_per_engine=budget_per_engine, budget="fixed", gate="fixed",
+                             **kw)
     return Scheduler(ps, [f"e{i}" for i in range(engines)])
 
 
@@ -71,7 +72,7 @@ def test_cvar_orders_started_workflows_by_shortest_work():
 
 def test_cvar_admits_new_workflows_oldest_first_while_kv_has_room():
     ps = PolicySet.from_spec("cvar")
-    ps.release = CvarRelease(budget_per_engine=1e9, adapt=False, kv_fill=1.0)
+    ps.release = CvarRelease(budget_per_engine=1e9, budget="fixed", gate="fixed", kv_fill=1.0)
     s = Scheduler(ps, [EngineLoad("e0", capacity_tokens=10_000)])
     assert released(s.workflow_arrived(0.0, one_turn("a", 6_000))) == ["a"]
     # 6000 + expected output released on e0: 'b' (5000 tokens) does not fit in 10k
@@ -92,7 +93,7 @@ def paused_sessions(s: Scheduler, names: list[str]) -> None:
 def slot_engine_scheduler(kv_slots: int) -> Scheduler:
     ps = PolicySet.from_spec("cvar")
     # a tiny KV fill: the token gate never has room, only the idle override can admit
-    ps.release = CvarRelease(budget_per_engine=1e9, adapt=False, kv_fill=0.001,
+    ps.release = CvarRelease(budget_per_engine=1e9, budget="fixed", gate="fixed", kv_fill=0.001,
                              min_kv_fill=0.001)
     return Scheduler(ps, [EngineLoad("e0", capacity_tokens=10_000, kv_slots=kv_slots)])
 
@@ -151,7 +152,7 @@ def test_cvar_takes_a_session_paused_longer_than_any_seen_as_done() -> None:
 
 
 def test_cvar_tail_weight_switches_on_past_the_quantile():
-    rel = CvarRelease(alpha=0.95, adapt=False)
+    rel = CvarRelease(alpha=0.95, budget="fixed", gate="fixed")
     rel.flow_q.q = 100.0  # pretend the online P95 of flow time is 100 s
     wf_old = WorkflowRecord("old", 0.0, "default", None)
     wf_new = WorkflowRecord("new", 50.0, "default", None)

@@ -11,7 +11,7 @@ from turnstile.core.state import (
     pause_session,
     report_stats,
 )
-from turnstile.policies import ROUTING
+from turnstile.policies import ROUTING, PolicySet
 from turnstile.workload import Turn
 
 
@@ -95,7 +95,7 @@ def test_shadow_load_steers_composite_and_least_loaded_shadow():
     pause_session(view["e0"], "other", 200_000)  # sessions paused in tool calls with KV on e0
     first = turn_of()
     assert ROUTING.create("composite").route(first, view, 0.0) == "e1"
-    assert ROUTING.create("composite-noshadow").route(first, view, 0.0) == "e0"
+    assert PolicySet.from_spec("eager+composite-noshadow").routing.route(first, view, 0.0) == "e0"
     assert ROUTING.create("least-loaded-shadow").route(first, view, 0.0) == "e1"
     assert ROUTING.create("least-loaded").route(first, view, 0.0) == "e0"
 

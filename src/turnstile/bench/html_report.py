@@ -18,7 +18,8 @@ from typing import Any
 from turnstile.bench.detailed import TTFT_KEY
 from turnstile.bench.report import format_count, format_seconds, p95_ratio
 
-__all__ = ["REPORT_FILE", "cdf_svg", "heatmap_html", "render_html", "write_html_report"]
+__all__ = ["REPORT_FILE", "cdf_svg", "heatmap_html", "html_table", "render_html",
+           "write_html_report"]
 
 REPORT_FILE = "report.html"
 _COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
@@ -48,6 +49,11 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], left: int = 1,
     body = "".join("<tr>" + "".join(cell("td", i, v) for i, v in enumerate(r)) + "</tr>"
                    for r in rows)
     return f'<table{f" class={cls}" if cls else ""}><tr>{head}</tr>{body}</table>'
+
+
+def html_table(header: Sequence[str], rows: Sequence[Sequence[Any]], left: int = 1) -> str:
+    """An HTML table of ``rows`` (escaped); the first ``left`` columns left-aligned."""
+    return _table(header, rows, left)
 
 
 def summary_rows(policies: Sequence[Mapping[str, Any]]) -> list[list[str]]:
@@ -231,9 +237,11 @@ def _config_rows(doc: Mapping[str, Any]) -> list[list[str]]:
 
 
 def render_html(doc: Mapping[str, Any], *, title: str | None = None,
-                policies: Sequence[Mapping[str, Any]] | None = None) -> str:
+                policies: Sequence[Mapping[str, Any]] | None = None,
+                intro: str = "") -> str:
     """The report of a ``results.json`` document. ``policies``: the in-memory results (with
-    their private samples for the CDF) when they are at hand, else ``doc["policies"]``."""
+    their private samples for the CDF) when they are at hand, else ``doc["policies"]``.
+    ``intro``: HTML placed right below the title (a caller's own summary, already escaped)."""
     simulated = bool(doc.get("simulated", True))
     label = "simulated" if simulated else "real engines (not simulated)"
     pols = list(policies if policies is not None else doc.get("policies") or [])
@@ -245,7 +253,7 @@ def render_html(doc: Mapping[str, Any], *, title: str | None = None,
              f'<h1>{_e(title)} <span class="sim">({_e(label)})</span></h1>',
              f'<p class="note">turnstile {_e(doc.get("turnstile_version", ""))}; schema '
              f'{_e(doc.get("schema", ""))} v{_e(doc.get("version", ""))}. Ratios are against '
-             "the first policy (&gt; 1: better than it).</p>"]
+             "the first policy (&gt; 1: better than it).</p>", intro]
     if pols:
         parts.append('<h2>Summary</h2>')
         parts.append(_table(SUMMARY_HEADER, summary_rows(pols), cls="summary"))
@@ -270,12 +278,14 @@ def render_html(doc: Mapping[str, Any], *, title: str | None = None,
 
 def write_html_report(out_dir: str | os.PathLike[str], doc: Mapping[str, Any], *,
                       title: str | None = None,
-                      policies: Sequence[Mapping[str, Any]] | None = None) -> Path:
-    """Write ``out_dir/report.html`` (atomically) and return its path."""
+                      policies: Sequence[Mapping[str, Any]] | None = None,
+                      intro: str = "") -> Path:
+    """Write ``out_dir/report.html`` (atomically) and return its path (``intro``: see
+    :func:`render_html`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / REPORT_FILE
     tmp = path.with_suffix(".html.tmp")
-    tmp.write_text(render_html(doc, title=title, policies=policies), encoding="utf-8")
+    tmp.write_text(render_html(doc, title=title, policies=policies, intro=intro), encoding="utf-8")
     tmp.replace(path)
     return path

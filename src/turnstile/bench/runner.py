@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from turnstile.policies import resolved_spec
 from turnstile.sim.cluster import EngineGroup, run_sim
 from turnstile.sim.roofline_perf import RooflinePerf, load_gpu, load_model
 from turnstile.workload import synth
@@ -224,6 +225,8 @@ def bench_config(spec: WorkloadSpec, groups: Sequence[EngineGroup], policies: Se
         "turnstile": __version__,
         "python": platform.python_version(),
         "policies": list(policies),
+        # every option of every policy, defaults included (the spec as it ran)
+        "resolved_policies": {p: resolved_spec(p) for p in policies},
         "workload": asdict(spec),
         "engines": [{k: v for k, v in asdict(g).items() if k != "perf"} for g in groups],
         **extra,

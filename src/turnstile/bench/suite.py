@@ -40,6 +40,7 @@ from typing import Any
 from turnstile.bench.families import FAMILIES, get_family
 from turnstile.bench.suite_backends import make_backend
 from turnstile.core.session_idle import SESSION_IDLE_S
+from turnstile.policies import resolved_spec
 from turnstile.sim.engine_group import EngineGroup
 
 __all__ = [
@@ -237,27 +238,20 @@ def _share_of_flow(records: list[Any], seconds: float) -> float:
     return seconds / flow_s if flow_s > 0 else 0.0
 
 
-def run_one(task: dict[str, Any]) -> dict[str, Any]:
-    """One policy on one cell's workload: a summary of its metrics (runs in a worker)."""
+def summarize_run(res: Any, groups: list[EngineGroup]) -> dict[str, Any]:
+    """A simulated run's summary: the flow-time, TTFT and hold percentiles, throughput,
+    prefix hits, recompute and the queue and recompute shares of flow time (what a cell keeps
+    per policy; the suite and ``turnstile tune`` alike)."""
     from turnstile.bench.metrics import compute_metrics
     from turnstile.sim.roofline_perf import load_gpu
 
-    cluster = CLUSTERS[task["cluster"]]
-    t0 = time.perf_counter()
-    idle = task.get("session_idle_s")
-    res, _info = _simulate(task["family"], cluster, task["workflows"], task["intensity"],
-                           task["policy"], task["seed"], idle)
-    gpu = load_gpu(cluster.gpu)
+    gpu = load_gpu(groups[0].gpu)
     m = compute_metrics(res.workflows, engine_stats=res.engine_stats, makespan_s=res.makespan_s,
                         gpu_price_per_h=gpu.price_per_hour, gpu_power_w=gpu.power_w,
                         num_gpus=res.num_gpus)
-    perf = cluster.groups()[0].build_perf()
-    prefill_s_per_tok = perf.step_time(8192, 0, 0) / 8192
     flow_sum = sum(m["_flow_times_s"]) or 1.0
     recomputed = m.get("recomputed_prefill_tokens") or 0
     return {
-        **{k: task[k] for k in ("family", "cluster", "load", "basis", "factor", "intensity",
-                                 "policy", "workflows")},
         "flow_p50_s": m["flow_time_s"]["p50"], "flow_p95_s": m["flow_time_s"]["p95"],
         "flow_mean_s": m["flow_time_s"]["mean"], "ttft_p95_s": m["ttft_s"]["p95"],
         "hold_p95_s": m["hold_s"]["p95"], "hold_max_s": m["hold_s"]["max"],
@@ -266,7 +260,34 @@ def run_one(task: dict[str, Any]) -> dict[str, Any]:
         "prefix_hit_rate": m["prefix_hit_rate"], "recomputed_prefill_tokens": recomputed,
         "queue_share": _queue_share(res.workflows),
         # recompute time (recomputed tokens at the engine's 8k-chunk prefill rate) / flow
-        "recompute_share_est": recomputed * prefill_s_per_tok / flow_sum,
+        "recompute_share_est": recomputed * prefill_s_per_token(groups) / flow_sum,
+    }
+
+
+def prefill_s_per_token(groups: list[EngineGroup]) -> float:
+    """Seconds one token of prefill takes at the first group's 8k-chunk rate."""
+    return groups[0].build_perf().step_time(8192, 0, 0) / 8192
+
+
+def eager_pressure(res: Any, groups: list[EngineGroup]) -> float:
+    """Queueing + recompute time as a share of flow time (summed over workflows): the
+    quantity whose crossing of :data:`SATURATION_QUEUE_SHARE` marks saturation."""
+    recomputed = sum(int(s.get("recomputed_tokens", 0)) for s in res.engine_stats.values())
+    return _queue_share(res.workflows) + _share_of_flow(res.workflows,
+                                                        recomputed * prefill_s_per_token(groups))
+
+
+def run_one(task: dict[str, Any]) -> dict[str, Any]:
+    """One policy on one cell's workload: a summary of its metrics (runs in a worker)."""
+    cluster = CLUSTERS[task["cluster"]]
+    t0 = time.perf_counter()
+    idle = task.get("session_idle_s")
+    res, _info = _simulate(task["family"], cluster, task["workflows"], task["intensity"],
+                           task["policy"], task["seed"], idle)
+    return {
+        **{k: task[k] for k in ("family", "cluster", "load", "basis", "factor", "intensity",
+                                 "policy", "workflows")},
+        **summarize_run(res, cluster.groups()),
         "session_ends": "announced" if idle is None else f"idle {idle:g} s",
         "sim_wall_s": time.perf_counter() - t0,
     }
@@ -288,35 +309,25 @@ def _capacity(family: str, cluster: Cluster, n: int, seed: int) -> float:
     return max(1.0, rate * sum(per) / len(per))
 
 
-def find_saturation(task: dict[str, Any]) -> dict[str, Any]:
-    """Search eager runs for the lowest intensity whose queue share passes the threshold:
-    from the capacity estimate, halve or double until the threshold is bracketed, then
-    bisect (geometrically) with the runs left. Runs in a worker."""
-    family, cluster = task["family"], CLUSTERS[task["cluster"]]
-    n, seed, budget = task["workflows"], task["seed"], task["search_runs"]
-    idle = task.get("session_idle_s")
-    closed = get_family(family).arrivals == "closed"
-    est = _capacity(family, cluster, n, seed)
-    t0 = time.perf_counter()
+def search_saturation(share: Callable[[float], float], estimate: float, budget: int, *,
+                      closed: bool = False) -> dict[str, Any]:
+    """The lowest intensity whose ``share(intensity)`` passes :data:`SATURATION_QUEUE_SHARE`:
+    from ``estimate``, quarter or quadruple until the threshold is bracketed, then bisect
+    (geometrically) with the ``budget`` probes left. ``closed``: intensities are worker
+    counts (rounded, each probed once)."""
     probes: list[tuple[float, float]] = []
 
-    perf = cluster.groups()[0].build_perf()
-    prefill_s_per_tok = perf.step_time(8192, 0, 0) / 8192
-
-    def share(x: float) -> float:
+    def probe(x: float) -> float:
         if closed:
             x = float(max(1, round(x)))
-        res, _ = _simulate(family, cluster, n, x, "eager", seed, idle)
-        recomputed = sum(int(s.get("recomputed_tokens", 0)) for s in res.engine_stats.values())
-        q = _queue_share(res.workflows) + _share_of_flow(res.workflows,
-                                                          recomputed * prefill_s_per_tok)
+        q = share(x)
         probes.append((x, q))
         return q
 
     lo, hi = 0.0, math.inf
-    x = est
+    x = estimate
     while len(probes) < budget:
-        if share(x) >= SATURATION_QUEUE_SHARE:
+        if probe(x) >= SATURATION_QUEUE_SHARE:
             hi = x
             x = x / 4 if lo == 0.0 else math.sqrt(lo * hi)
         else:
@@ -325,10 +336,27 @@ def find_saturation(task: dict[str, Any]) -> dict[str, Any]:
         if closed and max(1, round(x)) in {max(1, round(p)) for p, _ in probes}:
             break
     found = not math.isinf(hi)
-    sat = hi if found else max(lo, est)
-    return {"family": family, "cluster": cluster.name, "estimate": est, "saturation": sat,
+    return {"estimate": estimate, "saturation": hi if found else max(lo, estimate),
             "bracket": [lo, None if math.isinf(hi) else hi], "found": found,
-            "probes": [{"intensity": p, "queue_recompute_share": q} for p, q in probes],
+            "probes": [{"intensity": p, "queue_recompute_share": q} for p, q in probes]}
+
+
+def find_saturation(task: dict[str, Any]) -> dict[str, Any]:
+    """:func:`search_saturation` over eager runs of one (family, cluster). Runs in a
+    worker."""
+    family, cluster = task["family"], CLUSTERS[task["cluster"]]
+    n, seed, budget = task["workflows"], task["seed"], task["search_runs"]
+    idle = task.get("session_idle_s")
+    closed = get_family(family).arrivals == "closed"
+    est = _capacity(family, cluster, n, seed)
+    t0 = time.perf_counter()
+
+    def share(x: float) -> float:
+        res, _ = _simulate(family, cluster, n, x, "eager", seed, idle)
+        return eager_pressure(res, cluster.groups())
+
+    found = search_saturation(share, est, budget, closed=closed)
+    return {"family": family, "cluster": cluster.name, **found,
             "unit": "workers" if closed else "workflows/s",
             "search_wall_s": time.perf_counter() - t0}
 
@@ -392,7 +420,8 @@ def run_suite(config: SuiteConfig, *, ray: str | None = None, workers: int | Non
         "simulated": True, "suite": config.name,
         "config": {**asdict(config), "pairs": [list(p) for p in config.pairs],
                    "saturation_queue_share": SATURATION_QUEUE_SHARE,
-                   "default_policy": default_policy_spec()},
+                   "default_policy": default_policy_spec(),
+                   "resolved_policies": {p: resolved_spec(p) for p in config.policies}},
         "backend": backend.name, "wall_s": time.perf_counter() - t0,
         "families": [{"name": f.name, "kind": f.kind, "split": f.split, "describe": f.describe,
                       "arrivals": f.arrivals,

@@ -20,6 +20,7 @@ __all__ = [
     "CONTENTION_SHARE",
     "NO_HARM",
     "cells_from_runs",
+    "finite",
     "gains",
     "markdown_report",
     "no_harm",
@@ -270,13 +271,14 @@ def plot_heatmap(doc: Mapping[str, Any], path: str | Path) -> Path:
     return out
 
 
-def _finite(obj: Any) -> Any:
+def finite(obj: Any) -> Any:
+    """``obj`` with every non-finite float replaced by None (strict JSON)."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if isinstance(obj, Mapping):
-        return {k: _finite(v) for k, v in obj.items()}
+        return {k: finite(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return [_finite(v) for v in obj]
+        return [finite(v) for v in obj]
     return obj
 
 
@@ -288,12 +290,12 @@ def write_suite(doc: Mapping[str, Any], out_dir: str | Path) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     res = out / "results.json"
-    res.write_text(json.dumps(_finite(doc), separators=(",", ":"), allow_nan=False,
+    res.write_text(json.dumps(finite(doc), separators=(",", ":"), allow_nan=False,
                               default=str) + "\n", encoding="utf-8")
     md = out / "robustness.md"
     md.write_text(markdown_report(doc), encoding="utf-8")
     paths = {"results": res, "markdown": md,
-             "report": write_html_report(out, _finite(doc), title="turnstile robustness suite "
+             "report": write_html_report(out, finite(doc), title="turnstile robustness suite "
                                          f"'{doc.get('suite', '')}'")}
     with contextlib.suppress(ImportError):  # matplotlib is the plots extra; report.html has
         paths["heatmap"] = plot_heatmap(doc, out / "heatmap.png")  # the heat map anyway

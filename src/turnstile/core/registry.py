@@ -34,13 +34,16 @@ class Registry(Generic[T]):
         return deco
 
     def create(self, name: str, **kwargs: Any) -> T:
+        return self.factory(name)(**kwargs)
+
+    def factory(self, name: str) -> Callable[..., T]:
+        """The factory registered as ``name`` (raises :class:`UnknownNameError`)."""
         try:
-            factory = self._factories[name]
+            return self._factories[name]
         except KeyError:
             raise UnknownNameError(
                 f"unknown {self.kind} policy {name!r}; valid names: {', '.join(self.names())}"
             ) from None
-        return factory(**kwargs)
 
     def names(self) -> list[str]:
         return sorted(self._factories)

@@ -1,8 +1,10 @@
 """Policies behind the four core interfaces, registered by CLI name.
 
-A *policy spec* names one configuration: component names joined by ``+`` in any order, e.g.
-``eager`` or ``cvar+kv-affinity+ttl``. Each name is looked up in whichever registry holds it;
-kinds left out take their defaults. ``--policies`` takes several specs separated by commas.
+A *policy spec* names one configuration: components joined by ``+`` in any order, each a name
+with optional options, e.g. ``eager`` or ``cvar:budget=fixed+kv-affinity+ttl:max_ttl_s=30``.
+Each name is looked up in whichever registry holds it; kinds left out take their defaults.
+``--policies`` takes several specs separated by commas. The grammar, the declared options and
+the API a search uses are in :mod:`turnstile.policies.spec`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,16 @@ from turnstile.policies import (  # noqa: F401
     routing,
 )
 from turnstile.policies.base import ADMISSION, RELEASE, RETENTION, ROUTING
+from turnstile.policies.spec import (
+    Component,
+    Spec,
+    SpecError,
+    check_option,
+    configurations,
+    options_of,
+    parse,
+    split_specs,
+)
 
 DEFAULTS = {"release": "auto", "routing": "kv-affinity", "admission": "fcfs", "retention": "lru"}
 _BY_KIND: dict[str, Registry[Any]] = {
@@ -61,44 +73,27 @@ class PolicySet:
         *,
         router: RoutingPolicy | None = None,
     ) -> PolicySet:
-        """The one way to build a set: ``spec`` names the policies (``cvar+kv-affinity``),
-        ``params`` gives constructor arguments per kind (``{"release": {"budget": 8}}``, a
-        gateway's ``[policy.release]`` table), ``router`` an already-built routing policy
-        used in place of the one the spec names (a rollout ablation). Raises ValueError on an
-        unknown name or kind and on bad parameters."""
-        params = params or {}
-        for kind in params:
-            if kind not in _BY_KIND:
-                raise ValueError(f"unknown policy kind {kind!r}; valid: {', '.join(_BY_KIND)}")
-        chosen = dict(DEFAULTS)
-        given: dict[str, str] = {}
-        for raw in spec.split("+"):
-            name = raw.strip()
-            kinds = [k for k, reg in _BY_KIND.items() if name in reg]
-            if not kinds:
-                valid = ", ".join(f"{k}: {'/'.join(r.names())}" for k, r in _BY_KIND.items())
-                raise ValueError(f"unknown policy {name!r} in spec {spec!r}; valid names — {valid}")
-            kind = kinds[0]
-            if kind in given:
-                raise ValueError(
-                    f"spec {spec!r} names two {kind} policies: {given[kind]!r} and {name!r}"
-                )
-            given[kind] = name
-            chosen[kind] = name
+        """The one way to build a set: ``spec`` names the policies and their options
+        (``cvar:budget=fixed+kv-affinity``, grammar in :mod:`turnstile.policies.spec`),
+        ``params`` gives further option values per kind (``{"release": {"kv_fill": 0.6}}``, a
+        gateway's ``[policy.release]`` table; checked like the spec's), ``router`` an
+        already-built routing policy used in place of the one the spec names (a rollout
+        ablation). Raises :class:`~turnstile.policies.spec.SpecError` (a ValueError) on an
+        unknown name, kind or option and on a value out of range."""
+        parsed = resolve(spec, params)
+        comps = {c.kind: c for c in parsed.components}
 
         def make(kind: str) -> Any:
-            if kind not in params:
-                return _BY_KIND[kind].create(chosen[kind])
+            c = comps[kind]
             try:
-                return _BY_KIND[kind].create(chosen[kind], **params[kind])
+                return _BY_KIND[kind].create(c.name, **c.kwargs())
             except TypeError as e:
-                bad = f"bad parameters for {kind} policy {chosen[kind]!r}: {e}"
-                raise ValueError(bad) from None
+                raise SpecError(f"bad options for {kind} policy {c.name!r}: {e}") from None
 
         rel = make("release")
         # a release policy may declare the engine-queue order that goes with it (PLAS's
-        # levels); it applies unless the spec names an admission policy or gives it parameters
-        own = "admission" in given or "admission" in params
+        # levels); it applies unless the spec names an admission policy or gives it options
+        own = comps["admission"].named
         adm = None if own else rel.admission_order()
         return cls(
             release=rel,
@@ -109,9 +104,38 @@ class PolicySet:
         )
 
 
+def resolve(spec: str, params: Mapping[str, Mapping[str, Any]] | None = None) -> Spec:
+    """``spec`` parsed, with ``params`` merged into its components and every kind present
+    (those the spec leaves out at their defaults); raises SpecError."""
+    params = params or {}
+    for kind in params:
+        if kind not in _BY_KIND:
+            raise SpecError(f"unknown policy kind {kind!r}; valid: {', '.join(_BY_KIND)}")
+    parsed = parse(spec, _BY_KIND)
+    named = {c.kind: c for c in parsed.components}
+    comps = []
+    for kind, default in DEFAULTS.items():
+        c = named.get(kind)
+        base = c if c is not None else Component(kind, default, named=False)
+        if kind in params:
+            extra = params[kind]
+            declared = {o.name: o for o in options_of(kind, base.name)}
+            merged = dict(base.given)
+            merged.update({k: check_option(base.name, declared, k, v) for k, v in extra.items()})
+            base = Component(kind, base.name, merged, named=True)
+        comps.append(base)
+    return Spec(spec, tuple(comps))
+
+
+def registry_of(kind: str) -> Registry[Any]:
+    """The registry of policies of ``kind`` (release, routing, admission, retention)."""
+    return _BY_KIND[kind]
+
+
 def parse_policy_list(specs: str) -> list[str]:
-    """Split ``--policies a,b+c`` into specs, validating each; raises ValueError on unknowns."""
-    out = [s.strip() for s in specs.split(",") if s.strip()]
+    """Split ``--policies a,b:k=1,j=2+c`` into specs (:func:`split_specs`), validating each;
+    raises SpecError (a ValueError) on an unknown name or a bad option."""
+    out = split_specs(specs)
     if not out:
         raise ValueError("no policy given")
     for s in out:
@@ -119,8 +143,17 @@ def parse_policy_list(specs: str) -> list[str]:
     return out
 
 
+def resolved_spec(spec: str) -> dict[str, Any]:
+    """What ``results.json`` records for ``spec``: its canonical string and, per kind, the
+    policy's name and every option's value, defaults included."""
+    parsed = resolve(spec)
+    return {"spec": spec, "canonical": parse(spec, _BY_KIND).canonical(),
+            "policies": parsed.resolved(DEFAULTS)}
+
+
 def all_policy_names() -> dict[str, list[str]]:
-    return {k: r.names() for k, r in _BY_KIND.items()}
+    """Every name a spec may use, by kind (registered names and aliases)."""
+    return configurations(_BY_KIND)
 
 
 __all__ = [
@@ -134,6 +167,10 @@ __all__ = [
     "ReleasePolicy",
     "RetentionPolicy",
     "RoutingPolicy",
+    "SpecError",
     "all_policy_names",
     "parse_policy_list",
+    "registry_of",
+    "resolve",
+    "resolved_spec",
 ]

@@ -25,7 +25,13 @@ hold limits (600 s; 3,600 s at the gate) were fixed numbers unrelated to the wor
    sessions more than ``evict_share`` (10%) of their context over the last ``evict_window``
    (64) counted turns (counted as in rule 3) — or while every engine would queue the turn
    anyway (it waits here instead of in an engine's queue, where a later new workflow that
-   fits may pass it). Where nothing is evicted and an engine would start the turn, nothing is
+   fits may pass it). On a slot-limited engine whose slots all hold sessions, a slot held by
+   a session paused in a tool call can be taken (:meth:`reclaim_tokens`: that session
+   re-prefills its context, the cost :meth:`evict_cost_s` weighs); taking one counts as an
+   overflow, so the evictions it causes become evidence. A paused session may have ended
+   unannounced (a gateway learns of an end only from the client or after ``session_idle_s``):
+   on an idle engine a new workflow is held no longer than the re-prefill it saves.
+   Where nothing is evicted and an engine would start the turn, nothing is
    protected and no wait saved: a hold only moves first turns into the TTFT tail (measured
    before this rule, 2026-12-07: TTFT P95 0.79–0.89x eager in 4 of 21 quick-suite cells at
    light load, with sessions' turns staying where their KV is; with it, none of the 156 full
@@ -40,10 +46,12 @@ hold limits (600 s; 3,600 s at the gate) were fixed numbers unrelated to the wor
 4. **Holds are bounded by the workload's own times**: :meth:`hold_bound_s` — ``hold_frac`` x
    the median flow time (net of holds) of recent workflows, the started unfinished ones counted
    at their age so far (a lower bound of their flow time: without them the median was that of
-   the sessions short enough to have finished first), at least ``turn_hold_factor`` x the
-   median turn time (release -> finish), ``boot_hold_s`` before any turn finished. A turn held
-   that long goes, whatever the gate says. (``hold_frac`` 8, chosen on the tune half: on one
-   engine at 2x saturation 4 let new sessions in to thrash KV, 1.34x eager's P95 vs 2.23x.)
+   the sessions short enough to have finished first) — a session paused in a tool call at its
+   age when it paused, so that the bound does not grow with the wait it bounds —, at least
+   ``turn_hold_factor`` x the median turn time (release -> finish), ``boot_hold_s`` before
+   any turn finished. A turn held that long goes, whatever the gate says. (``hold_frac`` 8,
+   chosen on the tune half: on one engine at 2x saturation 4 let new sessions in to thrash
+   KV, 1.34x eager's P95 vs 2.23x.)
 5. **A hold may not set the TTFT tail**: first turns held past the TTFT P95 of the turns
    released at once may be at most ``ttft_tail_share`` (2.5%, half the tail a P95 leaves out)
    of all turns; once that share is spent, the bound drops to that P95.
@@ -59,6 +67,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Iterator
+from typing import ClassVar
 
 import numpy as np
 
@@ -67,10 +76,19 @@ from turnstile.policies.base import RELEASE
 from turnstile.policies.cvar import CvarRelease
 from turnstile.policies.estimators import QuantileTracker, RecentWindow
 
+#: the least cost of taking a paused session's slot (when the engine's prefill time is not
+#: known): not 0, which would pass the KV gate as "room without evicting anyone"
+_RECLAIM_EPS_S = 1e-6
+
 
 @RELEASE.register("auto")
 class AutoRelease(CvarRelease):
     name = "auto"
+    #: cvar's options that ``auto`` honours (the budget's are cvar's alone: auto has none)
+    inherited_options: ClassVar[tuple[str, ...]] = (
+        "alpha", "gamma", "kappa", "adapt_every", "kv_fill", "min_kv_fill", "max_kv_fill",
+        "target_context_miss", "gate", "done_pause_q", "min_pause_samples",
+    )
 
     def __init__(
         self,
@@ -139,6 +157,9 @@ class AutoRelease(CvarRelease):
         self._blocks: dict[str, tuple[tuple[int, ...], float]] = {}
         #: per engine: (paused tokens, paused sessions) -> KV paused sessions share, in tokens
         self._shared: dict[str, tuple[int, int, float, dict[int, int]]] = {}
+        #: when the first new workflow held at the gate has waited its eviction cost (it then
+        #: goes if an engine is idle)
+        self._gate_wake = math.inf
 
     # ------------------------------------------------------------ the bound
     def hold_bound_s(self, now: float) -> float:
@@ -167,8 +188,10 @@ class AutoRelease(CvarRelease):
         at, med = self._flow_cache
         if now - at < 1.0 and now >= at:
             return med
-        held = self._held_s
-        ages = [now - t - held.get(w, 0.0) for w, t in self._since.items()]
+        held, paused_at = self._held_s, self._paused_at
+        # a session paused in a tool call counts at its age when it paused: it may have
+        # ended unannounced, and a hold must not lengthen the bound it is held under
+        ages = [paused_at.get(w, now) - t - held.get(w, 0.0) for w, t in self._since.items()]
         med = float(np.median(np.concatenate((np.fromiter(ages, float),
                                               np.asarray(self._flow_p50.values(), float)))))
         self._flow_cache = (now, med)
@@ -272,15 +295,22 @@ class AutoRelease(CvarRelease):
             if not (e.healthy and e.accepting):
                 continue
             own = wf.paused_engine == e.id
+            reclaim = 0.0
             if not (own or e.has_free_slot):
-                continue
+                reclaim = self.reclaim_tokens(e)
+                if reclaim < 0:
+                    continue  # every slot runs a turn: it would queue here
             if e.capacity_tokens <= 0:
                 if e.queue_len <= 0:
-                    return 0.0
+                    return reclaim * e.prefill_s_per_token + _RECLAIM_EPS_S if reclaim else 0.0
                 continue
             free = e.capacity_tokens - e.outstanding_tokens  # what running work leaves
             if need > free:
                 continue  # it would queue here
+            if reclaim > 0:  # it takes a paused session's slot: that session re-prefills
+                best = min(best, max(reclaim, need + self.paused_kv(e) - free)
+                           * e.prefill_s_per_token + _RECLAIM_EPS_S)
+                continue
             # paused KV beyond what the engine holds (shared blocks once; a new session's prompt
             # net of the blocks it shares with the paused ones)
             if own:
@@ -292,10 +322,21 @@ class AutoRelease(CvarRelease):
             best = min(best, evicted * e.prefill_s_per_token)
         return best
 
+    @staticmethod
+    def reclaim_tokens(e: EngineLoad) -> float:
+        """On a slot-limited engine whose slots all hold sessions, the context (tokens) a new
+        session evicts by taking the slot of a paused one (their mean); -1 when no slot can be
+        taken (each runs a turn) or the engine is not slot-limited."""
+        n = len(e.cached_sessions)
+        if not e.kv_slots or not n or e.outstanding_turns >= e.kv_slots:
+            return -1.0
+        return e.paused_context_tokens / n
+
     def _watch_overflow(self, view: ClusterView, now: float) -> None:
         for e in view.values():
             cap = e.capacity_tokens
-            if cap > 0 and e.outstanding_tokens + self.paused_kv(e) > cap:
+            if (cap > 0 and e.outstanding_tokens + self.paused_kv(e) > cap) or (
+                    e.kv_slots and e.open_sessions > e.kv_slots):  # a paused session's slot taken
                 self._overflow_at[e.id] = now
 
     def _count_miss(self, turn: TurnRecord) -> None:
@@ -354,6 +395,7 @@ class AutoRelease(CvarRelease):
         not."""
         gate = self._gate
         skipped: list[tuple[int, TurnRecord]] = []
+        wake = math.inf
         while gate and len(skipped) < self.gate_scan:
             seq, turn = gate.popleft()
             if not self._valid(seq, turn):
@@ -364,12 +406,24 @@ class AutoRelease(CvarRelease):
                 cost = self.evict_cost_s(turn, view)  # 0: room; inf: every engine queues it
                 fits = ((self.evidence_gate and now - self._evicted_at > self.hold_bound_s(now)
                          and not math.isinf(cost))
-                        or (cost == 0.0 and self._fits_gate(turn, view)))
+                        or (cost == 0.0 and self._fits_gate(turn, view))
+                        # on an idle engine a wait longer than the re-prefill it saves is lost
+                        or (now - turn.ready_s >= cost and view.any_idle()))
             if fits:
                 yield self._take(seq, turn, now)
             else:
                 skipped.append((seq, turn))
+                if not math.isinf(cost):
+                    wake = min(wake, turn.ready_s + cost)
+        self._gate_wake = wake
         gate.extendleft(reversed(skipped))
+
+    def next_wakeup(self, now: float) -> float | None:
+        t = super().next_wakeup(now)
+        if self._gate and self._gate_wake > now and self._view is not None and (
+                self._view.any_idle()):
+            return self._gate_wake if t is None else min(t, self._gate_wake)
+        return t
 
     def on_finished(self, turn: TurnRecord, now: float) -> None:
         hashes = turn.turn.block_hashes

@@ -32,6 +32,7 @@ from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, WorkflowRe
 from turnstile.policies.base import ROUTING
 from turnstile.policies.estimators import LevelBounds, PrefixTree, RecentWindow, StagedUpdates
 from turnstile.policies.trajectory import (
+    STARTS,
     Levels,
     PeakContexts,
     Trajectory,
@@ -129,6 +130,7 @@ class CmlfqRouting:
     """
 
     name: ClassVar[str] = "cmlfq"
+    option_choices: ClassVar[dict[str, tuple[str, ...]]] = {"start": STARTS}
 
     def __init__(
         self,
@@ -289,6 +291,7 @@ class AdaptiveCmlfqRouting:
     """
 
     name: ClassVar[str] = "cmlfq-adaptive"
+    option_choices: ClassVar[dict[str, tuple[str, ...]]] = {"start": STARTS}
 
     def __init__(
         self,

@@ -106,6 +106,10 @@ class OutputEstimator:
 @RELEASE.register("cvar")
 class CvarRelease:
     name: ClassVar[str] = "cvar"
+    #: the choices of its str options (read by :mod:`turnstile.policies.spec`)
+    option_choices: ClassVar[dict[str, tuple[str, ...]]] = {
+        "budget": ("adaptive", "fixed", "none"), "gate": ("adaptive", "fixed", "none"),
+    }
 
     def __init__(
         self,
@@ -115,7 +119,7 @@ class CvarRelease:
         budget_per_engine: float = 65_536.0,
         min_budget_per_engine: float = 8_192.0,
         max_budget_per_engine: float = 1_048_576.0,
-        adapt: bool = True,
+        budget: str = "adaptive",
         target_wait_s: float = 0.5,
         target_p95_wait_s: float = 2.0,
         adapt_every: int = 8,
@@ -125,12 +129,16 @@ class CvarRelease:
         min_kv_fill: float = 0.2,
         max_kv_fill: float = 0.8,
         target_context_miss: float = 0.05,
-        kv_gate: bool = True,
+        gate: str = "adaptive",
         done_pause_q: float = 1.0,
         min_pause_samples: int = 20,
     ) -> None:
         if not 0.0 < alpha < 1.0:
             raise ValueError("alpha must be in (0, 1)")
+        if budget not in self.option_choices["budget"]:
+            raise ValueError(f"budget must be one of {self.option_choices['budget']}")
+        if gate not in self.option_choices["gate"]:
+            raise ValueError(f"gate must be one of {self.option_choices['gate']}")
         self.alpha = alpha
         self.tail_weight = 1.0 / (1.0 - alpha)
         self.gamma = gamma
@@ -138,7 +146,11 @@ class CvarRelease:
         self.budget_per_engine = budget_per_engine
         self.min_budget_per_engine = min_budget_per_engine
         self.max_budget_per_engine = max_budget_per_engine
-        self.adapt = adapt
+        #: released-work budget: "adaptive" (rule 3), "fixed" (B stays ``budget_per_engine``)
+        #: or "none" (no budget: only the gate and the hold limits hold turns)
+        self.budget_mode = budget
+        #: KV gate for new workflows: "adaptive" (``kv_fill`` adapts, rule 5), "fixed" or "none"
+        self.gate_mode = gate
         self.target_wait_s = target_wait_s
         self.target_p95_wait_s = target_p95_wait_s
         self.adapt_every = adapt_every
@@ -147,7 +159,7 @@ class CvarRelease:
         self.kv_fill = kv_fill
         self.min_kv_fill = min_kv_fill
         self.max_kv_fill = max_kv_fill
-        self.kv_gate = kv_gate
+        self.kv_gate = gate != "none"
         self.target_context_miss = target_context_miss
         self._miss = [0.0, 0.0]  # context tokens missed / expected in the cache since adapting
         #: a session paused in a tool call longer than this quantile of the last 256 pauses
@@ -194,6 +206,8 @@ class CvarRelease:
         return now - wf.arrival_s > self.flow_q.q
 
     def budget(self, view: ClusterView) -> float:
+        if self.budget_mode == "none":
+            return math.inf
         return self.budget_per_engine * len(view)
 
     def kv_room(self, view: ClusterView) -> float:
@@ -367,7 +381,7 @@ class CvarRelease:
         self._paused_at[turn.workflow.id] = now
         if turn.started_s >= 0:
             self._waits.append(turn.started_s - turn.released_s)
-        if self.adapt:
+        if self.budget_mode == "adaptive" or self.gate_mode == "adaptive":
             self._finished_since_adapt += 1
             if self._finished_since_adapt >= self.adapt_every and len(self._waits) >= 8:
                 self._finished_since_adapt = 0
@@ -397,13 +411,15 @@ class CvarRelease:
     def _adapt(self) -> None:
         waits = np.fromiter(self._waits, float)
         mean, p95 = float(waits.mean()), float(np.quantile(waits, 0.95))
-        if mean > self.target_wait_s or p95 > self.target_p95_wait_s:
+        if self.budget_mode != "adaptive":
+            pass
+        elif mean > self.target_wait_s or p95 > self.target_p95_wait_s:
             self.budget_per_engine = max(self.min_budget_per_engine, self.budget_per_engine * 0.8)
         elif self._n:
             self.budget_per_engine = min(self.max_budget_per_engine,
                                          self.budget_per_engine * 1.1)
         missed, expected = self._miss
-        if expected > 0:
+        if expected > 0 and self.gate_mode == "adaptive":
             self._miss = [0.0, 0.0]
             if missed > self.target_context_miss * expected:
                 self.kv_fill = max(self.min_kv_fill, self.kv_fill * 0.9)
@@ -439,14 +455,3 @@ class CvarRelease:
 
     def __len__(self) -> int:
         return self._n
-
-
-@RELEASE.register("cvar-fixed")
-class CvarFixedBudgetRelease(CvarRelease):
-    """``cvar`` with the budget B held fixed (the ablation the paper compares against)."""
-
-    name: ClassVar[str] = "cvar-fixed"
-
-    def __init__(self, **kw: float) -> None:
-        kw.setdefault("adapt", False)
-        super().__init__(**kw)  # type: ignore[arg-type]

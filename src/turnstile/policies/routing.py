@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from turnstile.core.state import ClusterView, EngineLoad, TurnRecord, WorkflowRecord
 from turnstile.policies.base import ROUTING
@@ -257,16 +257,6 @@ class CompositeRouting(StatelessRouting):
         return best
 
 
-@ROUTING.register("composite-noshadow")
-class CompositeNoShadowRouting(CompositeRouting):
-    """``composite`` with ``shadow=0``: paused sessions count as zero load (ablation)."""
-
-    name: ClassVar[str] = "composite-noshadow"
-
-    def __init__(self, *, shadow: float = 0.0, **kwargs: float) -> None:
-        super().__init__(shadow=shadow, **kwargs)
-
-
 @ROUTING.register("hinted")
 class HintedRouting:
     """Follow the client's engine choice: an outside router (e.g. a rollout manager's C-MLFQ)
@@ -278,6 +268,9 @@ class HintedRouting:
     """
 
     name: ClassVar[str] = "hinted"
+
+    option_choices: ClassVar[dict[str, Any]] = {
+        "fallback": lambda: tuple(n for n in ROUTING.names() if n != "hinted")}
 
     def __init__(self, *, fallback: str = "kv-affinity", **fallback_params: object) -> None:
         if fallback == "hinted":
