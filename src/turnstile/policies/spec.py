@@ -151,12 +151,13 @@ _RANGES: dict[str, dict[str, Any]] = {
     "evict_share": {"lo": 0.0, "hi": 1.0},
     "ttft_tail_share": {"lo": -1.0, "hi": 1.0},
     "reload_factor": {"lo": 0.0, "hi": 1.0},
+    "kv_saturation": {"lo": 0.0, "hi": 1.0, "lo_open": True},
     "split_ratio": {"lo": 1.0},
     "max_imbalance": {"lo": 1.0},
     "balance_rel": {"lo": 1.0},
 }
 _INT_FLOOR = {"adapt_every", "evict_window", "window", "gate_scan", "min_pause_samples",
-              "max_inflight_per_engine", "reset_idle_turns"}
+              "max_inflight_per_engine", "max_active"}
 
 
 def declare(kind: str, name: str, options: tuple[Option, ...],
