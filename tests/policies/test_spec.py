@@ -107,3 +107,15 @@ def test_auto_declares_the_cvar_options_it_honours_and_not_the_budget():
     keys = {o.name for o in options_of("release", "auto")}
     assert {"kv_fill", "gate", "hold_frac", "evidence_gate"} <= keys
     assert not keys & {"budget", "budget_per_engine", "target_wait_s", "hold_limit_s"}
+
+
+def test_main_values_start_with_the_default_and_lie_in_range():
+    opts = {o.name: o for o in options_of("release", "cvar")}
+    assert opts["budget"].main == ("adaptive", "fixed", "none")
+    assert opts["kv_fill"].main[0] == 0.5 and 0.8 in opts["kv_fill"].main
+    for kind, names in configurations(_BY_KIND).items():
+        for name in names:
+            for o in options_of(kind, name):
+                assert o.main and o.main[0] == o.default
+                for v in o.main:
+                    o.check(v)

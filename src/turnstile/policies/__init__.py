@@ -28,6 +28,7 @@ from turnstile.policies import (  # noqa: F401
     buckets,
     cmlfq,
     cvar,
+    field,
     gated,
     release,
     retention,

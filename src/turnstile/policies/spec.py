@@ -12,7 +12,8 @@ policy with some options fixed (``cvar-fixed`` = ``cvar:budget=fixed,gate=fixed`
 API for tools that search the policy space (``turnstile tune``):
 
 - :func:`configurations` — every registered name by kind, aliases included;
-- :func:`options_of` ``(kind, name)`` — the declared options of one configuration;
+- :func:`options_of` ``(kind, name)`` — the declared options of one configuration, each with
+  the few ``main`` values a search should try (:data:`MAIN`; the default first);
 - :func:`parse` ``(spec)`` — a :class:`Spec` (aliases resolved, values typed and checked);
 - :meth:`Spec.canonical` — the spec as a string that parses to the same policies (options that
   differ from the defaults only, sorted); :meth:`Spec.resolved` — every option with its value,
@@ -151,12 +152,24 @@ _RANGES: dict[str, dict[str, Any]] = {
     "evict_share": {"lo": 0.0, "hi": 1.0},
     "ttft_tail_share": {"lo": -1.0, "hi": 1.0},
     "reload_factor": {"lo": 0.0, "hi": 1.0},
+    "kv_saturation": {"lo": 0.0, "hi": 1.0, "lo_open": True},
     "split_ratio": {"lo": 1.0},
     "max_imbalance": {"lo": 1.0},
     "balance_rel": {"lo": 1.0},
 }
+#: the values a search tries first, by option name (the default is always among them)
+MAIN: dict[str, tuple[Any, ...]] = {
+    "budget": ("adaptive", "fixed", "none"),
+    "gate": ("adaptive", "fixed", "none"),
+    "kv_fill": (0.4, 0.5, 0.6, 0.8),
+    "hold_frac": (4.0, 8.0, 16.0),
+    "evidence_gate": (True, False),
+    "max_inflight_per_engine": (8, 16, 32),
+    "max_ttl_s": (30.0, 120.0),
+    "shadow": (0.0, 1.0),
+}
 _INT_FLOOR = {"adapt_every", "evict_window", "window", "gate_scan", "min_pause_samples",
-              "max_inflight_per_engine", "reset_idle_turns"}
+              "max_inflight_per_engine", "max_active"}
 
 
 def declare(kind: str, name: str, options: tuple[Option, ...],
@@ -200,7 +213,8 @@ def derive(factory: Callable[..., Any]) -> tuple[Option, ...]:
         elif kind is str:
             c = choices.get(p.name, ())
             rng = {"choices": tuple(c() if callable(c) else c)}
-        out.append(Option(p.name, kind, d, **rng))
+        main = tuple(dict.fromkeys((d, *MAIN.get(p.name, ()))))
+        out.append(Option(p.name, kind, d, main=main, **rng))
     return tuple(out)
 
 
