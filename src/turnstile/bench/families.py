@@ -9,8 +9,8 @@ Synthetic families draw from a :class:`~turnstile.workload.synth_spec.SynthSpec`
 distributions, one dimension moved away from the AgentCgroup fit at a time: turns per session
 (3–150), context growth per turn (100–5,000 tokens), starting context (1k–100k), tool-time tails
 (10 ms to minutes, heavy-tailed), long reasoning outputs; plus sub-agent fan-out (a DAG) and a
-closed-loop worker pool. Real families need the shared traces (``$TURNSTILE_TRACES`` or
-``shared/traces`` beside the repository); where absent they are skipped and say so.
+closed-loop worker pool. Real families need the real traces (``$TURNSTILE_TRACES`` or
+``traces/`` in the checkout: docs/traces.md); where absent they are skipped and say so.
 """
 
 from __future__ import annotations
@@ -164,7 +164,8 @@ def _trace(rel: str, subset: str | None = None, *, root: str = "traces",
         if root == "traces":
             base = traces_dir()
             if base is None:
-                raise FileNotFoundError("shared traces not found (set TURNSTILE_TRACES)")
+                raise FileNotFoundError("real traces not found (set TURNSTILE_TRACES or run "
+                                        "scripts/fetch_traces.sh)")
             path = base / rel
         elif root == "package":
             path = Path(str(resources.files("turnstile.bench").joinpath(rel)))
