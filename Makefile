@@ -21,8 +21,8 @@ demo: $(STAMP)
 	$(BIN)/python -m turnstile.demo --traces $(TRACES)
 
 # Every public trace the docs use, at its pinned commit, into traces/ (docs/traces.md).
-traces:
-	PYTHON=$(PYTHON) bash scripts/fetch_traces.sh traces
+traces: $(STAMP)
+	PYTHON=$(BIN)/python bash scripts/fetch_traces.sh traces
 
 # llama.cpp's llama-server, built once from source and cached under .cache/ (about 7 min on 2 cores).
 engine:

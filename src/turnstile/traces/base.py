@@ -86,14 +86,19 @@ def default_traces_dir() -> Path | None:
     checkout this package runs from (the folder holding ``pyproject.toml``; where
     ``scripts/fetch_traces.sh`` writes). None when that folder does not exist (or the package is
     installed outside a checkout and the variable is unset)."""
+    cand = traces_dir_setting()
+    return cand if cand is not None and cand.is_dir() else None
+
+
+def traces_dir_setting() -> Path | None:
+    """Where the real traces belong, whether or not they are there yet: ``$TURNSTILE_TRACES``,
+    else ``traces/`` in the checkout; None for an installed package with the variable unset."""
     env = os.environ.get(TRACES_ENV)
     if env:
-        p = Path(env)
-        return p if p.is_dir() else None
+        return Path(env)
     for parent in Path(__file__).resolve().parents:
         if (parent / "pyproject.toml").is_file():
-            cand = parent / DEFAULT_TRACES_SUBDIR
-            return cand if cand.is_dir() else None
+            return parent / DEFAULT_TRACES_SUBDIR
     return None
 
 
