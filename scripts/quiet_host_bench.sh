@@ -16,7 +16,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:?set OUT}"
-TRACE="${TRACE:-$TURNSTILE_TRACES/agentcgroup_swerebench_claude_code}"
+TRACE="${TRACE:-${TURNSTILE_TRACES:-traces}/agentcgroup_swerebench_claude_code}"
 LIMIT_S="${LIMIT_S:-540}"
 PY="${PY:-python3}"
 if [[ -d .whl ]]; then
