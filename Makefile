@@ -2,10 +2,11 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-TRACES ?= ../shared/traces
+# the real traces: traces/ in the checkout (`make traces` fetches them), else a sibling shared/traces
+TRACES ?= $(firstword $(wildcard traces ../shared/traces) traces)
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck engine redis chromium vllm clean compiled test-compiled test-verl
+.PHONY: demo traces test lint typecheck engine redis chromium vllm clean compiled test-compiled test-verl
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -15,9 +16,13 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# The main job: a side-by-side bench on a real shared trace (synthetic when ../shared is absent).
+# The main job: a side-by-side bench on a real trace (synthetic when the traces are absent).
 demo: $(STAMP)
 	$(BIN)/python -m turnstile.demo --traces $(TRACES)
+
+# Every public trace the docs use, at its pinned commit, into traces/ (docs/traces.md).
+traces: $(STAMP)
+	PYTHON=$(BIN)/python bash scripts/fetch_traces.sh traces
 
 # llama.cpp's llama-server, built once from source and cached under .cache/ (about 7 min on 2 cores).
 engine:
@@ -43,6 +48,7 @@ test: $(STAMP) engine redis vllm chromium typecheck
 	TURNSTILE_LLAMA_SERVER="$$(bash scripts/build_llama_server.sh | tail -n 1)" \
 	TURNSTILE_REDIS_SERVER="$$(bash scripts/install_redis.sh | tail -n 1)" \
 	TURNSTILE_CHROMIUM="$$(bash scripts/install_chromium.sh 2>/dev/null | tail -n 1)" \
+	TURNSTILE_TRACES="$${TURNSTILE_TRACES:-$(abspath $(TRACES))}" \
 		$(BIN)/pytest -q --timeout=600
 
 # Opt-in: the simulator's hot modules compiled with mypyc into their own venv, .venv-compiled

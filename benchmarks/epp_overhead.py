@@ -22,7 +22,7 @@ Measured:
 
     .venv/bin/python benchmarks/epp_overhead.py --out benchmarks/results/epp_overhead
 
-Goal (DESIGN.md): ≤ 1 ms added P50 per decision on loopback.
+Goal (docs/design.md): ≤ 1 ms added P50 per decision on loopback.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ host was quiet, its speed the same at every check (:mod:`turnstile.calibrate.ste
 Writes ``fidelity.md``, ``fidelity.json``, ``fidelity_pairs.json`` and
 ``fidelity_scatter.png`` to ``--out``. About 8 minutes with the
 defaults and ``--noise-floor``. Needs the llama-server binary (``make engine``) and
-``../shared/traces``.
+the real traces (``$TURNSTILE_TRACES``; ``scripts/fetch_traces.sh``).
 """
 
 from __future__ import annotations

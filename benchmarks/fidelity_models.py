@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,7 +58,7 @@ from turnstile.calibrate.replay import assign_round_robin
 from turnstile.sim.fitted_perf import FittedPerf
 from turnstile.sim.perf import FEATURES
 from turnstile.sim.profile_fit import fit_profile
-from turnstile.traces import load_trace
+from turnstile.traces import default_traces_dir, load_trace
 
 
 def real_observed(turn_log: list[list], arrivals: dict[str, float]) -> Observed:
@@ -144,14 +145,17 @@ def main(argv: list[str] | None = None) -> int:
                     "each profile's measured value, 0 in runs from before it was measured)")
     ap.add_argument("--trace", type=Path, default=None,
                     help="the trace the run replayed (default: the run's own path, else the "
-                    "trace of that name in ../shared/traces)")
+                    "trace of that name in $TURNSTILE_TRACES)")
     args = ap.parse_args(argv)
     doc = json.loads((args.run / "fidelity.json").read_text())
     setup = doc["setup"]
     scale = TraceScale(**setup["scale"])
-    trace = args.trace or Path(setup["trace"])
-    if not trace.exists():  # a run from another machine: the same trace in ../shared here
-        trace = Path(__file__).resolve().parents[2] / "shared" / "traces" / trace.name
+    trace = args.trace or Path(os.path.expandvars(setup["trace"]))
+    if not trace.exists():  # a run from another machine: the trace of that name here
+        traces = default_traces_dir()
+        if traces is None:
+            raise SystemExit(f"{trace} not found: set TURNSTILE_TRACES or pass --trace")
+        trace = traces / trace.name
     workflows = load_trace(trace, subset=setup["subset"]).workflows
     sessions = select_sessions(workflows, doc["sessions"], scale, seed=0)
     engine = SimEngineSpec(**doc["engine"])

@@ -18,8 +18,8 @@ asyncio HTTP/1.1 client with keep-alive connections in this process. Measured:
 
     .venv/bin/python benchmarks/gateway_overhead.py --out benchmarks/results/gateway_overhead
 
-Prints a table and writes ``gateway_overhead.json`` to ``--out``. Goal (DESIGN.md): ≤ 2 ms added
-P50 and ≥ 1,000 requests/s.
+Prints a table and writes ``gateway_overhead.json`` to ``--out``. Goal (docs/design.md): ≤ 2 ms
+added P50 and ≥ 1,000 requests/s.
 """
 
 from __future__ import annotations

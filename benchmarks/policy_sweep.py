@@ -33,8 +33,6 @@ from turnstile.workload import synth
 from turnstile.workload.model import Workflow
 from turnstile.workload.synth_spec import Dist, SynthSpec, ToolSpec
 
-TRACES = Path("/work/shared/traces")
-
 
 def _spec(name: str, turns: float, first: float, growth: float, out: float, tool_s: float,
           tool_sigma: float = 1.2, out_sigma: float = 0.8, turns_sigma: float = 0.5,
@@ -101,10 +99,14 @@ def _base(family: str) -> tuple[list[Workflow], int]:
     if family in SYNTH:
         return synth.generate(SYNTH[family], 400, 7), 0
     path, subset, _ = REAL[family]
-    from turnstile.traces import load_trace
+    from turnstile.traces import default_traces_dir, load_trace
 
+    traces = default_traces_dir()
+    if traces is None:
+        raise SystemExit(f"{family}: the real traces were not found (set TURNSTILE_TRACES, or "
+                         "run scripts/fetch_traces.sh; docs/traces.md)")
     kw = {"subset": subset} if subset else {}
-    loaded = load_trace(TRACES / path, **kw)
+    loaded = load_trace(traces / path, **kw)
     return loaded.workflows, loaded.hash_block_tokens
 
 

@@ -218,7 +218,8 @@ def repredict_main(args: argparse.Namespace) -> int:
     if args.kv_model is None:
         args.kv_model = "paged" if setup.get("engine") == "vllm" else "slots"
     scale = TraceScale(**setup["scale"])
-    sessions = _sessions(Path(setup["trace"]), setup["subset"], setup["trace_sessions"],
+    trace = Path(os.path.expandvars(setup["trace"]))  # stored as $TURNSTILE_TRACES/...
+    sessions = _sessions(trace, setup["subset"], setup["trace_sessions"],
                          setup["synth_sessions"], scale, setup.get("seed", 0))
     perf = FittedPerf.from_profile(src / "profile.json")
     stored = dict(run["engines"])

@@ -10,19 +10,19 @@ Scenarios (all single-threaded Python, so one core; ``--pin CPU`` pins the proce
   ``benchmarks/engine_speed.py``).
 * **full stack, request trace**: :class:`~turnstile.sim.cluster.ClusterSim` (event kernel +
   scheduler core + eager policy + one engine) on independent one-turn requests: the first N rows
-  of the Azure LLM 2023 conversation trace (``../shared/traces/azure_llm_2023_conv``; a seeded
+  of the Azure LLM 2023 conversation trace (``$TURNSTILE_TRACES/azure_llm_2023_conv``; a seeded
   synthetic stream where absent), prompt + output clipped to 4,096 tokens (Vidur's Llama-3-8B
   context). This is the trace fed to Vidur, read back from the very CSV Vidur reads.
 * **full stack, agent sessions**: the same stack on AgentCgroup SWE-rebench sessions
-  (``../shared/traces/agentcgroup_swerebench_claude_code``; the built-in synthetic generator
+  (``$TURNSTILE_TRACES/agentcgroup_swerebench_claude_code``; the built-in synthetic generator
   where absent) superimposed on Poisson arrivals at offered load 0.7 on two H100 engines, exactly
   as ``turnstile bench --engines 2`` builds its workload.
 * **Vidur** (``--vidur``): the request trace through Vidur 0.0.26 in its own throwaway venv
   (``benchmarks/vidur/``; created with ``benchmarks/vidur/setup_venv.sh``), with a synthetic
   roofline profile, the Sarathi scheduler at the same batch cap and token budget; its event loop
   is timed inside its process, apart from imports, predictor training and output writing.
-  Without ``--vidur``, or when Vidur cannot run, the ratio is taken against the DESIGN.md anchor
-  (280-400 simulated requests/s) and labelled so.
+  Without ``--vidur``, or when Vidur cannot run, the ratio is taken against the docs/design.md
+  anchor (280-400 simulated requests/s) and labelled so.
 
 * **scaling** (``--scaling``, done by ``benchmarks/sim_scaling.py``): the full stack on a seeded
   synthetic request stream shaped like the request trace at 10k, 100k and 1M requests.
@@ -68,7 +68,7 @@ TRACES = REPO.parent / "shared" / "traces"
 AZURE_CSV = TRACES / "azure_llm_2023_conv" / "AzureLLMInferenceTrace_conv.csv"
 AGENTCGROUP = TRACES / "agentcgroup_swerebench_claude_code"
 VIDUR_PYTHON = Path(os.environ.get("VIDUR_PYTHON", "/tmp/vidur-venv/bin/python"))
-#: DESIGN.md "Simulator anchors": Vidur 0.0.26, simulated requests per wall second
+#: docs/design.md "Simulator anchors": Vidur 0.0.26, simulated requests per wall second
 VIDUR_ANCHOR = (280.0, 400.0)
 GOAL_RATIO = 100.0
 GOAL_ITERS = 200_000.0
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         why = "; ".join(v.get("error", "?") for v in vidur) if vidur else "--vidur not given"
         comparison.update(
-            basis=f"DESIGN.md anchor, Vidur NOT run here ({why})",
+            basis=f"docs/design.md anchor, Vidur NOT run here ({why})",
             ratio_vs_fastest_vidur=tn_rps / VIDUR_ANCHOR[1],
             ratios={f"anchor {lo:.0f} req/s": tn_rps / lo for lo in VIDUR_ANCHOR})
     results["comparison"] = comparison
@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             con.print(f"[red]Vidur ({x['label']}) failed:[/] {x.get('error')}")
     if not ok:
         for lo in VIDUR_ANCHOR:
-            v.add_row(f"Vidur, DESIGN.md anchor ({lo:.0f} req/s)", "-", "-", "-", "-",
+            v.add_row(f"Vidur, docs/design.md anchor ({lo:.0f} req/s)", "-", "-", "-", "-",
                       f"{lo:,.0f}", "-", "-", f"{tn_rps / lo:,.1f}", "-")
     con.print(v)
     ag_cpu = rows[-1]["iterations_per_cpu_s"]

@@ -8,7 +8,7 @@
 # The two share the host's caches and memory bandwidth, nothing else; the fidelity run's
 # noise floor (real against its own rerun) shows what that costs.
 #
-#   OUT=/tmp/quiet TRACE=../shared/traces/agentcgroup_swerebench_claude_code \
+#   OUT=/tmp/quiet TRACE=$TURNSTILE_TRACES/agentcgroup_swerebench_claude_code \
 #       bash scripts/quiet_host_bench.sh
 #
 # Uses python3 with turnstile importable (a venv, or wheels in .whl/ installed to /tmp/site),
@@ -16,7 +16,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:?set OUT}"
-TRACE="${TRACE:-../shared/traces/agentcgroup_swerebench_claude_code}"
+TRACE="${TRACE:-${TURNSTILE_TRACES:-traces}/agentcgroup_swerebench_claude_code}"
 LIMIT_S="${LIMIT_S:-540}"
 PY="${PY:-python3}"
 if [[ -d .whl ]]; then

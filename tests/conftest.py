@@ -1,4 +1,4 @@
-"""Locate the shared real traces (skip cleanly where absent) and the tiny hand-made fixtures."""
+"""Locate the real traces (skip cleanly where absent) and the tiny hand-made fixtures."""
 
 from __future__ import annotations
 
@@ -10,17 +10,26 @@ import pytest
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "traces"
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
 def shared_traces_dir() -> Path | None:
+    """``$TURNSTILE_TRACES``, else ``traces/`` in the checkout, else a sibling ``shared/traces``
+    (the development machines' copy; the product itself never looks there)."""
     env = os.environ.get("TURNSTILE_TRACES")
-    p = Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared" / "traces"
-    return p if p.is_dir() else None
+    if env:
+        return Path(env) if Path(env).is_dir() else None
+    for p in (ROOT / "traces", ROOT.parent / "shared" / "traces"):
+        if p.is_dir():
+            return p
+    return None
 
 
 @pytest.fixture(scope="session")
 def traces_dir() -> Path:
     p = shared_traces_dir()
     if p is None:
-        pytest.skip("shared/traces not present (set TURNSTILE_TRACES to run)")
+        pytest.skip("real traces not present (scripts/fetch_traces.sh, or set TURNSTILE_TRACES)")
     return p
 
 

@@ -8,7 +8,7 @@ paged KV model, 128-token blocks), with the vLLM profile of the earlier run
 eager's and cvar's **simulated** P95 flow time and their ratio per ``load/seed``.
 
     PYTHONPATH=src .venv/bin/python benchmarks/results/vllm-ab-2/search.py \
-        --trace /work/shared/traces/agentcgroup_swerebench_claude_code > search.jsonl
+        --trace $TURNSTILE_TRACES/agentcgroup_swerebench_claude_code > search.jsonl
 """
 
 from __future__ import annotations

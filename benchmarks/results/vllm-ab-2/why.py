@@ -6,7 +6,7 @@ variant, the retention decisions that were not ``lru`` (hypothesis a) and the ne
 that cvar's idle override admitted past its KV gate. No engine runs; all figures **simulated**.
 
     PYTHONPATH=src python benchmarks/results/vllm-ab-2/why.py \
-        --trace /work/shared/traces/agentcgroup_swerebench_claude_code [--load 2] \
+        --trace $TURNSTILE_TRACES/agentcgroup_swerebench_claude_code [--load 2] \
         [--overhead S] [--slowdown X] [--override count|off] [--pool-blocks N]
 
 ``--overhead`` / ``--slowdown``: :class:`ServingTerms` (the run was predicted with none: no

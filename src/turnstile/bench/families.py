@@ -10,8 +10,8 @@ distributions, one dimension moved away from the AgentCgroup fit at a time: turn
 (3–150), context growth per turn (100–5,000 tokens), starting context (1k–100k), tool-time tails
 (10 ms to minutes, heavy-tailed), long reasoning outputs; plus sub-agent fan-out (a DAG) and a
 closed-loop worker pool, and long-context coding-agent sessions
-(:mod:`turnstile.bench.long_context`). Real families need the shared traces
-(``$TURNSTILE_TRACES`` or ``shared/traces`` beside the repository); where absent they are
+(:mod:`turnstile.bench.long_context`). Real families need the real traces
+(``$TURNSTILE_TRACES`` or ``traces/`` in the checkout: docs/traces.md); where absent they are
 skipped and say so.
 """
 
@@ -171,7 +171,8 @@ def _trace(rel: str, subset: str | None = None, *, root: str = "traces",
         if root == "traces":
             base = traces_dir()
             if base is None:
-                raise FileNotFoundError("shared traces not found (set TURNSTILE_TRACES)")
+                raise FileNotFoundError("real traces not found (set TURNSTILE_TRACES or run "
+                                        "scripts/fetch_traces.sh)")
             path = base / rel
         elif root == "package":
             path = Path(str(resources.files("turnstile.bench").joinpath(rel)))

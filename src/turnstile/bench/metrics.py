@@ -1,6 +1,6 @@
 """Run metrics, computed once at the end of a run from the scheduler's records.
 
-The definitions are DESIGN.md's "Metrics" section, used by every driver (the simulator's
+The definitions are docs/design.md's "Metrics" section, used by every driver (the simulator's
 ``turnstile bench`` and the real-engine replay):
 
 * workflow flow time = the last turn's ``finished_s`` − the workflow's ``arrival_s`` (tool time

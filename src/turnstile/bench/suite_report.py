@@ -2,9 +2,9 @@
 policy, a markdown table, a heat map and ``results.json``.
 
 Ratios are eager / policy (> 1: the policy is better than eager) for the P95 flow time, the
-mean flow time and the TTFT P95. *No harm* (DESIGN.md's goal): in every cell the policy's P95 and
-mean flow time are at most 3% above eager's and its TTFT P95 at most 10% above, i.e. the ratios
-are ≥ 1/1.03 and ≥ 1/1.10.
+mean flow time and the TTFT P95. *No harm* (docs/design.md's goal): in every cell the policy's
+P95 and mean flow time are at most 3% above eager's and its TTFT P95 at most 10% above, i.e. the
+ratios are ≥ 1/1.03 and ≥ 1/1.10.
 """
 
 from __future__ import annotations

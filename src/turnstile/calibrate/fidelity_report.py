@@ -42,7 +42,7 @@ class Observed:
 
 
 def observe(records: Sequence[WorkflowRecord]) -> Observed:
-    """Latencies from scheduler records (DESIGN.md's definitions: TTFT and E2E from ready)."""
+    """Latencies from scheduler records (docs/design.md's definitions: TTFT and E2E from ready)."""
     o = Observed()
     for wf in records:
         last = -1.0

@@ -2,7 +2,7 @@
 
 A total, deterministic order: events at the same time run by priority (lower first), then in
 the order they were scheduled. Tuples in a ``heapq`` measured ~1M events/s here, about twice
-SimPy and 2.5x a heap of objects with ``__lt__`` (see DESIGN.md, "Simulator anchors"); the
+SimPy and 2.5x a heap of objects with ``__lt__`` (see docs/design.md, "Simulator anchors"); the
 kernel is not where the time goes, the work per event is.
 """
 

@@ -241,7 +241,7 @@ class RooflinePerf:
       two all-reduces per layer: ``2·layers·(allreduce_latency_s + 2(tp−1)/tp · tokens·hidden·
       dtype / interconnect)``.
 
-    ``flops_eff`` and ``bw_eff`` are the achievable fractions of peak (DESIGN.md: ~0.6–0.75 of
+    ``flops_eff`` and ``bw_eff`` are the achievable fractions of peak (docs/design.md: ~0.6–0.75 of
     peak FLOPs for large GEMMs, ~0.8–0.9 of HBM bandwidth).
     """
 

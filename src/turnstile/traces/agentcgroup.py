@@ -1,4 +1,4 @@
-"""AgentCgroup: Claude Code sessions on SWE-rebench tasks (``shared/traces/agentcgroup_*``).
+"""AgentCgroup: Claude Code sessions on SWE-rebench tasks (``$TURNSTILE_TRACES/agentcgroup_*``).
 
 Layout: ``<root>/<subset>/<task>/attempt_<n>/{trace.jsonl,tool_calls.json,...}``, each file
 optionally gzipped on its own (``trace.jsonl.gz``). Subsets: ``haiku`` (cloud Anthropic API) and

@@ -13,8 +13,11 @@ from typing import IO, Any
 
 from turnstile.workload.model import Workflow
 
-#: environment variable that points at the shared traces folder (``shared/traces``)
+#: environment variable that points at the real traces folder (one sub-folder per trace, the
+#: layout ``scripts/fetch_traces.sh`` writes; docs/traces.md)
 TRACES_ENV = "TURNSTILE_TRACES"
+#: the default folder, relative to the repository checkout, when ``$TURNSTILE_TRACES`` is unset
+DEFAULT_TRACES_SUBDIR = "traces"
 
 
 @dataclass
@@ -79,16 +82,23 @@ def tokens_from_chars(chars: int) -> int:
 
 
 def default_traces_dir() -> Path | None:
-    """``$TURNSTILE_TRACES`` if set, else ``shared/traces`` next to the repository, if present."""
+    """The real traces folder: ``$TURNSTILE_TRACES`` if set, else ``traces/`` in the repository
+    checkout this package runs from (the folder holding ``pyproject.toml``; where
+    ``scripts/fetch_traces.sh`` writes). None when that folder does not exist (or the package is
+    installed outside a checkout and the variable is unset)."""
+    cand = traces_dir_setting()
+    return cand if cand is not None and cand.is_dir() else None
+
+
+def traces_dir_setting() -> Path | None:
+    """Where the real traces belong, whether or not they are there yet: ``$TURNSTILE_TRACES``,
+    else ``traces/`` in the checkout; None for an installed package with the variable unset."""
     env = os.environ.get(TRACES_ENV)
     if env:
-        p = Path(env)
-        return p if p.is_dir() else None
-    here = Path(__file__).resolve()
-    for parent in here.parents:
-        cand = parent / "shared" / "traces"
-        if cand.is_dir():
-            return cand
+        return Path(env)
+    for parent in Path(__file__).resolve().parents:
+        if (parent / "pyproject.toml").is_file():
+            return parent / DEFAULT_TRACES_SUBDIR
     return None
 
 

@@ -13,7 +13,7 @@
 
 Refit the default with::
 
-    turnstile traces fit ../shared/traces/agentcgroup_swerebench_claude_code \
+    turnstile traces fit $TURNSTILE_TRACES/agentcgroup_swerebench_claude_code \
         --subset glm47flash_local -o src/turnstile/workload/data/agentcgroup_fit.json
 """
 

