@@ -295,7 +295,7 @@ class GatewayApp:
             if session_end:
                 recorder.note_end(session_id)
         return TurnRequest(path, body, stream, session_id, ident.request_id, ident.tenant,
-                           ident.engine_hint)
+                           ident.engine_hint, session_end)
 
 
 def _validate(path: str, body: dict[str, Any]) -> None:

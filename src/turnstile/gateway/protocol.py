@@ -63,6 +63,9 @@ class TurnRequest:
     #: ``x-turnstile-engine``: the engine the client asks for (only the ``hinted`` routing
     #: policy acts on it)
     engine_hint: str | None = None
+    #: ``x-turnstile-session-end: 1`` or ``x-dynamo-session-final: true``: no turn follows
+    #: this one (the session closes when it is over)
+    session_end: bool = False
 
 
 @dataclass(slots=True)

@@ -78,7 +78,8 @@ class PendingTurn:
     """One accepted request, across its attempts."""
 
     __slots__ = ("answered", "attached", "body", "client_usage", "conversation", "detached_done",
-                 "engine", "engine_hint", "keep_answer", "keep_result", "path", "persisted",
+                 "ends_session", "engine", "engine_hint", "keep_answer", "keep_result", "path",
+                 "persisted",
                  "priority", "prompt_chars", "rec", "reply_args", "reply_text", "request_id",
                  "session", "state", "stream", "turn", "waker")
 
@@ -95,6 +96,8 @@ class PendingTurn:
         self.state = TurnState.PENDING
         self.engine = ""
         self.engine_hint: str | None = None
+        #: the client said no turn follows: the session closes when this turn is over
+        self.ends_session = False
         self.priority = 0.0
         self.attached = True  # a client is waiting for this turn
         self.keep_result = False  # serve and keep the result even with no client (restored)
