@@ -188,6 +188,22 @@ class Scheduler:
             self._workflow_done(wf, now)
         return _NO_ACTIONS
 
+    def withdraw(self, now: float, workflow_id: str, index: int) -> list[Action]:
+        """A held (READY) turn nobody waits for any more (its client went away): it stops
+        counting as held at once and its workflow goes on as if it had never come; the
+        release policy skips it when it next meets it."""
+        rec = self._turn(workflow_id, index)
+        if rec.state != TurnState.READY:
+            raise SchedulerError(f"{rec!r} is not held")
+        del self._ready[rec]
+        count_ready(self.view, -1)
+        rec.state = TurnState.DONE  # done and never released: withdrawn
+        wf = rec.workflow
+        wf.remaining -= 1
+        if wf.remaining == 0 and wf.closed:
+            self._workflow_done(wf, now)
+        return self._release(now)
+
     def turn_started(self, now: float, workflow_id: str, index: int) -> None:
         rec = self._turn(workflow_id, index)
         if rec.state != TurnState.RELEASED:
@@ -359,7 +375,7 @@ class Scheduler:
     # ---------------------------------------------------------------- queries
     @property
     def held_turns(self) -> int:
-        return len(self.release)
+        return len(self._ready)
 
     def oldest_hold_age(self, now: float) -> float:
         """Seconds the oldest turn held READY (ready, not yet released) has waited; 0 when
@@ -417,6 +433,8 @@ class Scheduler:
             return _NO_ACTIONS
         out: list[Action] = []
         for rec in self.release.select(view, now):
+            if rec.state == TurnState.DONE and rec.released_s < 0:
+                continue  # withdrawn: a policy without lazy deletion hands it back
             if rec.state != TurnState.READY:
                 raise SchedulerError(f"release policy returned {rec!r}, which is not READY")
             engine_id = self.routing.route(rec, view, now)

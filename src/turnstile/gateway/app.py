@@ -288,7 +288,8 @@ class GatewayApp:
             if session_end:
                 recorder.note_end(session_id)
         return TurnRequest(path, body, stream, session_id, ident.request_id, ident.tenant,
-                           ident.engine_hint, ident.probe)
+                           ident.engine_hint, probe=ident.probe,
+                           session_end=session_end)
 
 
     async def _read_body(self, receive: Receive) -> bytes:

@@ -12,7 +12,8 @@ Session id, first match wins:
 None of them: the gateway derives the session from the conversation (:mod:`.affinity`).
 
 A sub-agent names its parent with ``x-turnstile-parent-session`` or
-``x-dynamo-parent-session-id``; ``x-turnstile-session-end: 1`` marks a session's last turn.
+``x-dynamo-parent-session-id``; ``x-turnstile-session-end: 1`` (or Dynamo's
+``x-dynamo-session-final: true``) marks a session's last turn.
 
 Hints for the policies (:class:`Identity`): Dynamo's ``nvext.agent_hints`` — ``osl`` (expected
 output tokens: the turn's output estimate), ``priority`` (higher is more urgent in Dynamo) and
@@ -79,7 +80,7 @@ def request_identity(headers: Iterable[tuple[bytes, bytes]], body: dict[str, Any
         elif k in _PARENT_HEADERS:
             if ident.parent_session is None:
                 ident.parent_session = _str(v)
-        elif k == b"x-turnstile-session-end":
+        elif k in (b"x-turnstile-session-end", b"x-dynamo-session-final"):
             ident.session_end = v.strip().lower() in (b"1", b"true", b"yes")
         elif k == b"x-turnstile-probe":
             ident.probe = v.strip().lower() in (b"1", b"true", b"yes")

@@ -14,7 +14,8 @@ Liveness (``/health``) says the process answers and some engine is up; readiness
 unhealthy (503 with the reasons as JSON) when
 
 * the oldest turn the release policy holds has waited longer than ``ready_max_hold_s`` (new
-  sessions would wait as long: a load balancer should send them elsewhere);
+  sessions would wait as long: a load balancer should send them elsewhere), or more than 1 s
+  past the policy's own hold bound (``Scheduler.hold_bound_s``: a hold that should be over);
 * no engine passed its last health check;
 * the state backend (SQLite or Redis) does not answer a ping within ``ready_state_timeout_s``
   (accepted turns would not survive a restart).
@@ -33,6 +34,10 @@ from turnstile.gateway.metrics import GatewayMetrics
 from turnstile.gateway.protocol import GatewayError
 
 __all__ = ["OverloadHost", "oldest_hold_s", "readiness", "shed"]
+
+#: a hold may outlive the policy's bound by this much before ``/ready`` says so (the bound's
+#: timer fires on the event loop, and a bound that moved down is acted on at the next event)
+_BOUND_SLACK_S = 1.0
 
 
 class OverloadHost(Protocol):
@@ -104,6 +109,10 @@ async def readiness(gw: OverloadHost) -> tuple[bool, dict[str, Any]]:
     if hold > cfg.ready_max_hold_s:
         reasons.append(f"oldest held turn has waited {hold:.1f} s "
                        f"(ready_max_hold_s={cfg.ready_max_hold_s:g})")
+    bound = gw.scheduler.hold_bound_s(gw.clock.now())
+    if bound > 0 and hold > bound + _BOUND_SLACK_S:
+        reasons.append(f"oldest held turn has waited {hold:.1f} s, past the release "
+                       f"policy's hold bound of {bound:.1f} s")
     state = await _state_error(gw)
     if state is not None:
         reasons.append(state)

@@ -65,6 +65,9 @@ class TurnRequest:
     engine_hint: str | None = None
     #: ``x-turnstile-probe``: served, never recorded (:mod:`.recorder`)
     probe: bool = False
+    #: ``x-turnstile-session-end: 1`` or ``x-dynamo-session-final: true``: no turn follows
+    #: this one (the session closes when it is over)
+    session_end: bool = False
 
 
 @dataclass(slots=True)

@@ -295,6 +295,7 @@ class Gateway(TurnLifecycle):
             session.ephemeral = derived.new and one_turn(body)
         p.engine_hint = req.engine_hint
         p.probe = req.probe
+        p.ends_session = req.session_end
         if req.stream:
             opts = body.get("stream_options")
             p.client_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
@@ -370,10 +371,20 @@ class Gateway(TurnLifecycle):
         if p.state == PENDING:
             # between attempts (or never made READY): nothing in the scheduler to drop
             self.apply(self._turn_over(p))
+        elif p.state == READY and p.keep_result:
+            self.metrics.turns_cancelled.labels("held").inc()  # served when released
         elif p.state == READY:
+            # dropped at once: it stops counting toward max_held and, with its session's only
+            # request gone, the session stops occupying the gate
             self.metrics.turns_cancelled.labels("held").inc()
-            if not p.keep_result and self.durable is not None:
-                self.durable.forget(p)
+            rec = p.rec
+            assert rec is not None
+            actions = self.scheduler.withdraw(self.clock.now(), rec.workflow_id, rec.index)
+            actions.extend(self._turn_over(p))
+            s = p.session
+            if s.turns == 0 and s.active is None and not s.waiters and s.id in self.sessions:
+                actions.extend(self._close(s))
+            self.apply(actions)
         elif p.state == RELEASED:
             if p.keep_result:
                 self.serve_detached(p)

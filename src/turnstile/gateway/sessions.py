@@ -73,9 +73,9 @@ class PendingTurn:
     """One accepted request, across its attempts."""
 
     __slots__ = ("answered", "attached", "body", "client_usage", "conversation", "detached_done",
-                 "engine", "engine_hint", "keep_answer", "keep_result", "path", "persisted",
-                 "priority", "probe", "prompt_chars", "rec", "reply_args", "reply_text",
-                 "request_id", "session", "state", "stream", "turn", "waker")
+                 "ends_session", "engine", "engine_hint", "keep_answer", "keep_result", "path",
+                 "persisted", "priority", "probe", "prompt_chars", "rec", "reply_args",
+                 "reply_text", "request_id", "session", "state", "stream", "turn", "waker")
 
     def __init__(self, request_id: str, session: Session, path: str, body: dict[str, Any],
                  stream: bool) -> None:
@@ -92,6 +92,8 @@ class PendingTurn:
         self.engine_hint: str | None = None
         #: a probe request (``x-turnstile-probe``): served, not recorded
         self.probe = False
+        #: the client said no turn follows: the session closes when this turn is over
+        self.ends_session = False
         self.priority = 0.0
         self.attached = True  # a client is waiting for this turn
         self.keep_result = False  # serve and keep the result even with no client (restored)

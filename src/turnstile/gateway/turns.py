@@ -193,7 +193,9 @@ class TurnLifecycle:
         actions: list[Action] = []
         if s.active is p:
             self.table.pass_on(s)
-        if s.ephemeral and s.active is None:
+        if p.ends_session and s.active is None and s.in_scheduler:
+            actions.extend(self._close(s))  # the client said so: its slot and gate place go
+        elif s.ephemeral and s.active is None:
             # a derived one-turn session stays findable for a follow-up (it holds nothing)
             keep = s.derived and not s.refused
             actions.extend(self._leave_scheduler(s) if keep else self._close(s))
