@@ -60,7 +60,7 @@ def test_the_ttft_cdf_needs_no_save_detailed(tmp_path: Path) -> None:
 
 def test_cdf_svg_log_axis_and_empty() -> None:
     svg = cdf_svg({"a": [0.01, 1.0, 100.0], "b": [0.5, 2.0]}, xlabel="x", title="t")
-    assert "(log scale)" in svg and svg.count("<polyline") == 2
+    assert "x (s, log scale)" in svg and svg.count("<polyline") == 2
     assert "no samples" in cdf_svg({"a": []}, xlabel="x", title="t")
 
 

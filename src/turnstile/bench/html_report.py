@@ -16,7 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from turnstile.bench.detailed import TTFT_KEY
-from turnstile.bench.report import format_count, format_seconds, p95_ratio
+from turnstile.bench.metrics import quantile
+from turnstile.bench.report import (
+    HARM_RATIO,
+    RATIO_COLUMNS,
+    axis_unit,
+    format_count,
+    format_ratio,
+    format_seconds,
+    ratios_vs_first,
+)
 
 __all__ = ["REPORT_FILE", "cdf_svg", "heatmap_html", "html_table", "render_html",
            "write_html_report"]
@@ -29,7 +38,8 @@ color:#222;max-width:1100px}h1{font-size:1.5em}h2{font-size:1.15em;margin-top:1.
 table{border-collapse:collapse;margin:.6em 0;font-size:.9em}th,td{border:1px solid #ccc;
 padding:.25em .6em;text-align:right;white-space:nowrap}
 th{background:#f3f3f3;white-space:normal}td.l,th.l{text-align:left;white-space:normal}
-.note{color:#555;font-size:.9em}.sim{color:#a33;font-weight:600}svg{background:#fff}"""
+.note{color:#555;font-size:.9em}.sim{color:#a33;font-weight:600}svg{background:#fff}
+td.harm{color:#c00;font-weight:700}"""
 
 
 def _e(x: Any) -> str:
@@ -40,10 +50,16 @@ def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.1f}%"
 
 
+class Harm(str):
+    """A cell shown red and bold (a ratio below :data:`HARM_RATIO`, as the terminal shows)."""
+
+
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], left: int = 1,
            cls: str = "") -> str:
     def cell(tag: str, i: int, v: Any) -> str:
-        return f'<{tag}{" class=l" if i < left else ""}>{_e(v)}</{tag}>'
+        names = " ".join(n for n, on in (("l", i < left), ("harm", isinstance(v, Harm))) if on)
+        attr = "" if not names else f" class={names}" if " " not in names else f' class="{names}"'
+        return f"<{tag}{attr}>{_e(v)}</{tag}>"
 
     head = "".join(cell("th", i, h) for i, h in enumerate(header))
     body = "".join("<tr>" + "".join(cell("td", i, v) for i, v in enumerate(r)) + "</tr>"
@@ -56,27 +72,29 @@ def html_table(header: Sequence[str], rows: Sequence[Sequence[Any]], left: int =
     return _table(header, rows, left)
 
 
+def _ratio(ratio: float | None) -> str:
+    text = format_ratio(ratio)
+    return Harm(text) if ratio is not None and ratio < HARM_RATIO else text
+
+
 def summary_rows(policies: Sequence[Mapping[str, Any]]) -> list[list[str]]:
-    """One row per policy: the terminal table's columns (see ``render_table``)."""
-    rows, first = [], None
-    for i, r in enumerate(policies):
+    """One row per policy: the terminal table's columns and ratios (see ``render_table``)."""
+    rows = []
+    for i, (r, ratios) in enumerate(zip(policies, ratios_vs_first(policies), strict=True)):
         m = r.get("metrics", {}) or {}
         flow = m.get("flow_time_s", {}) or {}
-        if i == 0:
-            first = flow.get("p95")
-        ratio = p95_ratio(first, flow.get("p95"))
         rows.append([str(r.get("policy", f"#{i}")), str(m.get("workflows", "–")),
                      *(format_seconds(flow.get(k)) for k in ("p50", "p95", "p99", "mean")),
                      format_seconds((m.get("ttft_s") or {}).get("p95")),
                      _pct(m.get("prefix_hit_rate")),
                      format_count(m.get("recomputed_prefill_tokens")),
                      format_count((m.get("throughput") or {}).get("output_tokens_per_s")),
-                     "–" if ratio is None else f"{ratio:.2f}×"])
+                     *(_ratio(x) for x in ratios)])
     return rows
 
 
 SUMMARY_HEADER = ("policy", "workflows", "flow P50", "flow P95", "flow P99", "flow mean",
-                  "TTFT P95", "hit rate", "recomputed tok", "out tok/s", "P95 vs first")
+                  "TTFT P95", "hit rate", "recomputed tok", "out tok/s", *RATIO_COLUMNS)
 
 
 def cdf_svg(series: Mapping[str, Sequence[float]], *, xlabel: str, title: str,
@@ -115,16 +133,20 @@ def cdf_svg(series: Mapping[str, Sequence[float]], *, xlabel: str, title: str,
         parts.append(f'<line x1="{ml}" x2="{ml + pw}" y1="{fy(y):.1f}" y2="{fy(y):.1f}" '
                      f'stroke="#eee"/><text x="{ml - 6}" y="{fy(y) + 4:.1f}" font-size="10" '
                      f'text-anchor="end">{y:g}</text>')
-    ticks = ([10.0 ** e for e in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)]
+    unit, per = axis_unit(hi)  # one unit for every tick (ticks at round numbers of it)
+    lo_u, hi_u = lo / per, hi / per
+    ticks = ([10.0 ** e * per for e in range(math.floor(math.log10(lo_u)),
+                                             math.ceil(math.log10(hi_u)) + 1)]
              if log else [lo + (hi - lo) * k / 5 for k in range(6)])
     for t in ticks:
         if t < lo * (1 - 1e-9) or t > hi * (1 + 1e-9):
             continue
         parts.append(f'<line x1="{fx(t):.1f}" x2="{fx(t):.1f}" y1="{mt}" y2="{mt + ph}" '
                      f'stroke="#eee"/><text x="{fx(t):.1f}" y="{mt + ph + 14}" font-size="10" '
-                     f'text-anchor="middle">{_e(format_seconds(t))}</text>')
+                     f'text-anchor="middle">{t / per:.3g}</text>')
     parts.append(f'<text x="{ml + pw / 2}" y="{height - 8}" font-size="11" '
-                 f'text-anchor="middle">{_e(xlabel)}{" (log scale)" if log else ""}</text>')
+                 f'text-anchor="middle">{_e(xlabel)} ({_e(unit)}'
+                 f'{", log scale" if log else ""})</text>')
     for i, (name, xs) in enumerate(data.items()):
         colour = _COLOURS[i % len(_COLOURS)]
         n = len(xs)
@@ -135,7 +157,7 @@ def cdf_svg(series: Mapping[str, Sequence[float]], *, xlabel: str, title: str,
             pts.append(f"{fx(xs[k]):.1f},{fy(j / n):.1f} {fx(xs[k]):.1f},{fy((k + 1) / n):.1f}")
         parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.6" '
                      f'points="{" ".join(pts)}"/>')
-        p95 = xs[min(n - 1, math.ceil(0.95 * n) - 1)]
+        p95 = quantile(xs, 95)  # the tables' rule, so the legend and the table agree
         ly = mt + 14 + 16 * i
         parts.append(f'<line x1="{ml + pw + 10}" x2="{ml + pw + 28}" y1="{ly - 4}" '
                      f'y2="{ly - 4}" stroke="{colour}" stroke-width="2"/>'
@@ -220,9 +242,14 @@ def _ttfts_from(policies: Sequence[Mapping[str, Any]]) -> dict[str, list[float]]
 def _config_rows(doc: Mapping[str, Any]) -> list[list[str]]:
     rows: list[list[str]] = []
     trace = doc.get("trace") or {}
-    for key in ("name", "path", "arrivals", "rate", "sha256"):
+    shown = {"rate": lambda v: f"{v:.3g} workflows/s",
+             "offered_load": lambda v: f"{v:.3g} × the estimated capacity"}
+    for key in ("name", "path", "arrivals", "rate", "offered_load", "sha256"):
         if trace.get(key) is not None:
-            rows.append([f"trace {key}", str(trace[key])])
+            value = trace[key]
+            fmt = shown.get(key)
+            text = fmt(value) if fmt and isinstance(value, int | float) else str(value)
+            rows.append([f"trace {key.replace('_', ' ')}", text])
     config = doc.get("config") or {}
     for key, value in config.items():
         if key in ("policies",):

@@ -43,6 +43,7 @@ __all__ = [
     "PRIVATE_PREFIX",
     "compute_metrics",
     "public_metrics",
+    "quantile",
     "summarize",
 ]
 
@@ -72,8 +73,17 @@ def _float(x: float | np.floating[Any]) -> float | None:
     return v if math.isfinite(v) else None
 
 
+def quantile(values: npt.ArrayLike, q: float) -> float | None:
+    """The ``q``-th percentile (0-100) of a sample, ``None`` when it is empty: the one quantile
+    rule of every table, report, plot legend and ``results.json`` (linear interpolation
+    between order statistics, numpy's default)."""
+    a = np.asarray(values, dtype=np.float64)
+    return None if a.size == 0 else _float(np.percentile(a, q))
+
+
 def summarize(values: npt.ArrayLike) -> dict[str, float | int | None]:
-    """``{count, mean, p50, p95, p99, max}`` of a sample; ``None`` statistics when empty."""
+    """``{count, mean, p50, p95, p99, max}`` of a sample; ``None`` statistics when empty.
+    The percentiles follow :func:`quantile`."""
     a = np.asarray(values, dtype=np.float64)
     if a.size == 0:
         return {"count": 0, "mean": None, "p50": None, "p95": None, "p99": None, "max": None}

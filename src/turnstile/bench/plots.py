@@ -14,6 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from turnstile.bench.metrics import quantile
+from turnstile.bench.report import axis_unit, format_seconds
+
 __all__ = ["flow_times_of", "plot_flow_cdf", "plot_load_sweep", "pyplot"]
 
 #: ``sweep[policy]`` = ``[(arrival rate, P95 flow time, mean flow time), ...]``
@@ -80,8 +83,7 @@ def plot_flow_cdf(
             ax.plot([], [], label=f"{name} (no data)")
             continue
         y = np.arange(1, x.size + 1) / x.size
-        p95 = float(np.percentile(x, 95))
-        ax.step(x, y, where="post", label=f"{name} (P95 {p95:.3g} s)")
+        ax.step(x, y, where="post", label=f"{name} (P95 {format_seconds(quantile(x, 95))})")
         positive = x[x > 0]
         if positive.size:
             lo, hi = min(lo, float(positive[0])), max(hi, float(positive[-1]))
@@ -90,7 +92,12 @@ def plot_flow_cdf(
     if log_x:
         ax.set_xscale("log")
     ax.axhline(0.95, color="grey", linestyle=":", linewidth=1)
-    ax.set_xlabel("workflow flow time (s)")
+    unit, per = axis_unit(hi)  # the axis in one unit, as report.html's
+    from matplotlib.ticker import FuncFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v / per:.3g}"))
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda _v, _pos: ""))
+    ax.set_xlabel(f"workflow flow time ({unit})")
     ax.set_ylabel("fraction of workflows")
     ax.set_ylim(0.0, 1.02)
     ax.set_title(_title(title, simulated))

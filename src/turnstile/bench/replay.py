@@ -251,6 +251,10 @@ class Replayer:
         self.clock = WallClock()
         self.records: list[WorkflowRecord] = []
         self.errors: dict[str, int] = {}
+        #: the first failed request's reason, as the target gave it (its error message)
+        self.first_error: str | None = None
+        #: called after every request, answered or failed (a progress bar's tick)
+        self.on_request: Callable[[], None] | None = None
         self.prompt_tokens = 0
         self.cached_tokens = 0
         #: prompt tokens the engines computed although the session had computed them before
@@ -286,8 +290,7 @@ class Replayer:
                                              headers)
             async with resp:
                 if resp.status != 200:
-                    await resp.read()
-                    self._error(f"HTTP {resp.status}")
+                    self._error(f"HTTP {resp.status}", _reason(await resp.read()))
                     return False, "", {}
                 self._released(rec, resp.headers)
                 if spec.stream:
@@ -296,7 +299,7 @@ class Replayer:
                             continue
                         obj = json.loads(line[6:])
                         if "error" in obj:
-                            self._error("stream error")
+                            self._error("stream error", _reason(json.dumps(obj).encode()))
                             return False, "", {}
                         for c in obj.get("choices") or ():
                             piece = (c.get("delta") or {}).get("content")
@@ -316,8 +319,11 @@ class Replayer:
                     reply.append(obj["choices"][0]["message"].get("content") or "")
         except (httpx.HTTPError, ConnectionError, TimeoutError, ValueError, KeyError,
                 IndexError) as e:
-            self._error(type(e).__name__)
+            self._error(type(e).__name__, f"{type(e).__name__}: {e}")
             return False, "", {}
+        finally:
+            if self.on_request is not None:
+                self.on_request()
         rec.finished_s = self.clock.now()
         if rec.first_token_s < 0:
             rec.first_token_s = rec.finished_s
@@ -341,8 +347,26 @@ class Replayer:
             rec.engine = engine
             self.engines[engine] = self.engines.get(engine, 0) + 1
 
-    def _error(self, kind: str) -> None:
+    def _error(self, kind: str, reason: str = "") -> None:
         self.errors[kind] = self.errors.get(kind, 0) + 1
+        if self.first_error is None:
+            self.first_error = f"{kind}: {reason}" if reason else kind
+
+
+def _reason(body: bytes) -> str:
+    """An error reply's own message (OpenAI's ``{"error": {"message": ...}}``), else its body,
+    on one line and at most 500 characters."""
+    text = body.decode("utf-8", "replace")
+    try:
+        obj = json.loads(text)
+        err = obj.get("error") if isinstance(obj, dict) else None
+        if isinstance(err, dict) and err.get("message"):
+            text = str(err["message"])
+        elif isinstance(err, str):
+            text = err
+    except ValueError:
+        pass
+    return " ".join(text.split())[:500]
 
 
 def target_transport(target: str, *, api_key: str | None = None, timeout_s: float = 300.0,
@@ -374,9 +398,11 @@ async def calibrate(transport: HttpTransport, model: str) -> float:
 
 
 async def run_replay(spec: ReplaySpec, workflows: list[Workflow], trace_info: dict[str, Any],
-                     out_dir: str | Path) -> tuple[Path, str]:
+                     out_dir: str | Path, *, on_request: Callable[[], None] | None = None
+                     ) -> tuple[Path, str]:
     """Play ``workflows`` against ``spec.target``; write ``results.json``; return its path and a
-    one-line summary."""
+    one-line summary. ``on_request`` is called after every request (a progress tick);
+    ``results.json``'s ``replay.first_error`` keeps the first failure's reason verbatim."""
     from turnstile import __version__
     from turnstile.bench.metrics import compute_metrics
     from turnstile.bench.report import write_results
@@ -395,6 +421,7 @@ async def run_replay(spec: ReplaySpec, workflows: list[Workflow], trace_info: di
         if chars_per_token is None:
             chars_per_token = await calibrate(transport, spec.model)
         rep = Replayer(spec, transport, chars_per_token)
+        rep.on_request = on_request
         start = rep.clock.now()
         await asyncio.gather(*(rep.agent(wf) for wf in workflows))
         makespan = rep.clock.now() - start
@@ -414,6 +441,7 @@ async def run_replay(spec: ReplaySpec, workflows: list[Workflow], trace_info: di
         "simulated": False,
         "metrics": metrics,
         "replay": {"target": spec.target, "requests": rep.requests, "errors": rep.errors,
+                   "first_error": rep.first_error,
                    "wall_s": makespan, "chars_per_token": chars_per_token,
                    "token_scale_mean": float(scales.mean()),
                    "token_scale_min": float(scales.min()),

@@ -33,18 +33,23 @@ from turnstile.bench.metrics import public_metrics
 
 __all__ = [
     "HARM_RATIO",
+    "RATIO_COLUMNS",
     "RESULTS_FILE",
     "RESULTS_SCHEMA",
     "RESULTS_VERSION",
+    "axis_unit",
     "file_sha256",
     "format_count",
+    "format_ratio",
     "format_seconds",
     "load_results",
     "p95_ratio",
     "path_sha256",
+    "ratios_vs_first",
     "render_table",
     "results_header",
     "tree_sha256",
+    "workload_line",
     "write_results",
 ]
 
@@ -71,6 +76,23 @@ def format_seconds(s: float | None) -> str:
     if a < 7200.0:
         return f"{s / 60:.1f} min"
     return f"{s / 3600:.2f} h"
+
+
+#: (unit, seconds per unit) of :func:`format_seconds`, from the largest down
+_UNITS = (("h", 3600.0, 7200.0), ("min", 60.0, 120.0), ("s", 1.0, 1.0), ("ms", 1e-3, 1e-3),
+          ("µs", 1e-6, 0.0))
+
+
+def axis_unit(largest_s: float) -> tuple[str, float]:
+    """One unit for a whole time axis whose largest value is ``largest_s`` seconds: the unit
+    :func:`format_seconds` gives that value; returns ``(unit, seconds per unit)``."""
+    a = abs(largest_s) if math.isfinite(largest_s) else 0.0
+    if a == 0:
+        return "s", 1.0
+    for unit, per, from_s in _UNITS:
+        if a >= from_s:
+            return unit, per
+    return "s", 1.0
 
 
 def format_count(x: float | None) -> str:
@@ -109,11 +131,61 @@ def p95_ratio(first_p95: float | None, p95: float | None) -> float | None:
 HARM_RATIO = 0.97
 
 
+#: the three ratio columns of every summary (terminal, report.html)
+RATIO_COLUMNS = ("P95 vs first", "mean vs first", "TTFT P95 vs first")
+
+
+def ratios_vs_first(results: Sequence[Mapping[str, Any]]) -> list[list[float | None]]:
+    """Per result: first / this for the P95 flow time, the mean flow time and the TTFT P95
+    (:data:`RATIO_COLUMNS`); a ratio below :data:`HARM_RATIO` is a harm (shown red)."""
+    def key(m: Mapping[str, Any]) -> tuple[Any, Any, Any]:
+        flow = m.get("flow_time_s", {}) or {}
+        return flow.get("p95"), flow.get("mean"), _get(m, "ttft_s", "p95")
+
+    rows = [key(r.get("metrics", {}) or {}) for r in results]
+    if not rows:
+        return []
+    return [[p95_ratio(f, v) for f, v in zip(rows[0], row, strict=True)] for row in rows]
+
+
+def format_ratio(ratio: float | None) -> str:
+    """``1.04×``; ``–`` for None."""
+    return "–" if ratio is None else f"{ratio:.2f}×"
+
+
 def _ratio_cell(ratio: float | None) -> str:
-    if ratio is None:
-        return "–"
-    text = f"{ratio:.2f}×"
-    return f"[bold red]{text}[/]" if ratio < HARM_RATIO else text
+    text = format_ratio(ratio)
+    return f"[bold red]{text}[/]" if ratio is not None and ratio < HARM_RATIO else text
+
+
+def workload_line(n: int, trace_info: Mapping[str, Any]) -> str:
+    """What was simulated, in one line: ``200 workflows from NAME (0.5 workflows/s, synthetic
+    sessions ... on seeded Poisson arrivals ...)``."""
+    rate = trace_info.get("rate")
+    rate_txt = f"{rate:.3g} workflows/s; " if rate else ""
+    return f"{n} workflows from {trace_info.get('name')} ({rate_txt}{trace_info.get('arrivals')})"
+
+
+def _min_width(name: str, cells: Sequence[str]) -> int:
+    """The widest word of a header or its cells: a column wraps between words only."""
+    from rich.text import Text
+
+    words = [*name.split(), *(w for c in cells for w in Text.from_markup(c).plain.split())]
+    return max(len(w) for w in words)
+
+
+def _fitting(names: Sequence[str], widths: Sequence[int], room: int) -> list[list[int]]:
+    """Column indices in consecutive groups that each fit ``room`` characters (3 a column
+    for padding and rule)."""
+    groups: list[list[int]] = [[]]
+    used = 0
+    for j, w in enumerate(widths):
+        if groups[-1] and used + w + 3 > room:
+            groups.append([])
+            used = 0
+        groups[-1].append(j)
+        used += w + 3
+    return groups
 
 
 def render_table(
@@ -122,47 +194,59 @@ def render_table(
     *,
     title: str | None = None,
 ) -> Table:
-    """Print one row per policy (in the given order) and return the table.
+    """Print one row per policy (in the given order) and return the (whole) table.
 
     "P95 vs first" is the first row's P95 flow time divided by this row's: > 1 means this
     policy's tail is better than the first (the baseline, by convention). "mean vs first" and
     "TTFT P95 vs first" are the same ratio for the mean flow time and the TTFT P95: a policy can
     keep the flow tail while its median or its first tokens suffer. A ratio below
-    :data:`HARM_RATIO` is printed in red.
+    :data:`HARM_RATIO` is printed in red. On a console too narrow for one table (80 columns)
+    the columns come as several tables (the ratios in their own), so that no header or number
+    is cut.
     """
-    table = Table(title=title, header_style="bold")
-    # the policy spec is never cut: the numeric columns' headers wrap instead
-    width = max((len(str(r.get("policy", ""))) for r in results), default=6)
-    table.add_column("policy", style="bold", no_wrap=True, min_width=width)
-    for name in ("flow P50", "flow P95", "flow P99", "flow mean", "TTFT P95"):
-        table.add_column(name, justify="right")
-    table.add_column("hit rate", justify="right")
-    table.add_column("recomputed tok", justify="right")
-    table.add_column("out tok/s", justify="right")
-    for name in ("P95 vs first", "mean vs first", "TTFT P95 vs first"):
-        table.add_column(name, justify="right")
-    first: tuple[Any, Any, Any] = (None, None, None)
-    for i, result in enumerate(results):
+    from rich.measure import Measurement
+
+    con = console or Console()
+    names = ("flow P50", "flow P95", "flow P99", "flow mean", "TTFT P95", "hit rate",
+             "recomputed tok", "out tok/s", *RATIO_COLUMNS)
+    rows = []
+    for i, (result, ratios) in enumerate(zip(results, ratios_vs_first(results), strict=True)):
         m = result.get("metrics", {})
         flow = m.get("flow_time_s", {}) or {}
-        p95, mean, ttft = flow.get("p95"), flow.get("mean"), _get(m, "ttft_s", "p95")
-        if i == 0:
-            first = (p95, mean, ttft)
-        table.add_row(
+        rows.append([
             str(result.get("policy", f"#{i}")),
-            format_seconds(flow.get("p50")),
-            format_seconds(p95),
-            format_seconds(flow.get("p99")),
-            format_seconds(mean),
-            format_seconds(ttft),
+            *(format_seconds(flow.get(k)) for k in ("p50", "p95", "p99", "mean")),
+            format_seconds(_get(m, "ttft_s", "p95")),
             _pct(m.get("prefix_hit_rate")),
             format_count(m.get("recomputed_prefill_tokens")),
             format_count(_get(m, "throughput", "output_tokens_per_s")),
-            *(_ratio_cell(p95_ratio(f, v)) for f, v in zip(first, (p95, mean, ttft),
-                                                            strict=True)),
-        )
-    (console or Console()).print(table)
-    return table
+            *(_ratio_cell(r) for r in ratios),
+        ])
+    # the policy spec is never cut: the numeric columns' headers wrap instead
+    width = max((len(str(r.get("policy", ""))) for r in results), default=6)
+    widths = [_min_width(n, [row[1 + j] for row in rows]) for j, n in enumerate(names)]
+
+    def table_of(cols: Sequence[int], with_title: bool) -> Table:
+        table = Table(title=title if with_title else None, header_style="bold")
+        table.add_column("policy", style="bold", no_wrap=True, min_width=width)
+        for j in cols:
+            table.add_column(names[j], justify="right", min_width=widths[j])
+        for row in rows:
+            table.add_row(row[0], *(row[1 + j] for j in cols))
+        return table
+
+    whole = table_of(range(len(names)), True)
+    if Measurement.get(con, con.options.update_width(10**6), whole).maximum <= con.width:
+        con.print(whole)
+        return whole
+    room = con.width - width - 5
+    n_values = len(names) - len(RATIO_COLUMNS)
+    groups = [[j for j in g] for g in _fitting(names[:n_values], widths[:n_values], room)]
+    groups += [[n_values + j for j in g]
+               for g in _fitting(RATIO_COLUMNS, widths[n_values:], room)]
+    for k, cols in enumerate(groups):
+        con.print(table_of(cols, k == 0))
+    return whole
 
 
 # --------------------------------------------------------------------------- hashing

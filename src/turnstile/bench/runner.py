@@ -8,6 +8,7 @@ because no shared trace has real multi-tenant session arrivals.
 from __future__ import annotations
 
 import hashlib
+import math
 import platform
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -50,8 +51,8 @@ def parse_load(load: str) -> float:
         raise ValueError(
             f"--load must be a number or one of {', '.join(LOAD_LEVELS)}; got {load!r}"
         ) from None
-    if v <= 0:
-        raise ValueError("--load must be > 0")
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"--load {load}: expected a finite number > 0")
     return v
 
 
@@ -125,14 +126,21 @@ def build_workload(
     check_turn_sizes(base, spec.trace)
     if spec.arrivals == "trace":
         wfs = sorted(base, key=lambda w: w.arrival_s)[: spec.workflows]
-        info.update(arrivals="trace", rate=None, used=workflows_used(len(wfs), len(base), True))
+        if spec.trace is None:  # the generator's own times: one batch at t = 0
+            info.update(arrivals="synthetic sessions, all arriving at t = 0 (one batch)",
+                        rate=None)
+            return wfs, info
+        info.update(arrivals="trace-driven: the trace's sessions at the trace's own arrival "
+                    "times", rate=None, used=workflows_used(len(wfs), len(base), True))
         return wfs, info
     if spec.arrivals != "poisson":
         raise ValueError(f"unknown arrival process {spec.arrivals!r}; use poisson or trace")
     rate = spec.rate if spec.rate is not None else spec.load * capacity_rate(base, groups)
     times = synth.poisson_arrivals(rate, spec.workflows, spec.seed)
-    info.update(arrivals=f"poisson (real sessions superimposed on Poisson arrivals, seed "
-                f"{spec.seed})", rate=rate, offered_load=spec.load if spec.rate is None else None)
+    what = ("synthetic sessions on" if spec.trace is None
+            else "trace-driven: the trace's sessions superimposed on")
+    info.update(arrivals=f"{what} seeded Poisson arrivals (seed {spec.seed})", rate=rate,
+                offered_load=spec.load if spec.rate is None else None)
     if spec.trace is not None:
         info["used"] = workflows_used(spec.workflows, len(base), False)
     return synth.superimpose(base, times, seed=spec.seed), info

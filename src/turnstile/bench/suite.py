@@ -455,28 +455,23 @@ def run_with_progress(name: str, out_dir: str | os.PathLike[str], *,
                       policies: Iterable[str] | None = None,
                       families: Iterable[str] | None = None, seed: int = 0,
                       ray: str | None = None, workers: int | None = None,
-                      console: Any = None, unannounced_ends: bool = True,
+                      console: Any = None, quiet: bool = False,
+                      unannounced_ends: bool = True,
                       session_idle_s: float = SESSION_IDLE_S) -> dict[str, Any]:
-    """Run a suite with a progress bar, write its report to ``out_dir`` and print the no-harm
-    verdict per policy and half (what ``turnstile bench --suite`` and
-    ``benchmarks/robustness.py`` call)."""
+    """Run a suite with a progress bar (stderr, with ETA; none when ``quiet`` or stderr is not
+    a terminal), write its report to ``out_dir`` and print the no-harm verdict per policy and
+    half on ``console`` (what ``turnstile bench --suite`` and ``benchmarks/robustness.py``
+    call)."""
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
     from rich.table import Table
 
+    from turnstile.bench.progress import progress_bar
     from turnstile.bench.suite_report import no_harm, write_suite
 
     con = console or Console(stderr=True)
     config = suite_config(name, policies, families, seed, unannounced_ends=unannounced_ends,
                           session_idle_s=session_idle_s)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=con, transient=True) as bar:
+    with progress_bar(quiet=quiet) as bar:
         task = bar.add_task(f"suite {name}", total=None)
 
         def step(done: int, total: int, what: str) -> None:

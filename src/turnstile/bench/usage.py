@@ -13,7 +13,7 @@ from pathlib import Path
 
 import typer
 
-__all__ = ["check_out_dir", "check_out_file", "fail", "one_line"]
+__all__ = ["check_out_dir", "check_out_file", "fail", "one_line", "require_extra"]
 
 
 def one_line(message: str) -> str:
@@ -65,3 +65,26 @@ def check_out_file(path: Path, flag: str = "--out") -> Path:
     if not os.access(parent, os.W_OK) or not _writable_dir(parent):
         raise ValueError(f"{flag} {path}: the folder {parent} is not writable")
     return path
+
+
+#: each extra -> the modules its commands import (pyproject.toml's optional dependencies)
+EXTRA_MODULES: dict[str, tuple[str, ...]] = {
+    "gateway": ("httpx", "uvicorn", "prometheus_client"),
+    # the picker is the gateway's service behind Envoy: the epp extra includes the gateway's
+    "epp": ("httpx", "prometheus_client", "grpc", "grpc_health", "envoy", "google.protobuf"),
+}
+
+
+def require_extra(command: str, extra: str) -> None:
+    """Fail with one line (exit 2) naming the extra to install when ``extra``'s modules are
+    missing: ``turnstile serve`` on the core install says ``pip install 'turnstile[gateway]'``
+    instead of a ``ModuleNotFoundError``."""
+    import importlib
+
+    for module in EXTRA_MODULES[extra]:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            top = module.split(".")[0]
+            raise fail(f"turnstile {command} needs the {extra} extra ({top} is not installed): "
+                       f"pip install 'turnstile[{extra}]'") from None

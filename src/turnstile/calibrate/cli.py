@@ -13,6 +13,9 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from turnstile.bench.flags import NON_NEGATIVE, POSITIVE, out_path
+from turnstile.bench.progress import QUIET_HELP, progress_bar
+
 _err = Console(stderr=True, soft_wrap=True)
 _out = Console()
 
@@ -36,23 +39,11 @@ def _fail(message: str) -> typer.Exit:
     return fail(message)
 
 
-def _progress() -> Any:
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=_err,
-        transient=True,
-    )
+def _check_token_range(low: int, high: int) -> None:
+    """``--token-low``/``--token-high``: prompts draw token ids from ``[low, high)``."""
+    if high <= low:
+        raise ValueError(f"--token-high {high} must be above --token-low {low} (prompts use "
+                         "token ids from --token-low up to, not including, --token-high)")
 
 
 def profile_cmd(
@@ -64,40 +55,43 @@ def profile_cmd(
             "profiled together into one profile",
         ),
     ],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Profile JSON to write")] = Path(
-        "profile.json"
-    ),
+    out: Annotated[Path, typer.Option("--out", "-o", parser=out_path,
+                                      help="Profile JSON to write")] = Path("profile.json"),
     chunk: Annotated[
         int | None,
         typer.Option(
+            min=1,
             help="Per-step token budget: llama.cpp -b (default 2048), vLLM "
             "max_num_batched_tokens (default 8192)"
         ),
     ] = None,
     max_seqs: Annotated[
         int | None,
-        typer.Option("--max-num-seqs", "--max-seqs",
+        typer.Option("--max-num-seqs", "--max-seqs", min=1,
                      help="Concurrent sequences to sweep up to (vLLM's --max-num-seqs; "
                           "llama.cpp: its slots)"),
     ] = None,
     max_context: Annotated[
-        int | None, typer.Option(help="Longest prompt to measure (default: engine limit, ≤4096)")
+        int | None, typer.Option(min=1, help="Longest prompt to measure (default: engine "
+                                 "limit, ≤4096)")
     ] = None,
     repeats: Annotated[int, typer.Option(min=1, help="Measure each configuration N times")] = 1,
     quick: Annotated[bool, typer.Option(help="A short sweep (smoke tests)")] = False,
     kv_bytes_per_token: Annotated[
-        float, typer.Option(help="KV bytes per token to record (offload-tier timing)")
+        float, typer.Option(parser=NON_NEGATIVE,
+                            help="KV bytes per token to record (offload-tier timing)")
     ] = 0.0,
-    token_low: Annotated[int, typer.Option(help="Prompts use random token ids from here ...")] = 33,
-    token_high: Annotated[int, typer.Option(help="... to here (exclusive)")] = 127,
+    token_low: Annotated[int, typer.Option(min=0, help="Prompts use random token ids from "
+                                           "here ...")] = 33,
+    token_high: Annotated[int, typer.Option(min=1, help="... to here (exclusive)")] = 127,
     absolute: Annotated[
         bool, typer.Option(help="Least squares on absolute (not relative) step-time errors")
     ] = False,
     seed: Annotated[int, typer.Option(min=0)] = 0,
     ubatch: Annotated[
         int | None,
-        typer.Option(help="Tokens per forward pass: llama.cpp -ub (default 512); 0: one pass "
-                     "per step"),
+        typer.Option(min=0, help="Tokens per forward pass: llama.cpp -ub (default 512); 0: "
+                     "one pass per step"),
     ] = None,
     kv_unified: Annotated[
         bool, typer.Option(help="The llama.cpp server runs with --kv-unified (one KV buffer)")
@@ -108,8 +102,10 @@ def profile_cmd(
                      "slower the target computes while it serves (host contention)"),
     ] = None,
     contention_rounds: Annotated[
-        int, typer.Option(min=1, help="Alone / under-load rounds of the host-contention probes")
+        int, typer.Option(min=1, max=1000,
+                          help="Alone / under-load rounds of the host-contention probes")
     ] = 5,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
 ) -> None:
     """Measure a real engine's step times through its HTTP API and fit the simulator's
     performance model to them (a profile for turnstile bench --profile)."""
@@ -118,11 +114,12 @@ def profile_cmd(
     from turnstile.calibrate.profile import profile_engine
 
     try:
+        _check_token_range(token_low, token_high)
         check_out_file(out)
         _check_targets(target)
     except ValueError as e:
         raise _fail(str(e)) from None
-    with _progress() as bar:
+    with progress_bar(_err, quiet=quiet) as bar:
         task = bar.add_task("profile", total=None)
         try:
             res = profile_engine(
@@ -181,9 +178,8 @@ def fidelity_cmd(
     ],
     profile: Annotated[Path, typer.Option(help="Fitted profile (from turnstile profile)")],
     trace: Annotated[Path, typer.Option(help="AgentCgroup trace directory")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Report directory")] = Path(
-        "fidelity"
-    ),
+    out: Annotated[Path, typer.Option("--out", "-o", parser=out_path,
+                                      help="Report directory")] = Path("fidelity"),
     subset: Annotated[str | None, typer.Option(help="agentcgroup subset")] = "glm47flash_local",
     sessions: Annotated[int, typer.Option("--workflows", "--sessions", min=1,
                                           help="Sessions replayed per rate (as bench's "
@@ -192,25 +188,33 @@ def fidelity_cmd(
         str, typer.Option(help="Session arrival rates per second, comma-separated")
     ] = "0.2,0.5,1.0",
     kv_tokens: Annotated[
-        int | None, typer.Option(help="Simulated KV tokens per engine (default: discovered)")
+        int | None, typer.Option(min=1, help="Simulated KV tokens per engine (default: "
+                                 "discovered)")
     ] = None,
     max_num_seqs: Annotated[
-        int | None, typer.Option(help="Simulated max sequences (default: discovered)")
+        int | None, typer.Option(min=1, help="Simulated max sequences (default: discovered)")
     ] = None,
     chunk: Annotated[
-        int | None, typer.Option(help="Simulated per-step token budget (default: profile's)")
+        int | None, typer.Option(min=1, help="Simulated per-step token budget (default: "
+                                 "profile's)")
     ] = None,
     cpu_offload_tokens: Annotated[
         int | None,
-        typer.Option(help="Simulated offload tier (default: 64×KV for llama.cpp, 0 otherwise)"),
+        typer.Option(min=0, help="Simulated offload tier (default: 64×KV for llama.cpp, 0 "
+                     "otherwise)"),
     ] = None,
-    token_div: Annotated[float, typer.Option(help="Divide prompt tokens by this")] = 32.0,
-    output_div: Annotated[float, typer.Option(help="Divide output tokens by this")] = 8.0,
-    tool_div: Annotated[float, typer.Option(help="Divide tool seconds by this")] = 10.0,
-    max_context: Annotated[int, typer.Option(help="Cap on a turn's prompt + output")] = 1536,
-    max_turns: Annotated[int, typer.Option(help="Turns kept per session")] = 12,
-    max_output: Annotated[int, typer.Option(help="Cap on a turn's output tokens")] = 48,
-    max_tool_s: Annotated[float, typer.Option(help="Cap on a turn's (scaled) tool time")] = 3.0,
+    token_div: Annotated[float, typer.Option(parser=POSITIVE,
+                                             help="Divide prompt tokens by this")] = 32.0,
+    output_div: Annotated[float, typer.Option(parser=POSITIVE,
+                                              help="Divide output tokens by this")] = 8.0,
+    tool_div: Annotated[float, typer.Option(parser=POSITIVE,
+                                            help="Divide tool seconds by this")] = 10.0,
+    max_context: Annotated[int, typer.Option(min=2, help="Cap on a turn's prompt + output")
+                           ] = 1536,
+    max_turns: Annotated[int, typer.Option(min=1, help="Turns kept per session")] = 12,
+    max_output: Annotated[int, typer.Option(min=1, help="Cap on a turn's output tokens")] = 48,
+    max_tool_s: Annotated[float, typer.Option(parser=NON_NEGATIVE,
+                                              help="Cap on a turn's (scaled) tool time")] = 3.0,
     roofline_gpu: Annotated[
         str | None, typer.Option(help="Also simulate the roofline model on this GPU")
     ] = None,
@@ -219,12 +223,14 @@ def fidelity_cmd(
         typer.Option(help="... for this model: a models.json name, or a Hugging Face model "
                      "directory / config.json"),
     ] = None,
-    token_low: Annotated[int, typer.Option(help="Prompts use random token ids from here ...")] = 33,
-    token_high: Annotated[int, typer.Option(help="... to here (exclusive)")] = 127,
+    token_low: Annotated[int, typer.Option(min=0, help="Prompts use random token ids from "
+                                           "here ...")] = 33,
+    token_high: Annotated[int, typer.Option(min=1, help="... to here (exclusive)")] = 127,
     noise_floor: Annotated[
         bool, typer.Option(help="Replay each rate twice and report real-vs-real error too")
     ] = False,
     seed: Annotated[int, typer.Option(min=0)] = 0,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
 ) -> None:
     """Replay a scaled AgentCgroup slice on real engines and in the simulator (same sessions,
     same arrivals, same engine per session) and report the simulator's relative error."""
@@ -245,6 +251,8 @@ def fidelity_cmd(
     from turnstile.traces import load_trace
 
     try:
+        _check_token_range(token_low, token_high)
+        rate_list = _rates(rates)
         check_out_dir(out)
         if not profile.is_file():
             raise ValueError(f"--profile {profile}: no such file")
@@ -253,7 +261,6 @@ def fidelity_cmd(
         _check_targets(target)
         perf = FittedPerf.from_profile(profile)
         info = discover(target[0])
-        rate_list = [float(r) for r in rates.split(",") if r.strip()]
         kw: dict[str, Any] = {"subset": subset} if subset else {}
         loaded = load_trace(trace, **kw)
     except (ValueError, OSError, RuntimeError) as e:
@@ -293,7 +300,7 @@ def fidelity_cmd(
         raise _fail(str(e)) from None
     apis = ["llamacpp" if discover(t).kind == "llama.cpp" else "openai" for t in target]
     models = [discover(t).model for t in target]
-    with _progress() as bar:
+    with progress_bar(_err, quiet=quiet) as bar:
         total = sum(len(w.turns) for w in wfs) * len(rate_list) * (2 if noise_floor else 1)
         task = bar.add_task("replay", total=total)
         report = run_fidelity(
@@ -327,6 +334,27 @@ def fidelity_cmd(
     md = write_report(out, report, f"Simulator vs {info.kind} ({info.model})")
     _out.print(md)
     _out.print(f"wrote {out}/fidelity.md, fidelity.json, fidelity_scatter.png")
+
+
+def _rates(text: str) -> list[float]:
+    """``--rates 0.2,0.5``: finite rates > 0 (sessions/s)."""
+    from turnstile.bench.flags import check_finite
+
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            rate = float(part)
+        except ValueError:
+            raise ValueError(f"--rates {text}: {part!r} is not a number") from None
+        why = check_finite(rate, gt=0)
+        if why:
+            raise ValueError(f"--rates {text}: {part}: {why}")
+        out.append(rate)
+    if not out:
+        raise ValueError(f"--rates {text!r}: give at least one rate (sessions/s)")
+    return out
 
 
 def register(app: typer.Typer) -> None:

@@ -35,12 +35,13 @@ def epp(
     = None,
     host: Annotated[str, typer.Option(help="Bind address")] = "127.0.0.1",
     grpc_port: Annotated[int, typer.Option(help="ext_proc + gRPC health port")] = 9002,
-    metrics_port: Annotated[int, typer.Option(help="Prometheus /metrics and /health port "
-                                              "(-1: none)")] = 9090,
+    metrics_port: Annotated[int, typer.Option(min=-1, help="Prometheus /metrics and /health "
+                                              "port (-1: none)")] = 9090,
     max_held: Annotated[int | None, typer.Option(min=1, help="Held + queued turns before 429")
                         ] = None,
-    fallbacks: Annotated[int, typer.Option(help="Fallback endpoints listed after the picked "
-                                           "one (0 for an ORIGINAL_DST cluster)")] = 0,
+    fallbacks: Annotated[int, typer.Option(min=0, max=1024, help="Fallback endpoints listed "
+                                           "after the picked one (0 for an ORIGINAL_DST "
+                                           "cluster)")] = 0,
     watch: Annotated[str, typer.Option(help="How responses reach the picker: inline (the "
                                        "routing filter) or observe (a second, observability-"
                                        "mode ext_proc filter); as the Envoy config says")]
@@ -53,22 +54,24 @@ def epp(
     log_level: Annotated[str, typer.Option()] = "warning",
 ) -> None:
     """Run the scheduler as an Envoy ext_proc endpoint picker (Gateway API Inference Extension)."""
+    from turnstile.bench.usage import require_extra
 
+    require_extra("epp", "epp")
     from turnstile.epp.server import EppConfig, serve_forever
-    from turnstile.gateway.cli import check_engine_kind, check_log_level, check_record, set_given
-    from turnstile.gateway.config import GatewayConfig, load_config
+    from turnstile.gateway.cli import (
+        check_engine_kind,
+        check_log_level,
+        check_record,
+        load_config_flag,
+        set_given,
+    )
 
     try:
         check_log_level(log_level)
         check_engine_kind(engine_kind, f"--engine-kind {engine_kind}")
-        if config is not None and not config.is_file():
-            raise ValueError(f"--config {config}: no such file")
         if record is not None:
             check_record(record)
-        try:
-            gcfg = load_config(config) if config is not None else GatewayConfig()
-        except ValueError as e:
-            raise ValueError(f"--config {e}") from None
+        gcfg = load_config_flag(config)
         set_given(gcfg, policy=policy, max_held=max_held,
                   record=None if record is None else str(record), log_level=log_level)
         cfg = EppConfig(gateway=gcfg, host=host, grpc_port=grpc_port,

@@ -11,13 +11,18 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from turnstile.bench.flags import NON_NEGATIVE, POSITIVE, out_path
+from turnstile.bench.progress import QUIET_HELP
+
 if TYPE_CHECKING:
     from turnstile.gateway.config import GatewayConfig
 
-__all__ = ["main", "register", "set_given"]
+__all__ = ["load_config_flag", "main", "register", "set_given"]
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+#: ``replay --workflows``: each session is one concurrent agent with its own connection
+MAX_REPLAY_SESSIONS = 100_000
 
 
 def set_given(cfg: GatewayConfig, **values: object) -> None:
@@ -52,11 +57,50 @@ def _check_serve(cfg: GatewayConfig, log_level: str) -> None:
         check_engine_kind(e.kind, f"--engine {e.url},{e.kind}")
     if cfg.db:
         check_out_file(Path(cfg.db), "--db")
+        check_sqlite(Path(cfg.db))
     if cfg.record:
         check_record(Path(cfg.record))
     if cfg.state:
         _check_redis(cfg.state)
     check_listen(cfg.host, cfg.port, "--port")
+
+
+def check_sqlite(path: Path) -> None:
+    """``--db``: a new or empty file, or an SQLite database (opened read-only to check)."""
+    import sqlite3
+
+    if not path.is_file() or not path.stat().st_size:
+        return
+    try:
+        con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            con.execute("PRAGMA schema_version").fetchone()
+        finally:
+            con.close()
+    except sqlite3.Error as e:
+        raise ValueError(f"--db {path}: not an SQLite database ({e}); give a new file or the "
+                         "gateway's own database") from None
+
+
+def load_config_flag(config: Path | None) -> GatewayConfig:
+    """``--config``: the gateway TOML file (defaults without one); ``ValueError`` naming the
+    flag and the file."""
+    from turnstile.gateway.config import GatewayConfig, load_config
+
+    if config is None:
+        return GatewayConfig()
+    if config.is_dir():
+        raise ValueError(f"--config {config}: is a folder; give the gateway TOML file")
+    if not config.is_file():
+        raise ValueError(f"--config {config}: no such file")
+    try:
+        return load_config(config)
+    except UnicodeDecodeError:
+        raise ValueError(f"--config {config}: not a TOML text file (not UTF-8 text)") from None
+    except OSError as e:
+        raise ValueError(f"--config {config}: cannot read it ({e.strerror or e})") from None
+    except ValueError as e:
+        raise ValueError(f"--config {e}") from None
 
 
 def check_log_level(log_level: str) -> None:
@@ -158,7 +202,7 @@ def serve(
         min=0.001, help="408 when a request's body takes longer after its headers "
         "(default 30)")] = None,
     ready_max_hold_s: Annotated[float | None, typer.Option(
-        help="/ready is 503 while a turn has been held longer than this")] = None,
+        parser=POSITIVE, help="/ready is 503 while a turn has been held longer than this")] = None,
     auth_token: Annotated[
         str | None, typer.Option(help="Require 'Authorization: Bearer TOKEN'",
                                  envvar="TURNSTILE_AUTH_TOKEN")
@@ -181,19 +225,17 @@ def serve(
     ] = "warning",
 ) -> None:
     """Run the OpenAI-compatible scheduling gateway in front of engines."""
+    from turnstile.bench.usage import require_extra
+
+    require_extra("serve", "gateway")
     import uvicorn
 
     from turnstile.gateway.app import create_app
-    from turnstile.gateway.config import GatewayConfig, load_config, parse_engine_flag
+    from turnstile.gateway.config import parse_engine_flag
     from turnstile.gateway.server import uvicorn_options
 
     try:
-        if config is not None and not config.is_file():
-            raise ValueError(f"--config {config}: no such file")
-        try:
-            cfg = load_config(config) if config is not None else GatewayConfig()
-        except ValueError as e:
-            raise ValueError(f"--config {e}") from None
+        cfg = load_config_flag(config)
         if engine:
             cfg.engines = [parse_engine_flag(e) for e in engine]
         set_given(cfg, policy=policy, host=host, port=port, max_held=max_held,
@@ -224,21 +266,28 @@ def serve(
 
 
 def replay(
-    target: Annotated[str, typer.Option(help="Gateway or engine base URL (http://host:port)")],
+    target: Annotated[str, typer.Option(help="Gateway or engine base URL: http://host:port "
+                                        "(a trailing /v1, an OpenAI client's base_url, is "
+                                        "accepted)")],
     trace: Annotated[
         str | None, typer.Option(help="Trace dir/file or workload .jsonl; omit: synthetic")
     ] = None,
-    rate: Annotated[float, typer.Option(help="Poisson session arrival rate (sessions/s)")] = 1.0,
-    workflows: Annotated[int, typer.Option(help="Sessions to play")] = 20,
-    out: Annotated[Path, typer.Option("-o", "--out", help="Directory for results.json")]
-    = Path("replay-out"),
-    time_scale: Annotated[float, typer.Option(help="Multiply tool durations by this")] = 1.0,
+    rate: Annotated[float, typer.Option(parser=POSITIVE,
+                                        help="Poisson session arrival rate (sessions/s)")] = 1.0,
+    workflows: Annotated[int, typer.Option(min=1, max=MAX_REPLAY_SESSIONS,
+                                           help="Sessions to play")] = 20,
+    out: Annotated[Path, typer.Option("-o", "--out", parser=out_path,
+                                      help="Directory for results.json")] = Path("replay-out"),
+    time_scale: Annotated[float, typer.Option(parser=NON_NEGATIVE,
+                                              help="Multiply tool durations by this")] = 1.0,
     max_context: Annotated[
-        int, typer.Option(help="Engine context per request (tokens): prompts are scaled to fit")
+        int, typer.Option(min=2, max=10_000_000, help="Engine context per request (tokens): "
+                          "prompts are scaled to fit")
     ] = 2048,
-    max_tokens: Annotated[int, typer.Option(help="Cap on output tokens per turn")] = 64,
-    max_turns: Annotated[int | None, typer.Option(help="Play at most this many turns each")]
-    = None,
+    max_tokens: Annotated[int, typer.Option(min=1, max=10_000_000,
+                                            help="Cap on output tokens per turn")] = 64,
+    max_turns: Annotated[int | None, typer.Option(min=1, help="Play at most this many turns "
+                                                  "each")] = None,
     model: Annotated[str, typer.Option(help="Model name sent in requests")] = "tiny",
     stream: Annotated[bool, typer.Option(help="Stream responses (measures TTFT)")] = True,
     arrivals: Annotated[str, typer.Option(help="poisson or trace")] = "poisson",
@@ -251,23 +300,22 @@ def replay(
     ] = None,
     subset: Annotated[str | None, typer.Option(help="agentcgroup subset")] = None,
     seed: Annotated[int, typer.Option(min=0)] = 0,
-    timeout_s: Annotated[float, typer.Option(help="Per-request timeout")] = 300.0,
+    timeout_s: Annotated[float, typer.Option(parser=POSITIVE,
+                                             help="Per-request timeout (s)")] = 300.0,
     save_detailed: Annotated[
         bool, typer.Option("--save-detailed", help="Also write every workflow's and turn's "
                            "samples into results.json")
     ] = False,
     api_key: Annotated[str | None, typer.Option(hidden=True, help="Deprecated: --auth-token")]
     = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
 ) -> None:
-    """Play a trace's workflows as closed-loop agents against a gateway or an engine."""
-    for flag, bad in (("--rate must be > 0", rate <= 0), ("--workflows must be >= 1",
-                      workflows < 1), ("--time-scale must be >= 0", time_scale < 0),
-                      ("--max-context must be >= 2", max_context < 2),
-                      ("--max-tokens must be >= 1", max_tokens < 1),
-                      ("--timeout-s must be > 0", timeout_s <= 0),
-                      ("--max-turns must be >= 1", max_turns is not None and max_turns < 1)):
-        if bad:
-            raise _fail(flag)
+    """Play a trace's workflows as closed-loop agents against a gateway or an engine.
+
+    Exits 1, with the target's first error, when no turn was answered."""
+    from turnstile.bench.usage import require_extra
+
+    require_extra("replay", "gateway")
     if api_key is not None:
         typer.echo("warning: --api-key is deprecated: use --auth-token", err=True)
         auth_token = auth_token or api_key
@@ -280,7 +328,9 @@ def replay(
 
     if not target.startswith(("http://", "https://")):
         raise _fail(f"--target {target}: expected an http(s) URL")
-    spec = ReplaySpec(target=target.rstrip("/"), trace=trace, rate=rate, workflows=workflows,
+    base = target.rstrip("/")
+    base = base.removesuffix("/v1")  # requests go to {base}/v1/chat/completions
+    spec = ReplaySpec(target=base, trace=trace, rate=rate, workflows=workflows,
                       time_scale=time_scale, max_context=max_context, max_tokens=max_tokens,
                       max_turns=max_turns, model=model, stream=stream, arrivals=arrivals,
                       label=label, api_key=auth_token, subset=subset, seed=seed,
@@ -295,12 +345,33 @@ def replay(
         raise _fail(str(e)) from None
     typer.echo(f"replaying {len(wfs)} sessions from {trace_info['name']} against {target}",
                err=True)
-    try:
-        path, summary = asyncio.run(run_replay(spec, wfs, trace_info, out))
-    except httpx.HTTPError as e:
-        raise _fail(f"--target {target}: {type(e).__name__}: {e}") from None
+    from turnstile.bench.progress import progress_bar
+
+    turns = sum(len(w.turns) if max_turns is None else min(len(w.turns), max_turns)
+                for w in wfs)
+    with progress_bar(quiet=quiet) as bar:
+        task = bar.add_task("replay (requests)", total=turns)
+        try:
+            path, summary = asyncio.run(run_replay(spec, wfs, trace_info, out,
+                                                   on_request=lambda: bar.advance(task)))
+        except httpx.HTTPError as e:
+            raise _fail(f"--target {target}: {type(e).__name__}: {e}") from None
     typer.echo(summary)
     typer.echo(f"wrote {path} and {path.with_name('report.html')}")
+    _exit_if_nothing_answered(path)
+
+
+def _exit_if_nothing_answered(path: Path) -> None:
+    """A replay whose turns all failed is a failure (exit 1): say the target's first error."""
+    import json
+
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    result = (doc.get("policies") or [{}])[0]
+    if (result.get("metrics") or {}).get("turns"):
+        return
+    first = (result.get("replay") or {}).get("first_error") or "no reason given"
+    typer.echo(f"error: no turn was answered; the target's first error: {first}", err=True)
+    raise typer.Exit(1)
 
 
 def _check_target(url: str) -> None:

@@ -14,13 +14,16 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from turnstile.bench.flags import FRACTION, NON_NEGATIVE, out_path
+from turnstile.bench.progress import QUIET_HELP, out_console, progress_bar
+
 __all__ = ["register", "rollout_app"]
 
 rollout_app = typer.Typer(
     help="Agentic RL rollouts: C-MLFQ bucket routing, rollout/training planner, elastic pool.",
     no_args_is_help=True,
 )
-console = Console()
+console = out_console()
 err_console = Console(stderr=True)
 
 
@@ -105,21 +108,25 @@ def sim_cmd(
                           "length-predict, cmlfq, cmlfq-adaptive (least-open:nosticky, "
                           "cmlfq-adaptive:notree ...)")
     ] = "least-open,cmlfq",
-    out: Annotated[Path | None, typer.Option("-o", "--out", help="Write results.json here")]
-    = None,
+    out: Annotated[Path | None, typer.Option("-o", "--out", parser=out_path,
+                                             help="Write results.json here")] = None,
     workload: Annotated[
         str, typer.Option(help="tool-heavy (fitted agent sessions), r2e-gym, search-r1 or "
                           "dapo-math (Libra-like)")
     ] = "tool-heavy",
     prompts: Annotated[
-        int | None, typer.Option(min=1, help="Prompts per step (N; default: the workload's)")
+        int | None, typer.Option(min=1, max=100_000,
+                                 help="Prompts per step (N; default: the workload's)")
     ] = None,
     samples: Annotated[
-        int | None, typer.Option(min=1, help="Samples per prompt (G; default: the workload's)")
+        int | None, typer.Option(min=1, max=100_000,
+                                 help="Samples per prompt (G; default: the workload's; "
+                                 "N × G at most 100,000)")
     ] = None,
     seed: Annotated[int, typer.Option(min=0)] = 0,
     tool_time_scale: Annotated[
-        float, typer.Option(help="Multiply fitted tool latencies (1 = as in the traces)")
+        float, typer.Option(parser=NON_NEGATIVE,
+                            help="Multiply fitted tool latencies (1 = as in the traces)")
     ] = 1.0,
     gpu: Annotated[str, typer.Option(help="GPU name (H100, A100-80G, H200, L40S)")] = "H100",
     model: Annotated[str, typer.Option(help="Model name (qwen3-8b, llama-3.1-8b, ...)")] = (
@@ -139,13 +146,13 @@ def sim_cmd(
         "off-policy"
     ),
     partial: Annotated[
-        float, typer.Option(help="Partial rollout: a step ends when this fraction is done")
+        float, typer.Option(parser=FRACTION,
+                            help="Partial rollout: a step ends when this fraction is done")
     ] = 1.0,
     policy: Annotated[str | None, _OLD_POLICY] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
 ) -> None:
     """Simulate RL rollout steps for each policy; per-step makespan and plan (simulated)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from turnstile.bench.usage import check_out_dir
     from turnstile.core.registry import UnknownNameError
     from turnstile.rollout.experiment import RolloutSimRequest, run_rollout_sim
@@ -169,8 +176,7 @@ def sim_cmd(
         f"[bold]simulated[/] {steps} RL steps × {n} {workload} trajectories on {gpus}× {gpu}"
         f" ({model}); policies: {', '.join(req.policies)}"
     )
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=err_console, transient=True) as bar:
+    with progress_bar(err_console, quiet=quiet) as bar:
         task = bar.add_task("rollout sim", total=steps * len(req.policies))
 
         def on_step(pol: str, rec: Any) -> None:
@@ -200,8 +206,8 @@ def live_cmd(
     model: Annotated[
         Path | None, typer.Option(help="GGUF model (default: the tiny random test model)")
     ] = None,
-    out: Annotated[Path | None, typer.Option("-o", "--out", help="Write live.json here")]
-    = None,
+    out: Annotated[Path | None, typer.Option("-o", "--out", parser=out_path,
+                                             help="Write live.json here")] = None,
     steps: Annotated[int, typer.Option(min=1, help="Batches to run (the router learns)")] = 1,
 ) -> None:
     """Run tool-calling trajectories against two real llama.cpp engines (two buckets).

@@ -23,6 +23,9 @@ __all__ = ["MAX_GPUS", "RolloutSimRequest", "SharedBatches", "make_router", "run
 
 #: the largest GPU pool ``rollout sim`` takes (the planner simulates layouts of the whole pool)
 MAX_GPUS = 1024
+#: trajectories in one step (``--prompts`` × ``--samples``): each is simulated with its turns
+#: in memory, and a step of 100k takes minutes already
+MAX_TRAJECTORIES = 100_000
 
 
 #: ``name:option`` ablations the CLI accepts, as constructor arguments
@@ -120,7 +123,10 @@ class RolloutSimRequest:
                 raise ValueError(f"--gpus {self.gpus}: too few to hold a rollout engine and "
                                  f"training ({self.model} trains on {train.min_gpus()} GPUs); "
                                  "raise --gpus or use --mode sync")
-        self.make_workload()  # an unknown --workload lists the valid ones
+        n = self.make_workload().spec.batch_size  # an unknown --workload lists the valid ones
+        if n > MAX_TRAJECTORIES:
+            raise ValueError(f"--prompts × --samples: {n:,} trajectories per step; at most "
+                             f"{MAX_TRAJECTORIES:,}")
 
     def rollout_spec(self) -> RolloutSpec:
         return RolloutSpec(n_prompts=self.prompts or 32, group_size=self.samples or 8,

@@ -58,11 +58,34 @@ class Probe:
 
     def why_not(self) -> str:
         if self.is_dir:
+            inside = self.traces_inside()
+            if inside:
+                return (f"a folder; the trace is a file inside it: give "
+                        f"{' or '.join(str(self.path / n) for n in inside)}")
             return "a directory that holds no AgentCgroup sessions or trajectories"
         first = self.first_record()
         if first is not None:
             return f"JSON Lines records with unknown keys {sorted(first)[:8]}"
         return "unknown file type"
+
+
+    def traces_inside(self, limit: int = 200) -> list[str]:
+        """The names of the files directly in this folder that a format recognises."""
+        names: list[str] = []
+        try:
+            children = sorted(self.path.iterdir())[:limit]
+        except OSError:
+            return names
+        for child in children:
+            if not child.is_file():
+                continue
+            probe = Probe(child)
+            try:
+                if any(f.matches(probe) for f in TRACE_FORMATS.values()):
+                    names.append(child.name)
+            except (ValueError, OSError):
+                continue
+        return names
 
 
 @dataclass(frozen=True)

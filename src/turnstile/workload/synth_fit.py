@@ -70,7 +70,7 @@ def fit_spec(workflows: Sequence[Workflow], name: str = "fit", k_latency: int = 
     lognormal mixtures per tool name plus a timeout point mass; rare tools pooled as 'other')."""
     wfs = [w for w in workflows if w.turns]
     if not wfs:
-        raise ValueError("fit_spec needs at least one workflow with turns")
+        raise ValueError("no workflow with turns to fit the generator to")
     n_turns = [len(w.turns) for w in wfs]
     first = [w.turns[0].prompt_tokens for w in wfs]
     later = [t.input_tokens for w in wfs for t in w.turns[1:]] or [1]
