@@ -25,6 +25,8 @@ rollout_app = typer.Typer(
 )
 console = out_console()
 err_console = Console(stderr=True)
+#: ``rollout live`` runs every trajectory on two local engines: a batch beyond this is a typo
+MAX_LIVE_TRAJECTORIES = 4096
 
 
 def register(app: typer.Typer) -> None:
@@ -196,19 +198,23 @@ def sim_cmd(
 
 @rollout_app.command("live")
 def live_cmd(
-    trajectories: Annotated[int, typer.Option(min=1, help="Trajectories in the batch")] = 8,
+    trajectories: Annotated[int, typer.Option(min=1, max=MAX_LIVE_TRAJECTORIES,
+                                                    help="Trajectories in the batch")] = 8,
     policy: Annotated[str, typer.Option(help="Routing policy (cmlfq, least-open, ...)")] = (
         "cmlfq"
     ),
-    max_turns: Annotated[int, typer.Option(min=1, help="Turns per trajectory at most")] = 4,
-    max_tokens: Annotated[int, typer.Option(min=1, help="Output tokens per turn at most")] = 16,
+    max_turns: Annotated[int, typer.Option(min=1, max=256,
+                                                 help="Turns per trajectory at most")] = 4,
+    max_tokens: Annotated[int, typer.Option(min=1, max=4096,
+                                                  help="Output tokens per turn at most")] = 16,
     seed: Annotated[int, typer.Option(min=0)] = 0,
     model: Annotated[
         Path | None, typer.Option(help="GGUF model (default: the tiny random test model)")
     ] = None,
     out: Annotated[Path | None, typer.Option("-o", "--out", parser=out_path,
                                              help="Write live.json here")] = None,
-    steps: Annotated[int, typer.Option(min=1, help="Batches to run (the router learns)")] = 1,
+    steps: Annotated[int, typer.Option(min=1, max=1000,
+                                              help="Batches to run (the router learns)")] = 1,
 ) -> None:
     """Run tool-calling trajectories against two real llama.cpp engines (two buckets).
 
