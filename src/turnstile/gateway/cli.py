@@ -196,10 +196,10 @@ def serve(
     max_header_bytes: Annotated[int | None, typer.Option(
         min=1, help="Request line + headers limit (431)")] = None,
     client_header_timeout_s: Annotated[float | None, typer.Option(
-        min=0.001, help="408 when a request's line and headers take longer (default 10)")
+        parser=POSITIVE, help="408 when a request's line and headers take longer (default 10)")
     ] = None,
     client_body_timeout_s: Annotated[float | None, typer.Option(
-        min=0.001, help="408 when a request's body takes longer after its headers "
+        parser=POSITIVE, help="408 when a request's body takes longer after its headers "
         "(default 30)")] = None,
     ready_max_hold_s: Annotated[float | None, typer.Option(
         parser=POSITIVE, help="/ready is 503 while a turn has been held longer than this")] = None,

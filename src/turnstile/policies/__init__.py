@@ -44,6 +44,7 @@ from turnstile.policies.spec import (
     options_of,
     parse,
     split_specs,
+    structured_params,
 )
 
 DEFAULTS = {"release": "auto", "routing": "kv-affinity", "admission": "fcfs", "retention": "lru"}
@@ -122,7 +123,10 @@ def resolve(spec: str, params: Mapping[str, Mapping[str, Any]] | None = None) ->
             extra = params[kind]
             declared = {o.name: o for o in options_of(kind, base.name)}
             merged = dict(base.given)
-            merged.update({k: check_option(base.name, declared, k, v) for k, v in extra.items()})
+            structured = structured_params(registry_of(kind).factory(base.name))
+            merged.update({k: v if k in structured and k not in declared
+                           else check_option(base.name, declared, k, v)
+                           for k, v in extra.items()})
             base = Component(kind, base.name, merged, named=True)
         comps.append(base)
     return Spec(spec, tuple(comps))

@@ -218,6 +218,20 @@ def derive(factory: Callable[..., Any]) -> tuple[Option, ...]:
     return tuple(out)
 
 
+def structured_params(factory: Any) -> frozenset[str]:
+    """A constructor's keyword parameters whose values are structured (a tuple or list, an
+    object, ``None``): not spec options, but a config file's table may set them (e.g. cmlfq's
+    ``bounds``), passed through as given."""
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(p.name for p in sig.parameters.values()
+                     if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+                     and p.default is not p.empty
+                     and type(p.default) not in (bool, int, float, str))
+
+
 def options_of(kind: str, name: str, registry: Registry[Any] | None = None) -> tuple[Option, ...]:
     """The declared options of ``name`` (a registered name of ``kind``; an alias's options are
     its target's)."""
@@ -262,11 +276,15 @@ class Component:
         return self.name + ":" + ",".join(f"{k}={render_value(v)}" for k, v in opts.items())
 
 
+#: the default of a structured parameter (:func:`structured_params`): unlike any value
+_NO_DEFAULT = object()
+
+
 def _default(kind: str, name: str, key: str) -> Any:
     for o in options_of(kind, name):
         if o.name == key:
             return o.default
-    raise KeyError(key)
+    return _NO_DEFAULT
 
 
 @dataclass(frozen=True)
