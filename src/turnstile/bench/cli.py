@@ -28,6 +28,18 @@ def register(app: typer.Typer) -> None:
     app.command("tune")(tune)
 
 
+# the simulated cluster's flags, shared by ``bench`` and ``tune`` (:func:`engine_groups`)
+EnginesOpt = Annotated[int, typer.Option(min=1, max=4096, help="Number of simulated engines")]
+GpuOpt = Annotated[str, typer.Option(help="GPU name (A100-80G, H100-SXM, H200, L40S)")]
+ModelOpt = Annotated[str, typer.Option(help="Model name, e.g. llama-3.1-8b")]
+TpOpt = Annotated[int, typer.Option(min=1, help="Tensor parallelism per engine")]
+KvTokensOpt = Annotated[int | None, typer.Option(
+    min=1, help="KV capacity per engine in tokens (default: from GPU)")]
+ProfileOpt = Annotated[Path | None, typer.Option(
+    help="Fitted performance profile (default: roofline); a llama.cpp profile also simulates "
+    "the engine's slots")]
+
+
 def _fail(message: str) -> typer.Exit:
     from turnstile.bench.usage import fail
 
@@ -43,10 +55,10 @@ def bench(
         str, typer.Option(help="Comma-separated policy specs, e.g. eager,cvar+kv-affinity+ttl "
                           "(default: eager beside the default policy, auto)")
     ] = "eager,auto",
-    engines: Annotated[int, typer.Option(min=1, max=4096, help="Number of simulated engines")] = 2,
-    gpu: Annotated[str, typer.Option(help="GPU name (A100-80G, H100-SXM, H200, L40S)")] = "H100",
-    model: Annotated[str, typer.Option(help="Model name, e.g. llama-3.1-8b")] = "llama-3.1-8b",
-    tp: Annotated[int, typer.Option(min=1, help="Tensor parallelism per engine")] = 1,
+    engines: EnginesOpt = 2,
+    gpu: GpuOpt = "H100",
+    model: ModelOpt = "llama-3.1-8b",
+    tp: TpOpt = 1,
     load: Annotated[
         str, typer.Option(help="Offered load as a fraction of the estimated capacity: a number "
                           "or light (0.3), medium (0.7), high (1.2), overload (2.0); an "
@@ -59,14 +71,8 @@ def bench(
     workflows: Annotated[int, typer.Option(min=1, max=MAX_SYNTH_WORKFLOWS,
                                            help="Workflows to simulate")] = 200,
     arrivals: Annotated[str, typer.Option(help="poisson or trace")] = "poisson",
-    kv_tokens: Annotated[
-        int | None, typer.Option(min=1, help="KV capacity per engine in tokens (default: "
-                                 "from GPU)")
-    ] = None,
-    profile: Annotated[
-        Path | None, typer.Option(help="Fitted performance profile (default: roofline); a "
-                                  "llama.cpp profile also simulates the engine's slots")
-    ] = None,
+    kv_tokens: KvTokensOpt = None,
+    profile: ProfileOpt = None,
     subset: Annotated[str | None, typer.Option(help="agentcgroup subset")] = None,
     seed: Annotated[int, typer.Option(min=0)] = 0,
     out: Annotated[Path | None, typer.Option("-o", "--out", parser=out_path,
@@ -106,21 +112,17 @@ def bench(
     from turnstile.bench import runner
     from turnstile.bench.usage import check_out_dir
     from turnstile.policies import parse_policy_list
-    from turnstile.sim.cluster import EngineGroup
 
     try:
         if ray is not None:
             raise ValueError(f"--ray {ray} runs the robustness suite's cells: it needs --suite")
         specs = parse_policy_list(policies)
         load_frac = runner.parse_load(load)
-        runner.model_check(gpu, model, tp)
         if subset and trace is None:
             raise ValueError(f"--subset {subset} needs --trace (an AgentCgroup trace)")
-        perf, slots = _load_profile(profile)
     except (ValueError, KeyError) as e:
         raise _fail(str(e)) from None
-    groups = [EngineGroup(gpu=gpu, model=model, tp=tp, count=engines, kv_tokens=kv_tokens,
-                          perf=perf, **slots)]
+    groups = engine_groups(gpu, model, tp, engines, kv_tokens, profile)
     wspec = runner.WorkloadSpec(trace=trace, workflows=workflows, rate=rate, load=load_frac,
                                 arrivals=arrivals, seed=seed, subset=subset)
     try:
@@ -212,20 +214,14 @@ def tune(
     trace: Annotated[str | None, typer.Option(
         help="The workload to tune on: a serve --record recording, agent logs or a trace")]
     = None,
-    engines: Annotated[int, typer.Option(min=1, max=4096, help="Number of simulated engines")] = 2,
-    gpu: Annotated[str, typer.Option(help="GPU name (A100-80G, H100-SXM, H200, L40S)")] = "H100",
-    model: Annotated[str, typer.Option(help="Model name, e.g. llama-3.1-8b")] = "llama-3.1-8b",
-    tp: Annotated[int, typer.Option(min=1, help="Tensor parallelism per engine")] = 1,
+    engines: EnginesOpt = 2,
+    gpu: GpuOpt = "H100",
+    model: ModelOpt = "llama-3.1-8b",
+    tp: TpOpt = 1,
     workflows: Annotated[int, typer.Option(min=1, max=MAX_SYNTH_WORKFLOWS,
                                            help="Workflows (sessions) to use")] = 300,
-    kv_tokens: Annotated[
-        int | None, typer.Option(min=1, help="KV capacity per engine in tokens (default: "
-                                 "from GPU)")
-    ] = None,
-    profile: Annotated[
-        Path | None, typer.Option(help="Fitted performance profile (default: roofline); a "
-                                  "llama.cpp profile also simulates the engine's slots")
-    ] = None,
+    kv_tokens: KvTokensOpt = None,
+    profile: ProfileOpt = None,
     out: Annotated[Path | None, typer.Option("-o", "--out", parser=out_path,
                                              help="Write results.json and report.html here "
                                              "(default: tune-out)")] = None,

@@ -86,15 +86,8 @@ def tune_main(*, trace: str, groups: list[EngineGroup], workflows: int, out: Pat
               console: Any, err_console: Any) -> dict[str, Any]:
     """``turnstile tune``: returns the results document it wrote."""
     from rich.markup import escape
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
 
+    from turnstile.bench.progress import progress_bar
     from turnstile.bench.tune import TuneConfig, run_tune
     from turnstile.bench.tune_report import render_tune, write_tune
 
@@ -109,9 +102,7 @@ def tune_main(*, trace: str, groups: list[EngineGroup], workflows: int, out: Pat
                   "of eager's measured saturation rate)")
     for w in info.get("warnings", []):
         console.print(f"[bold yellow]warning:[/] {escape(w)}")
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=err_console,
-                  transient=True) as bar:
+    with progress_bar(err_console) as bar:
         task = bar.add_task("saturation search", total=None)
 
         def step(done: int, total: int, what: str) -> None:
